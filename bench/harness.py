@@ -1,0 +1,220 @@
+"""`specserve bench`: decoding modes side by side on Spec-Bench questions.
+
+Every mode runs on the same prompts, in the same process, interleaved per
+question so drift on the machine hits all modes alike. Greedy, chat
+template. Tokens/s is generated tokens over wall seconds (median of
+`--repeats` timings per generation); speedups are against Hugging Face
+`generate` (`hf-ar`) in the same run.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from cluster.local import LocalEngine, Request
+from speculative.sampling import SamplingParams
+
+MT_BENCH = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
+CATEGORIES = ["translation", "summarization", "qa", "math_reasoning", "rag", "mt_bench"]
+HF_MODES = {"hf-ar", "hf-pld"}
+
+
+def bench_category(category: str) -> str:
+    return "mt_bench" if category in MT_BENCH else category
+
+
+def load_questions(path: str, limit_per_category: int) -> list[dict]:
+    picked: dict[str, list[dict]] = defaultdict(list)
+    for line in Path(path).read_text().splitlines():
+        if not line.strip():
+            continue
+        q = json.loads(line)
+        cat = bench_category(q["category"])
+        if len(picked[cat]) < limit_per_category:
+            picked[cat].append({**q, "bench_category": cat})
+    return [q for cat in CATEGORIES for q in picked.get(cat, [])]
+
+
+class HFRunner:
+    """Hugging Face transformers on the same GGUF/directory: the baseline."""
+
+    def __init__(self, source_path: Path):
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        if source_path.suffix == ".gguf":
+            self.model = AutoModelForCausalLM.from_pretrained(
+                str(source_path.parent), gguf_file=source_path.name, dtype=torch.float32)
+        else:
+            self.model = AutoModelForCausalLM.from_pretrained(str(source_path), dtype=torch.float32)
+        self.model.eval()
+
+    def run(self, ids: list[int], max_tokens: int, mode: str) -> tuple[list[int], float]:
+        extra = {"prompt_lookup_num_tokens": 10} if mode == "hf-pld" else {}
+        x = torch.tensor([ids])
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = self.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_tokens,
+                                      do_sample=False, **extra)
+        return out[0, len(ids):].tolist(), time.perf_counter() - start
+
+
+def forward_ms(engine: LocalEngine, sizes=(1, 4, 8, 16), prefix: int = 128, repeats: int = 10) -> dict[str, float]:
+    """Median time of one target forward of T new tokens after a cached prefix."""
+    from speculative.model import attention_mask, causal_ancestors
+
+    m = engine.model
+    cache = m.new_cache(prefix + max(sizes) + 4)
+    ids = torch.arange(prefix)[None] % m.config.vocab_size
+    m(ids, torch.arange(prefix)[None], cache, attention_mask(0, causal_ancestors(prefix)))
+    out = {}
+    for t in sizes:
+        times = []
+        for _ in range(repeats):
+            cache.rollback(prefix)
+            start = time.perf_counter()
+            m(torch.zeros(1, t, dtype=torch.long), torch.arange(prefix, prefix + t)[None], cache,
+              attention_mask(prefix, causal_ancestors(t)))
+            times.append(time.perf_counter() - start)
+        out[str(t)] = round(statistics.median(times) * 1000, 2)
+    return out
+
+
+def load_seconds(model: str | None) -> dict[str, float]:
+    """Cold load (GGUF conversion into an empty cache) and cached load."""
+    import os
+
+    from speculative import loading
+
+    src = loading.resolve_source(model)
+    if src.suffix != ".gguf":
+        start = time.perf_counter()
+        loading.load(model)
+        return {"cached": round(time.perf_counter() - start, 2)}
+    old = os.environ.get("SPECSERVE_CACHE_DIR")
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ["SPECSERVE_CACHE_DIR"] = tmp
+        try:
+            start = time.perf_counter()
+            loading.load(model)
+            cold = time.perf_counter() - start
+            start = time.perf_counter()
+            loading.load(model)
+            cached = time.perf_counter() - start
+        finally:
+            if old is None:
+                os.environ.pop("SPECSERVE_CACHE_DIR", None)
+            else:
+                os.environ["SPECSERVE_CACHE_DIR"] = old
+    return {"cold": round(cold, 2), "cached": round(cached, 2)}
+
+
+def run_bench(args) -> dict:
+    from speculative import loading
+
+    questions = load_questions(args.questions, args.limit_per_category)
+    if not questions:
+        raise ValueError(f"--questions: no questions in {args.questions}")
+    engine = LocalEngine(args.model, args.device, args.dtype)
+    hf = HFRunner(loading.resolve_source(args.model)) if HF_MODES & set(args.modes) else None
+    params = SamplingParams(max_tokens=args.max_tokens)
+    # per (mode, category): tokens, seconds, target passes; and output agreement with hf-ar
+    sums: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0, 0])
+    same_as_hf: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    bar = tqdm(total=len(questions) * len(args.modes) * args.repeats, desc="bench", unit="gen")
+    for q in questions:
+        ids = engine.prompt_ids(q["turns"][0], chat=True)
+        reference = None
+        for mode in args.modes:
+            times, passes, tokens = [], None, None
+            for _ in range(args.repeats):
+                if mode in HF_MODES:
+                    tokens, seconds = hf.run(ids, args.max_tokens, mode)
+                else:
+                    drafter = "none" if mode == "ar" else mode
+                    r = engine.run(Request(q["turns"][0], True, params, drafter, args.draft_length))
+                    tokens, seconds, passes = r.token_ids, r.seconds, r.target_forward_passes
+                times.append(seconds)
+                bar.update()
+            if mode == "hf-ar":
+                reference = tokens
+            elif reference is not None:
+                same_as_hf[mode][0] += tokens == reference
+                same_as_hf[mode][1] += 1
+            for cat in (q["bench_category"], "overall"):
+                s = sums[(mode, cat)]
+                s[0] += len(tokens)
+                s[1] += statistics.median(times)
+                s[2] = None if passes is None or s[2] is None else s[2] + passes
+    bar.close()
+
+    rows = []
+    for cat in CATEGORIES + ["overall"]:
+        base = sums.get(("hf-ar", cat))
+        base_tps = base[0] / base[1] if base and base[1] else None
+        for mode in args.modes:
+            if (mode, cat) not in sums:
+                continue
+            tokens, seconds, passes = sums[(mode, cat)]
+            tps = tokens / seconds if seconds else 0.0
+            rows.append({
+                "mode": mode, "category": cat, "tokens_per_s": round(tps, 3),
+                "mean_accepted_tokens": round(tokens / passes, 3) if passes else None,
+                "speedup_vs_hf_ar": round(tps / base_tps, 3) if base_tps else None,
+                "generated_tokens": int(tokens),
+            })
+    report = {
+        "command": "specserve " + " ".join(getattr(args, "argv", []) or []),
+        "max_tokens": args.max_tokens, "limit_per_category": args.limit_per_category,
+        "draft_length": args.draft_length, "repeats": args.repeats, "torch_threads": torch.get_num_threads(),
+        "identical_to_hf_ar": {m: f"{a}/{n}" for m, (a, n) in same_as_hf.items()},
+        "results": rows,
+    }
+    if args.micro:
+        report["forward_ms"] = forward_ms(engine)
+        report["load_seconds"] = load_seconds(args.model)
+    Path(args.out).write_text(json.dumps(report, indent=2))
+    print_table(report)
+    return report
+
+
+def print_table(report: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="specserve bench (greedy, tokens/s; mean accepted tokens per target pass)")
+    table.add_column("category")
+    modes = list(dict.fromkeys(r["mode"] for r in report["results"]))
+    for m in modes:
+        table.add_column(m, justify="right")
+    by = {(r["mode"], r["category"]): r for r in report["results"]}
+    for cat in dict.fromkeys(r["category"] for r in report["results"]):
+        cells = []
+        for m in modes:
+            r = by.get((m, cat))
+            if r is None:
+                cells.append("")
+                continue
+            cell = f"{r['tokens_per_s']:.1f}"
+            if r["speedup_vs_hf_ar"] is not None and m != "hf-ar":
+                cell += f" ({r['speedup_vs_hf_ar']:.2f}x)"
+            if r["mean_accepted_tokens"] is not None:
+                cell += f" [{r['mean_accepted_tokens']:.2f}]"
+            cells.append(cell)
+        table.add_row(cat, *cells)
+    console = Console()
+    console.print(table)
+    if report.get("identical_to_hf_ar"):
+        console.print("outputs identical to hf-ar: " + ", ".join(f"{m} {v}" for m, v in report["identical_to_hf_ar"].items()))
+    if "forward_ms" in report:
+        console.print(f"one target forward (ms) by new tokens: {report['forward_ms']}")
+        console.print(f"load seconds: {report['load_seconds']}")

@@ -1,0 +1,1 @@
+"""Ray cluster placement, the state store, configuration and the `specserve` CLI."""

@@ -1,0 +1,49 @@
+"""The single-process engine: a loaded target plus drafters, one request at a time."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from drafter_service.registry import make_drafter
+from speculative import loading
+from speculative.decoding import GenerationResult, generate
+from speculative.sampling import InvalidArgument, SamplingParams
+
+
+def set_cpu_threads() -> None:
+    """Use every core this process may run on (torch's default can be lower)."""
+    try:
+        torch.set_num_threads(len(os.sched_getaffinity(0)))
+    except AttributeError:
+        pass
+
+
+@dataclass
+class Request:
+    prompt: str
+    chat: bool = False
+    params: SamplingParams = SamplingParams()
+    drafter: str = "pld"
+    draft_length: int = 5
+
+
+class LocalEngine:
+    def __init__(self, model: str | None = None, device: str = "cpu", dtype: str = "float32"):
+        set_cpu_threads()
+        self.model, self.tokenizer = loading.load(model, device, dtype)
+
+    def prompt_ids(self, prompt: str, chat: bool) -> list[int]:
+        if not prompt.strip():
+            raise InvalidArgument("prompt", "must not be empty")
+        if chat:
+            return self.tokenizer.encode_chat([{"role": "user", "content": prompt}])
+        return self.tokenizer.encode(prompt)
+
+    def run(self, req: Request, on_tokens=None) -> GenerationResult:
+        ids = self.prompt_ids(req.prompt, req.chat)
+        drafter = make_drafter(req.drafter, self.model)
+        eos = self.tokenizer.eos_token_ids or self.model.config.eos_token_ids
+        return generate(self.model, ids, req.params, drafter, req.draft_length, eos, on_tokens)

@@ -1,0 +1,1 @@
+"""Drafters and, later, the drafter pool and its gRPC servicer."""

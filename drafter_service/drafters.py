@@ -1,0 +1,98 @@
+"""Drafters: per-request proposers of draft tokens.
+
+Each drafter implements `speculative.decoding.Drafter`: given every verified
+token so far, propose a tree with the distributions its tokens were drawn
+from. A drafter that lost its state (a new process) simply rebuilds it from
+the context it is given.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from speculative.model import Transformer, attention_mask, causal_ancestors
+from speculative.ngram import lookup_continuation
+from speculative.sampling import SamplingParams, probabilities, sample
+from speculative.tree import DraftTree
+
+
+def _one_hot(tokens: Sequence[int], vocab_size: int) -> torch.Tensor:
+    q = torch.zeros(len(tokens), vocab_size)
+    q[torch.arange(len(tokens)), torch.tensor(list(tokens), dtype=torch.long)] = 1.0
+    return q
+
+
+class PromptLookupDrafter:
+    """Model-free: copies what followed the latest earlier match of the text's
+    last n-gram. Its draws are deterministic, so q is one-hot."""
+
+    name = "pld"
+
+    def __init__(self, vocab_size: int, max_ngram: int = 3, min_ngram: int = 1):
+        self.vocab_size, self.max_ngram, self.min_ngram = vocab_size, max_ngram, min_ngram
+
+    def propose(self, context: Sequence[int], max_tokens: int, params: SamplingParams,
+                generator: torch.Generator) -> DraftTree:
+        tokens = lookup_continuation(context, max_tokens, self.max_ngram, self.min_ngram)
+        return DraftTree.chain(tokens, None if params.greedy else _one_hot(tokens, self.vocab_size))
+
+
+class ModelDrafter:
+    """Drafts autoregressively with a small causal LM, or with a subset of the
+    target's own layers (layer-skip self-drafting), keeping its own KV cache."""
+
+    def __init__(self, model: Transformer, layers: Sequence[int] | None = None, name: str = "model",
+                 max_len: int | None = None):
+        self.model, self.layers, self.name = model, list(layers) if layers is not None else None, name
+        self.max_len = max_len or model.config.max_position_embeddings
+        self.cache = None
+        self.cached: list[int] = []  # tokens whose keys and values the cache holds
+
+    def _sync(self, context: Sequence[int]) -> torch.Tensor:
+        """Bring the cache to context[:-1] plus the last token; return logits after it."""
+        if self.cache is None:
+            n_layers = len(self.layers) if self.layers is not None else None
+            self.cache = self.model.new_cache(self.max_len, num_layers=n_layers)
+        common = 0
+        limit = min(len(self.cached), len(context) - 1)
+        while common < limit and self.cached[common] == context[common]:
+            common += 1
+        self.cache.rollback(common)
+        return self._feed(list(context[common:]), common)
+
+    def _feed(self, tokens: list[int], start: int) -> torch.Tensor:
+        device = self.model.device
+        t = len(tokens)
+        logits = self.model(torch.tensor([tokens], device=device),
+                            torch.arange(start, start + t, device=device)[None], self.cache,
+                            attention_mask(start, causal_ancestors(t, device)), layers=self.layers,
+                            logits_from=t - 1)
+        self.cached = self.cached[:start] + tokens
+        return logits[0, -1]
+
+    def propose(self, context: Sequence[int], max_tokens: int, params: SamplingParams,
+                generator: torch.Generator) -> DraftTree:
+        if len(context) + max_tokens > self.max_len:
+            max_tokens = self.max_len - len(context)
+        logits = self._sync(context)
+        tokens, qs = [], []
+        for i in range(max_tokens):
+            if params.greedy:
+                tok = int(logits.argmax())
+            else:
+                q = probabilities(logits, params)
+                tok = sample(q, generator)
+                qs.append(q)
+            tokens.append(tok)
+            if i + 1 < max_tokens:
+                logits = self._feed([tok], len(self.cached))
+        return DraftTree.chain(tokens, torch.stack(qs) if qs else None)
+
+
+def layer_skip_layers(num_layers: int, keep_first: int, keep_last: int = 0) -> list[int]:
+    """The layers a layer-skip drafter runs: the first `keep_first` and the last `keep_last`."""
+    first = list(range(min(keep_first, num_layers)))
+    last = list(range(max(num_layers - keep_last, len(first)), num_layers))
+    return first + last

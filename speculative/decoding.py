@@ -1,0 +1,127 @@
+"""The speculative decoding loop in one process: draft, verify, commit.
+
+Each round the target scores the last verified token (the root) together
+with a draft tree in one forward pass; verification keeps the longest valid
+path plus one token of the target's own, the KV cache keeps exactly the
+accepted entries, and the loop goes on. With no drafter it is plain
+autoregressive decoding through the same code.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Protocol, Sequence
+
+import torch
+
+from .model import Transformer, attention_mask, causal_ancestors
+from .sampling import InvalidArgument, SamplingParams, make_generator, probabilities, sample
+from .tree import DraftTree
+from .verification import verify_greedy, verify_sampling
+
+
+class Drafter(Protocol):
+    """Proposes a draft tree that continues `context` (all verified tokens).
+
+    A drafter keeps whatever state it likes per request (a KV cache, say) and
+    must bring it in line with `context` itself: tokens it guessed that the
+    verifier rejected are simply absent from the next context.
+    """
+
+    def propose(self, context: Sequence[int], max_tokens: int, params: SamplingParams,
+                generator: torch.Generator) -> DraftTree: ...
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]
+    finish_reason: str  # "stop" (end-of-sequence token) or "length"
+    prompt_tokens: int
+    target_forward_passes: int
+    draft_tokens: int = 0  # tokens proposed to the verifier
+    accepted_draft_tokens: int = 0
+    seconds: float = 0.0
+    accepted_per_round: list[int] = field(default_factory=list)
+
+    @property
+    def mean_accepted_tokens(self) -> float:
+        """Tokens gained per target forward pass (1.0 for plain decoding)."""
+        return len(self.token_ids) / max(self.target_forward_passes, 1)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_draft_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+
+def generate(target: Transformer, prompt_ids: Sequence[int], params: SamplingParams,
+             drafter: Drafter | None = None, draft_length: int = 5, eos_token_ids: Sequence[int] = (),
+             on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
+    """Generate up to `params.max_tokens` tokens after `prompt_ids`.
+
+    `on_tokens` is called with each batch of newly verified tokens (streaming).
+    """
+    if not prompt_ids:
+        raise InvalidArgument("prompt", "must not be empty")
+    if draft_length < 0:
+        raise InvalidArgument("draft_length", f"must be >= 0, got {draft_length}")
+    params.validate(len(prompt_ids), target.config.max_position_embeddings)
+    started = time.perf_counter()
+    device = target.device
+    verifier_rng = make_generator(params.seed, device, stream=0)
+    drafter_rng = make_generator(params.seed, device, stream=1)
+    eos = set(eos_token_ids)
+    cache = target.new_cache(len(prompt_ids) + params.max_tokens + draft_length + 1)
+
+    def choose(scores: torch.Tensor) -> int:
+        if params.greedy:
+            return int(scores.argmax())
+        return sample(probabilities(scores, params), verifier_rng)
+
+    prompt = torch.tensor([list(prompt_ids)], device=device)
+    n = prompt.shape[1]
+    logits = target(prompt, torch.arange(n, device=device)[None], cache,
+                    attention_mask(0, causal_ancestors(n, device)), logits_from=n - 1)
+    out = [choose(logits[0, -1])]
+    result = GenerationResult([], "length", n, target_forward_passes=1)
+
+    def emit(new: list[int]) -> bool:
+        """Append verified tokens; True when generation is over."""
+        done = False
+        for i, tok in enumerate(new):
+            if tok in eos:
+                new, done, result.finish_reason = new[:i + 1], True, "stop"
+                break
+        room = params.max_tokens - len(result.token_ids)
+        if len(new) >= room:
+            new, done = new[:room], True
+            result.finish_reason = "stop" if new and new[-1] in eos else "length"
+        result.token_ids.extend(new)
+        if on_tokens and new:
+            on_tokens(new)
+        return done
+
+    done = emit(out)
+    while not done:
+        context = list(prompt_ids) + result.token_ids
+        budget = min(draft_length, params.max_tokens - len(result.token_ids) - 1)
+        tree = DraftTree()
+        if drafter is not None and budget > 0:
+            tree = drafter.propose(context, budget, params, drafter_rng).truncated(budget)
+        root_pos = len(context) - 1
+        tokens = torch.tensor([[context[-1]] + tree.tokens], device=device)
+        positions = torch.tensor([[root_pos] + [root_pos + d for d in tree.depths]], device=device)
+        logits = target(tokens, positions, cache, attention_mask(root_pos, tree.ancestors(device)))[0]
+        result.target_forward_passes += 1
+        if params.greedy:
+            path, bonus = verify_greedy(tree, logits)
+        else:
+            path, bonus = verify_sampling(tree, probabilities(logits, params), verifier_rng)
+        # keep the root's and the accepted nodes' keys and values, in path order
+        cache.keep(root_pos, [0] + [node + 1 for node in path])
+        result.draft_tokens += len(tree)
+        result.accepted_draft_tokens += len(path)
+        result.accepted_per_round.append(len(path))
+        done = emit([tree.tokens[node] for node in path] + [bonus])
+    result.seconds = time.perf_counter() - started
+    return result

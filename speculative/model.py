@@ -1,0 +1,236 @@
+"""A Llama-family decoder with a preallocated, rollback-able KV cache.
+
+The forward pass takes explicit positions and an explicit attention mask, so
+one call can score a whole token tree (each node sees the cached prefix and
+its own ancestors). Numerics follow Hugging Face's Llama implementation
+(float32 RMSNorm, rotate-half RoPE, SDPA) so greedy outputs match it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+
+
+class KVCache:
+    """Keys and values of `batch` sequences, preallocated to `max_len` slots.
+
+    `lengths[b]` is how many slots of row b hold committed tokens. Rolling
+    back is just lowering a length; `keep` compacts accepted tree nodes.
+    """
+
+    def __init__(self, num_layers: int, batch: int, num_kv_heads: int, max_len: int, head_dim: int,
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+        shape = (num_layers, batch, num_kv_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.lengths = [0] * batch
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[3]
+
+    def rollback(self, length: int, row: int = 0) -> None:
+        if not 0 <= length <= self.lengths[row]:
+            raise ValueError(f"cannot roll back row {row} from {self.lengths[row]} to {length}")
+        self.lengths[row] = length
+
+    def keep(self, start: int, offsets: Sequence[int], row: int = 0) -> None:
+        """Keep slots start+offsets[i] as slots start+i (offsets ascending), drop the rest."""
+        offsets = list(offsets)
+        if offsets != list(range(len(offsets))):
+            src = torch.tensor([start + o for o in offsets], device=self.k.device)
+            dst = slice(start, start + len(offsets))
+            self.k[:, row, :, dst] = self.k[:, row, :, src]
+            self.v[:, row, :, dst] = self.v[:, row, :, src]
+        self.lengths[row] = start + len(offsets)
+
+
+def _rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = cfg.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "llama3":  # Llama 3.1 frequency-dependent scaling
+        factor = scaling["factor"]
+        low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    elif kind == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif kind is not None:
+        raise ValueError(f"rope scaling {kind!r} is not supported")
+    return inv_freq
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv * self.head_dim
+        self.qkv = nn.Linear(cfg.hidden_size, q_dim + 2 * kv_dim, bias=cfg.attention_bias)
+        self.o = nn.Linear(q_dim, cfg.hidden_size, bias=False)
+        self.split = (q_dim, kv_dim, kv_dim)
+
+    def forward(self, x, cos, sin, k_cache, v_cache, starts, mask):
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).split(self.split, dim=-1)
+        q = q.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        k = k.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        v = v.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        for row, start in enumerate(starts):
+            k_cache[row, :, start:start + t] = k[row]
+            v_cache[row, :, start:start + t] = v[row]
+        span = mask.shape[-1]
+        out = F.scaled_dot_product_attention(
+            q, k_cache[:b, :, :span], v_cache[:b, :, :span], attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
+        return self.o(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, k_cache, v_cache, starts, mask):
+        x = x + self.attn(self.attn_norm(x), cos, sin, k_cache, v_cache, starts, mask)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight
+        cos, sin = self.rope_tables(cfg)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    @staticmethod
+    def rope_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of every position's rotary angles, [max_positions, head_dim] (float32, CPU)."""
+        with torch.device("cpu"):
+            freqs = torch.outer(torch.arange(cfg.max_position_embeddings).float(), _rope_inv_freq(cfg))
+            emb = torch.cat((freqs, freqs), dim=-1)
+            return emb.cos(), emb.sin()
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    def new_cache(self, max_len: int, batch: int = 1, num_layers: int | None = None) -> KVCache:
+        cfg = self.config
+        return KVCache(num_layers or cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim,
+                       self.device, self.dtype)
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, mask: torch.Tensor,
+                layers: Sequence[int] | None = None, logits_from: int = 0) -> torch.Tensor:
+        """Score `tokens` [B, T] at `positions` [B, T], appending their keys and values.
+
+        Row b's new keys go to cache slots lengths[b].. and its length grows by T.
+        `mask` [B, T, S] (True = may attend) covers the first S cache slots.
+        `layers` picks a subset of layers (layer-skip drafting; the cache then
+        has one entry per picked layer). Logits are computed for tokens
+        [logits_from:] only, which saves the large head on prefill.
+        """
+        b, t = tokens.shape
+        pad = 4 - t if tokens.device.type == "cpu" and 1 < t < 4 else 0
+        if pad:  # CPU BLAS takes a slow path for 2-3 rows; 4 rows cost less
+            tokens, positions, mask = _pad_rows(tokens, positions, mask, pad)
+            logits = self.forward(tokens, positions, cache, mask, layers, logits_from)
+            for row in range(b):
+                cache.lengths[row] -= pad
+            return logits[:, : t - logits_from]
+        starts = cache.lengths[:b]
+        if max(starts) + t > cache.max_len:
+            raise ValueError(f"KV cache of {cache.max_len} slots is full")
+        x = self.embed(tokens)
+        cos = self.rope_cos[positions].unsqueeze(1).to(x.dtype)
+        sin = self.rope_sin[positions].unsqueeze(1).to(x.dtype)
+        mask = mask.unsqueeze(1)
+        picked = range(len(self.layers)) if layers is None else layers
+        for i, layer_idx in enumerate(picked):
+            x = self.layers[layer_idx](x, cos, sin, cache.k[i], cache.v[i], starts, mask)
+        for row in range(b):
+            cache.lengths[row] += t
+        x = self.norm(x[:, logits_from:])
+        return self.lm_head(x).float()
+
+
+def _pad_rows(tokens, positions, mask, pad):
+    """Append `pad` dummy tokens that attend only to themselves."""
+    b, t = tokens.shape
+    tokens = torch.cat((tokens, tokens[:, -1:].expand(b, pad)), dim=1)
+    positions = torch.cat((positions, positions[:, -1:].expand(b, pad)), dim=1)
+    span = mask.shape[-1]
+    new = torch.zeros(b, t + pad, span + pad, dtype=torch.bool, device=mask.device)
+    new[:, :t, :span] = mask
+    new[:, t:, span:] = torch.eye(pad, dtype=torch.bool, device=mask.device)
+    return tokens, positions, new
+
+
+def attention_mask(prefix_len: int, ancestors: torch.Tensor) -> torch.Tensor:
+    """Mask [1, T, prefix_len + T]: every new token sees the whole prefix and,
+    among the new tokens, exactly those `ancestors[i, j]` marks (itself included)."""
+    t = ancestors.shape[0]
+    prefix = torch.ones(t, prefix_len, dtype=torch.bool, device=ancestors.device)
+    return torch.cat((prefix, ancestors), dim=1).unsqueeze(0)
+
+
+def causal_ancestors(t: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    return torch.ones(t, t, dtype=torch.bool, device=device).tril()

@@ -1,0 +1,77 @@
+"""Sampling parameters, their validation, and logits -> probabilities."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+class InvalidArgument(ValueError):
+    """A request field is out of range; `field` names it for the caller."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 128
+    temperature: float = 0.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 means no top-k cut
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self, prompt_tokens: int | None = None, context_length: int | None = None) -> None:
+        if self.max_tokens <= 0:
+            raise InvalidArgument("max_tokens", f"must be positive, got {self.max_tokens}")
+        if prompt_tokens is not None and context_length is not None and prompt_tokens + self.max_tokens > context_length:
+            raise InvalidArgument(
+                "max_tokens", f"prompt ({prompt_tokens} tokens) + max_tokens ({self.max_tokens}) "
+                f"exceeds the model's context of {context_length} tokens")
+        if not self.temperature >= 0.0:  # also rejects NaN
+            raise InvalidArgument("temperature", f"must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidArgument("top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise InvalidArgument("top_k", f"must be >= 0, got {self.top_k}")
+
+
+def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution sampling draws from: temperature, then top-k, then top-p.
+
+    Rows of `logits` [..., V] are independent. Returns float32 probabilities.
+    """
+    logits = logits.float() / params.temperature
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        # keep the smallest set of most likely tokens whose mass reaches top_p
+        drop_sorted = (sorted_p.cumsum(-1) - sorted_p) >= params.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One token from a 1-D distribution."""
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def make_generator(seed: int | None, device: torch.device | str = "cpu", stream: int = 0) -> torch.Generator:
+    """A request's own random stream; `stream` separates drafter from verifier draws."""
+    g = torch.Generator(device=device)
+    if seed is None:
+        g.seed()
+    else:
+        g.manual_seed((seed * 1_000_003 + stream) % (2**63))
+    return g

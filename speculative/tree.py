@@ -1,0 +1,95 @@
+"""Token trees: draft proposals rooted at the last verified token.
+
+Node i has a token and a parent (-1 is the root: the last verified token,
+whose logits the target computes in the same pass). For sampling, a tree
+also records its *draws* in the order they were made: each draw is a token
+sampled from a draft distribution q, landing on a node. Several draws may
+land on one node (two drafters, or two samples, proposing the same token);
+multi-draft verification tests them one by one, in draw order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+
+@dataclass
+class DraftTree:
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    draw_nodes: list[int] = field(default_factory=list)  # node each draw landed on, in draw order
+    draw_q: torch.Tensor | None = None  # [draws, V] distributions the draws came from; None if greedy
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def depths(self) -> list[int]:
+        depths: list[int] = []
+        for p in self.parents:
+            depths.append(1 if p < 0 else depths[p] + 1)
+        return depths
+
+    def children(self, node: int) -> list[int]:
+        return [i for i, p in enumerate(self.parents) if p == node]
+
+    def path_to(self, node: int) -> list[int]:
+        path = []
+        while node >= 0:
+            path.append(node)
+            node = self.parents[node]
+        return path[::-1]
+
+    def ancestors(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """[1+N, 1+N] bool: row r may attend to column c (root is row 0, node i is row i+1)."""
+        n = len(self.tokens)
+        mask = torch.zeros(n + 1, n + 1, dtype=torch.bool)
+        mask[:, 0] = True
+        for i, p in enumerate(self.parents):
+            mask[i + 1] = mask[p + 1]
+            mask[i + 1, i + 1] = True
+        return mask.to(device)
+
+    def add_chain(self, tokens: Sequence[int], q: torch.Tensor | None = None, under: int = -1) -> list[int]:
+        """Add a chain drawn below node `under`, merging with existing nodes that
+        carry the same tokens. Each token is one draw (with q[i], if given).
+        Returns the node of each token."""
+        nodes = []
+        parent = under
+        new_q = []
+        for i, tok in enumerate(tokens):
+            node = next((c for c in self.children(parent) if self.tokens[c] == tok), None)
+            if node is None:
+                node = len(self.tokens)
+                self.tokens.append(int(tok))
+                self.parents.append(parent)
+            nodes.append(node)
+            self.draw_nodes.append(node)
+            if q is not None:
+                new_q.append(q[i])
+            parent = node
+        if q is not None and len(tokens):
+            stacked = torch.stack(new_q)
+            self.draw_q = stacked if self.draw_q is None else torch.cat((self.draw_q, stacked))
+        return nodes
+
+    @classmethod
+    def chain(cls, tokens: Sequence[int], q: torch.Tensor | None = None) -> "DraftTree":
+        tree = cls()
+        tree.add_chain(tokens, q)
+        return tree
+
+    def truncated(self, max_nodes: int) -> "DraftTree":
+        """At most `max_nodes` nodes, cut in draw order.
+
+        The cut falls at a draw index, never on a draw's value: dropping a draw
+        because of the token it drew would bias multi-draft sampling."""
+        if len(self) <= max_nodes:
+            return self
+        kept = next((d for d, n in enumerate(self.draw_nodes) if n >= max_nodes), len(self.draw_nodes))
+        n_nodes = max(self.draw_nodes[:kept], default=-1) + 1
+        q = None if self.draw_q is None else self.draw_q[:kept]
+        return DraftTree(self.tokens[:n_nodes], self.parents[:n_nodes], self.draw_nodes[:kept], q)
