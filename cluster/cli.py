@@ -65,6 +65,8 @@ def _params(args) -> SamplingParams:
 def cmd_generate(args) -> int:
     params = _params(args)
     params.validate()  # cheap checks before loading the model
+    if args.draft_length < 0:
+        raise InvalidArgument("draft_length", f"must be >= 0, got {args.draft_length}")
     if args.drafter not in DRAFTER_NAMES:
         raise InvalidArgument("drafter", f"unknown drafter {args.drafter!r}; choose from {', '.join(DRAFTER_NAMES)}")
     if not args.prompt.strip():

@@ -96,3 +96,20 @@ def layer_skip_layers(num_layers: int, keep_first: int, keep_last: int = 0) -> l
     first = list(range(min(keep_first, num_layers)))
     last = list(range(max(num_layers - keep_last, len(first)), num_layers))
     return first + last
+
+
+class MultiSampleDrafter:
+    """A token tree from `branches` independent proposals of one drafter,
+    shared prefixes merged (multi-draft speculative sampling keeps it exact)."""
+
+    def __init__(self, base, branches: int):
+        self.base, self.branches = base, branches
+        self.name = f"{getattr(base, 'name', 'drafter')}x{branches}"
+
+    def propose(self, context: Sequence[int], max_tokens: int, params: SamplingParams,
+                generator: torch.Generator) -> DraftTree:
+        tree = DraftTree()
+        for _ in range(self.branches):
+            chain = self.base.propose(context, max_tokens, params, generator)
+            tree.add_chain(chain.tokens, chain.draw_q)
+        return tree

@@ -85,11 +85,19 @@ class DraftTree:
     def truncated(self, max_nodes: int) -> "DraftTree":
         """At most `max_nodes` nodes, cut in draw order.
 
-        The cut falls at a draw index, never on a draw's value: dropping a draw
-        because of the token it drew would bias multi-draft sampling."""
+        Whether a draw is kept depends only on the draws before it, never on
+        the token it drew itself (keeping a draw because it happened to merge
+        into an existing node would bias multi-draft sampling): the cut falls
+        before the first draw made once the budget is full."""
         if len(self) <= max_nodes:
             return self
-        kept = next((d for d, n in enumerate(self.draw_nodes) if n >= max_nodes), len(self.draw_nodes))
-        n_nodes = max(self.draw_nodes[:kept], default=-1) + 1
+        if not self.draw_nodes:  # a tree built without draws (greedy): nodes follow their parents
+            return DraftTree(self.tokens[:max_nodes], self.parents[:max_nodes])
+        kept, n_nodes = len(self.draw_nodes), 0
+        for d, node in enumerate(self.draw_nodes):
+            if n_nodes >= max_nodes:
+                kept = d
+                break
+            n_nodes = max(n_nodes, node + 1)
         q = None if self.draw_q is None else self.draw_q[:kept]
         return DraftTree(self.tokens[:n_nodes], self.parents[:n_nodes], self.draw_nodes[:kept], q)

@@ -1,0 +1,409 @@
+"""The cluster's shared state: service registry, drafter acceptance statistics,
+request checkpoints, API keys and rate limits.
+
+Two implementations with the same behaviour: `RedisStateStore` for a cluster
+(every node talks to one Redis) and `EmbeddedStateStore` for a single node.
+`open_state_store` picks one from `SPECSERVE_REDIS_URL`.
+
+Redis layout (every key starts with the store's prefix, default "specserve:"):
+    svc:{kind}:{id}       string, JSON {"address", "meta"}, PX = service TTL
+    svcs:{kind}           set of service ids; may hold ids whose key expired
+    accept:proposed       hash, field JSON [drafter, domain] -> count
+    accept:accepted       hash, same fields
+    ckpt:{request_id}     string, JSON checkpoint, PX = checkpoint TTL
+    apikeys               hash, SHA-256 hex of key -> name
+    rate:{sha256 of key}  integer, fixed-window counter, PX = window
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import redis
+
+DEFAULT_PREFIX = "specserve:"
+REDIS_URL_ENV = "SPECSERVE_REDIS_URL"
+
+
+@dataclass(frozen=True)
+class ServiceRecord:
+    service_id: str
+    address: str
+    meta: dict[str, Any]
+    expires_in: float  # seconds until the registration lapses without a heartbeat
+
+
+class Acceptance(NamedTuple):
+    proposed: int
+    accepted: int
+
+
+class StateStore(ABC):
+    """Shared state; every method is safe to call from many threads."""
+
+    @abstractmethod
+    def register_service(
+        self, kind: str, service_id: str, address: str, ttl_s: float, meta: dict[str, Any] | None = None
+    ) -> None:
+        """Add or replace a service; it lapses after ttl_s without a heartbeat."""
+
+    @abstractmethod
+    def heartbeat(self, kind: str, service_id: str, ttl_s: float) -> bool:
+        """Extend a live registration to ttl_s from now; False if it had lapsed or never existed."""
+
+    @abstractmethod
+    def deregister_service(self, kind: str, service_id: str) -> None: ...
+
+    @abstractmethod
+    def list_services(self, kind: str) -> list[ServiceRecord]:
+        """Live services of a kind, sorted by service_id."""
+
+    @abstractmethod
+    def record_acceptance(self, drafter: str, domain: str, proposed: int, accepted: int) -> None:
+        """Atomically add to the (drafter, domain) counters."""
+
+    @abstractmethod
+    def acceptance_stats(self, domain: str | None = None) -> dict[tuple[str, str], Acceptance]:
+        """Totals per (drafter, domain), optionally for one domain only."""
+
+    @abstractmethod
+    def save_checkpoint(self, request_id: str, data: dict[str, Any], ttl_s: float) -> None:
+        """Store a JSON-serialisable checkpoint that lapses after ttl_s."""
+
+    @abstractmethod
+    def load_checkpoint(self, request_id: str) -> dict[str, Any] | None: ...
+
+    @abstractmethod
+    def delete_checkpoint(self, request_id: str) -> None: ...
+
+    @abstractmethod
+    def add_api_key(self, key: str, name: str) -> None:
+        """Accept `key` from now on, as the client `name`; only its SHA-256 is kept."""
+
+    @abstractmethod
+    def check_api_key(self, key: str) -> str | None:
+        """The client name for a valid key, else None."""
+
+    @abstractmethod
+    def rate_limit_hit(self, key: str, limit: int, window_s: float) -> bool:
+        """Count one request; True while at most `limit` were counted in the current window.
+
+        Fixed window: it starts at the first hit and lasts window_s.
+        """
+
+    @abstractmethod
+    def ping(self) -> bool: ...
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+def open_state_store(url: str | None = None, prefix: str = DEFAULT_PREFIX) -> StateStore:
+    """Redis when a URL is given or SPECSERVE_REDIS_URL is set, else the embedded store."""
+    url = url or os.environ.get(REDIS_URL_ENV)
+    if url:
+        return RedisStateStore(url, prefix)
+    return EmbeddedStateStore()
+
+
+# Validation and encoding shared by both implementations, so they accept and
+# refuse exactly the same inputs.
+
+
+def _ttl_ms(ttl_s: float) -> int:
+    if not ttl_s > 0:
+        raise ValueError(f"TTL must be positive, got {ttl_s}")
+    return max(1, round(ttl_s * 1000))
+
+
+def _check_kind(kind: str) -> None:
+    # ":" would make svc:{kind}:{id} ambiguous (kind "a:b", id "c" vs kind "a", id "b:c").
+    if not kind or ":" in kind:
+        raise ValueError(f"service kind must be non-empty and free of ':', got {kind!r}")
+
+
+def _check_counts(proposed: int, accepted: int) -> None:
+    if not 0 <= accepted <= proposed:
+        raise ValueError(f"need 0 <= accepted <= proposed, got {accepted=} {proposed=}")
+
+
+def _digest(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def _service_json(address: str, meta: dict[str, Any] | None) -> str:
+    return json.dumps({"address": address, "meta": meta or {}})
+
+
+def _record(service_id: str, stored: str, expires_in: float) -> ServiceRecord:
+    d = json.loads(stored)
+    return ServiceRecord(service_id, d["address"], d["meta"], expires_in)
+
+
+# Removes index members whose service key has expired. A script, so that a
+# service re-registering between our read and the removal cannot be dropped.
+_PRUNE_STALE = """
+local removed = 0
+for i = 2, #KEYS do
+    if redis.call('EXISTS', KEYS[i]) == 0 then
+        removed = removed + redis.call('SREM', KEYS[1], ARGV[i - 1])
+    end
+end
+return removed
+"""
+
+
+class RedisStateStore(StateStore):
+    """Needs Redis >= 7.0 (PEXPIRE ... NX)."""
+
+    def __init__(self, url: str, prefix: str = DEFAULT_PREFIX):
+        self.prefix = prefix
+        # Timeouts so that ping() and callers fail instead of hanging on a dead
+        # server; options in the URL take precedence.
+        self._client = redis.Redis.from_url(url, decode_responses=True, socket_connect_timeout=5, socket_timeout=10)
+        self._prune_stale = self._client.register_script(_PRUNE_STALE)
+
+    def _svc_key(self, kind: str, service_id: str) -> str:
+        return f"{self.prefix}svc:{kind}:{service_id}"
+
+    def _index_key(self, kind: str) -> str:
+        return f"{self.prefix}svcs:{kind}"
+
+    def register_service(
+        self, kind: str, service_id: str, address: str, ttl_s: float, meta: dict[str, Any] | None = None
+    ) -> None:
+        _check_kind(kind)
+        with self._client.pipeline() as pipe:  # MULTI: key and index change together
+            pipe.set(self._svc_key(kind, service_id), _service_json(address, meta), px=_ttl_ms(ttl_s))
+            pipe.sadd(self._index_key(kind), service_id)
+            pipe.execute()
+
+    def heartbeat(self, kind: str, service_id: str, ttl_s: float) -> bool:
+        _check_kind(kind)
+        # PEXPIRE on a missing key does nothing and returns False: a lapsed
+        # service has to register again (with its address and meta).
+        return bool(self._client.pexpire(self._svc_key(kind, service_id), _ttl_ms(ttl_s)))
+
+    def deregister_service(self, kind: str, service_id: str) -> None:
+        _check_kind(kind)
+        with self._client.pipeline() as pipe:
+            pipe.delete(self._svc_key(kind, service_id))
+            pipe.srem(self._index_key(kind), service_id)
+            pipe.execute()
+
+    def list_services(self, kind: str) -> list[ServiceRecord]:
+        _check_kind(kind)
+        ids = sorted(self._client.smembers(self._index_key(kind)))
+        with self._client.pipeline() as pipe:  # MULTI, so GET and PTTL see the same key
+            for service_id in ids:
+                key = self._svc_key(kind, service_id)
+                pipe.get(key)
+                pipe.pttl(key)
+            replies = pipe.execute()
+        live, stale = [], []
+        for service_id, stored, pttl in zip(ids, replies[::2], replies[1::2], strict=True):
+            if stored is None:
+                stale.append(service_id)
+            else:
+                live.append(_record(service_id, stored, max(pttl, 0) / 1000))
+        if stale:
+            keys = [self._index_key(kind)] + [self._svc_key(kind, s) for s in stale]
+            self._prune_stale(keys=keys, args=stale)
+        return live
+
+    def record_acceptance(self, drafter: str, domain: str, proposed: int, accepted: int) -> None:
+        _check_counts(proposed, accepted)
+        field = json.dumps([drafter, domain])  # unambiguous whatever the names contain
+        with self._client.pipeline() as pipe:  # MULTI: readers never see one counter without the other
+            pipe.hincrby(f"{self.prefix}accept:proposed", field, proposed)
+            pipe.hincrby(f"{self.prefix}accept:accepted", field, accepted)
+            pipe.execute()
+
+    def acceptance_stats(self, domain: str | None = None) -> dict[tuple[str, str], Acceptance]:
+        with self._client.pipeline() as pipe:
+            pipe.hgetall(f"{self.prefix}accept:proposed")
+            pipe.hgetall(f"{self.prefix}accept:accepted")
+            proposed, accepted = pipe.execute()
+        stats = {}
+        for field, count in proposed.items():
+            drafter, dom = json.loads(field)
+            if domain is None or dom == domain:
+                stats[(drafter, dom)] = Acceptance(int(count), int(accepted.get(field, 0)))
+        return stats
+
+    def save_checkpoint(self, request_id: str, data: dict[str, Any], ttl_s: float) -> None:
+        self._client.set(f"{self.prefix}ckpt:{request_id}", json.dumps(data), px=_ttl_ms(ttl_s))
+
+    def load_checkpoint(self, request_id: str) -> dict[str, Any] | None:
+        stored = self._client.get(f"{self.prefix}ckpt:{request_id}")
+        return None if stored is None else json.loads(stored)
+
+    def delete_checkpoint(self, request_id: str) -> None:
+        self._client.delete(f"{self.prefix}ckpt:{request_id}")
+
+    def add_api_key(self, key: str, name: str) -> None:
+        self._client.hset(f"{self.prefix}apikeys", _digest(key), name)
+
+    def check_api_key(self, key: str) -> str | None:
+        return self._client.hget(f"{self.prefix}apikeys", _digest(key))
+
+    def rate_limit_hit(self, key: str, limit: int, window_s: float) -> bool:
+        counter = f"{self.prefix}rate:{_digest(key)}"  # hashed: the key may be an API key
+        with self._client.pipeline() as pipe:
+            pipe.incr(counter)
+            # NX: only the hit that opens the window sets its end; in the same
+            # MULTI, so a counter can never be left without an expiry.
+            pipe.pexpire(counter, _ttl_ms(window_s), nx=True)
+            count, _ = pipe.execute()
+        return count <= limit
+
+    def ping(self) -> bool:
+        try:
+            return bool(self._client.ping())
+        except redis.RedisError:
+            return False
+
+    def close(self) -> None:
+        self._client.close()
+
+
+class _ExpiringDict:
+    """String keys to values with deadlines on the monotonic clock; not thread-safe on its own."""
+
+    def __init__(self) -> None:
+        self._entries: dict[str, tuple[Any, float]] = {}
+        self._sweep_at = 64
+
+    def get(self, key: str, now: float) -> tuple[Any, float] | None:
+        """(value, deadline) of a live entry."""
+        entry = self._entries.get(key)
+        if entry is not None and entry[1] <= now:
+            del self._entries[key]
+            return None
+        return entry
+
+    def put(self, key: str, value: Any, deadline: float, now: float) -> None:
+        self._entries[key] = (value, deadline)
+        # Entries nobody reads again would otherwise pile up; sweeping whenever
+        # the size doubles keeps memory within 2x the live entries, amortised O(1).
+        if len(self._entries) >= self._sweep_at:
+            self._purge(now)
+            self._sweep_at = max(64, 2 * len(self._entries))
+
+    def pop(self, key: str) -> None:
+        self._entries.pop(key, None)
+
+    def live(self, now: float) -> list[tuple[str, Any, float]]:
+        """(key, value, deadline) of every live entry."""
+        self._purge(now)
+        return [(k, v, deadline) for k, (v, deadline) in self._entries.items()]
+
+    def _purge(self, now: float) -> None:
+        self._entries = {k: e for k, e in self._entries.items() if e[1] > now}
+
+
+class EmbeddedStateStore(StateStore):
+    """In-process store for a single node; one lock guards everything.
+
+    Values go through JSON as in Redis, so callers get copies and the same
+    serialisation errors.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._services: defaultdict[str, _ExpiringDict] = defaultdict(_ExpiringDict)
+        self._acceptance: dict[tuple[str, str], Acceptance] = {}
+        self._checkpoints = _ExpiringDict()
+        self._api_keys: dict[str, str] = {}  # SHA-256 hex -> name
+        self._rate = _ExpiringDict()  # SHA-256 hex -> hits in the current window
+
+    def register_service(
+        self, kind: str, service_id: str, address: str, ttl_s: float, meta: dict[str, Any] | None = None
+    ) -> None:
+        _check_kind(kind)
+        stored, ttl = _service_json(address, meta), _ttl_ms(ttl_s) / 1000
+        with self._lock:
+            now = time.monotonic()
+            self._services[kind].put(service_id, stored, now + ttl, now)
+
+    def heartbeat(self, kind: str, service_id: str, ttl_s: float) -> bool:
+        _check_kind(kind)
+        ttl = _ttl_ms(ttl_s) / 1000
+        with self._lock:
+            now = time.monotonic()
+            entry = self._services[kind].get(service_id, now)
+            if entry is None:
+                return False
+            self._services[kind].put(service_id, entry[0], now + ttl, now)
+            return True
+
+    def deregister_service(self, kind: str, service_id: str) -> None:
+        _check_kind(kind)
+        with self._lock:
+            self._services[kind].pop(service_id)
+
+    def list_services(self, kind: str) -> list[ServiceRecord]:
+        _check_kind(kind)
+        with self._lock:
+            now = time.monotonic()
+            entries = self._services[kind].live(now)
+        return sorted(
+            (_record(service_id, stored, deadline - now) for service_id, stored, deadline in entries),
+            key=lambda r: r.service_id,
+        )
+
+    def record_acceptance(self, drafter: str, domain: str, proposed: int, accepted: int) -> None:
+        _check_counts(proposed, accepted)
+        with self._lock:
+            old = self._acceptance.get((drafter, domain), Acceptance(0, 0))
+            self._acceptance[(drafter, domain)] = Acceptance(old.proposed + proposed, old.accepted + accepted)
+
+    def acceptance_stats(self, domain: str | None = None) -> dict[tuple[str, str], Acceptance]:
+        with self._lock:
+            return {k: v for k, v in self._acceptance.items() if domain is None or k[1] == domain}
+
+    def save_checkpoint(self, request_id: str, data: dict[str, Any], ttl_s: float) -> None:
+        stored, ttl = json.dumps(data), _ttl_ms(ttl_s) / 1000
+        with self._lock:
+            now = time.monotonic()
+            self._checkpoints.put(request_id, stored, now + ttl, now)
+
+    def load_checkpoint(self, request_id: str) -> dict[str, Any] | None:
+        with self._lock:
+            entry = self._checkpoints.get(request_id, time.monotonic())
+        return None if entry is None else json.loads(entry[0])
+
+    def delete_checkpoint(self, request_id: str) -> None:
+        with self._lock:
+            self._checkpoints.pop(request_id)
+
+    def add_api_key(self, key: str, name: str) -> None:
+        with self._lock:
+            self._api_keys[_digest(key)] = name
+
+    def check_api_key(self, key: str) -> str | None:
+        with self._lock:
+            return self._api_keys.get(_digest(key))
+
+    def rate_limit_hit(self, key: str, limit: int, window_s: float) -> bool:
+        window, digest = _ttl_ms(window_s) / 1000, _digest(key)
+        with self._lock:
+            now = time.monotonic()
+            entry = self._rate.get(digest, now)
+            count, deadline = (1, now + window) if entry is None else (entry[0] + 1, entry[1])
+            self._rate.put(digest, count, deadline, now)
+        return count <= limit
+
+    def ping(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        pass

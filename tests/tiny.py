@@ -1,0 +1,25 @@
+"""A tiny randomly initialised Llama-shaped model for fast exact tests."""
+
+from __future__ import annotations
+
+import torch
+
+from speculative.config import ModelConfig
+from speculative.model import Transformer
+
+TINY = ModelConfig(vocab_size=8, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                   num_kv_heads=2, head_dim=8, max_position_embeddings=64, rope_theta=10000.0)
+
+
+def tiny_model(seed: int, logit_scale: float = 1.0) -> Transformer:
+    """Random weights from `seed`; `logit_scale` sharpens or flattens its distributions."""
+    torch.manual_seed(seed)
+    model = Transformer(TINY)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.3)
+        for layer in model.layers:
+            layer.attn_norm.weight.fill_(1.0)
+            layer.mlp_norm.weight.fill_(1.0)
+        model.norm.weight.fill_(logit_scale)
+    return model.eval()
