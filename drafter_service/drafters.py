@@ -24,6 +24,13 @@ def _one_hot(tokens: Sequence[int], vocab_size: int) -> torch.Tensor:
     return q
 
 
+def _top_k_renormalised(q: torch.Tensor, k: int) -> torch.Tensor:
+    top = torch.topk(q, min(k, q.shape[-1]))
+    out = torch.zeros_like(q)
+    out[top.indices] = top.values / top.values.sum()
+    return out
+
+
 class PromptLookupDrafter:
     """Model-free: copies what followed the latest earlier match of the text's
     last n-gram. Its draws are deterministic, so q is one-hot."""
@@ -44,8 +51,11 @@ class ModelDrafter:
     target's own layers (layer-skip self-drafting), keeping its own KV cache."""
 
     def __init__(self, model: Transformer, layers: Sequence[int] | None = None, name: str = "model",
-                 max_len: int | None = None):
+                 max_len: int | None = None, draft_top_k: int | None = None):
         self.model, self.layers, self.name = model, list(layers) if layers is not None else None, name
+        # Sampling from the top-k renormalised distribution makes q exactly
+        # sparse: k (id, prob) pairs per draft token on the wire, still exact.
+        self.draft_top_k = draft_top_k
         self.max_len = max_len or model.config.max_position_embeddings
         self.cache = None
         self.cached: list[int] = []  # tokens whose keys and values the cache holds
@@ -83,6 +93,8 @@ class ModelDrafter:
                 tok = int(logits.argmax())
             else:
                 q = probabilities(logits, params)
+                if self.draft_top_k:
+                    q = _top_k_renormalised(q, self.draft_top_k)
                 tok = sample(q, generator)
                 qs.append(q)
             tokens.append(tok)

@@ -17,8 +17,8 @@ import torch
 
 from .model import Transformer, attention_mask, causal_ancestors
 from .sampling import InvalidArgument, SamplingParams, make_generator, probabilities, sample
+from .batching import VerifyItem, verify_batch
 from .tree import DraftTree
-from .verification import verify_greedy, verify_sampling
 
 
 class Drafter(Protocol):
@@ -108,17 +108,8 @@ def generate(target: Transformer, prompt_ids: Sequence[int], params: SamplingPar
         tree = DraftTree()
         if drafter is not None and budget > 0:
             tree = drafter.propose(context, budget, params, drafter_rng).truncated(budget)
-        root_pos = len(context) - 1
-        tokens = torch.tensor([[context[-1]] + tree.tokens], device=device)
-        positions = torch.tensor([[root_pos] + [root_pos + d for d in tree.depths]], device=device)
-        logits = target(tokens, positions, cache, attention_mask(root_pos, tree.ancestors(device)))[0]
+        [(path, bonus)] = verify_batch(target, cache, [VerifyItem(0, context[-1], tree, params, verifier_rng)])
         result.target_forward_passes += 1
-        if params.greedy:
-            path, bonus = verify_greedy(tree, logits)
-        else:
-            path, bonus = verify_sampling(tree, probabilities(logits, params), verifier_rng)
-        # keep the root's and the accepted nodes' keys and values, in path order
-        cache.keep(root_pos, [0] + [node + 1 for node in path])
         result.draft_tokens += len(tree)
         result.accepted_draft_tokens += len(path)
         result.accepted_per_round.append(len(path))

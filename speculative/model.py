@@ -36,6 +36,17 @@ class KVCache:
     def max_len(self) -> int:
         return self.k.shape[3]
 
+    @property
+    def batch(self) -> int:
+        return self.k.shape[1]
+
+    def row_view(self, row: int) -> "KVCache":
+        """Row `row` as a one-row cache sharing storage and length with this one."""
+        view = object.__new__(KVCache)
+        view.k, view.v = self.k[:, row:row + 1], self.v[:, row:row + 1]
+        view.lengths = _RowLengths(self.lengths, row)
+        return view
+
     def rollback(self, length: int, row: int = 0) -> None:
         if not 0 <= length <= self.lengths[row]:
             raise ValueError(f"cannot roll back row {row} from {self.lengths[row]} to {length}")
@@ -50,6 +61,25 @@ class KVCache:
             self.k[:, row, :, dst] = self.k[:, row, :, src]
             self.v[:, row, :, dst] = self.v[:, row, :, src]
         self.lengths[row] = start + len(offsets)
+
+
+class _RowLengths:
+    """The one-element `lengths` list of a row view, backed by the parent's list."""
+
+    def __init__(self, parent: list[int], row: int):
+        self.parent, self.row = parent, row
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self.parent[self.row]][i]
+        if i != 0:
+            raise IndexError(i)
+        return self.parent[self.row]
+
+    def __setitem__(self, i, value):
+        if i != 0:
+            raise IndexError(i)
+        self.parent[self.row] = value
 
 
 def _rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:

@@ -13,6 +13,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+import speculative.batching as batching
 import speculative.decoding as decoding
 from drafter_service.drafters import ModelDrafter, MultiSampleDrafter, PromptLookupDrafter
 from speculative.model import attention_mask, causal_ancestors
@@ -75,6 +76,7 @@ def chi_square_p(counts: torch.Tensor, expected_probs: torch.Tensor) -> float:
 CASES = {
     "chain": (lambda d: ModelDrafter(d, max_len=64), SamplingParams(temperature=1.0), 2),
     "chain_topk_topp": (lambda d: ModelDrafter(d, max_len=64), SamplingParams(temperature=0.8, top_k=5, top_p=0.9), 2),
+    "chain_sparse_q": (lambda d: ModelDrafter(d, max_len=64, draft_top_k=3), SamplingParams(temperature=1.0), 2),
     "tree": (lambda d: MultiSampleDrafter(ModelDrafter(d, max_len=64), branches=3), SamplingParams(temperature=1.0), 2),
     "prompt_lookup": (lambda d: PromptLookupDrafter(TINY.vocab_size), SamplingParams(temperature=1.0), 2),
 }
@@ -102,7 +104,9 @@ def test_biased_verifier_is_caught(target, draft_model, monkeypatch):
         p[..., token] *= 1.10
         return p / p.sum(-1, keepdim=True)
 
-    monkeypatch.setattr(decoding, "probabilities", biased_probabilities)  # the verifier's copy only
+    # the verifier's copies only: the drafter keeps drawing from the true q
+    monkeypatch.setattr(decoding, "probabilities", biased_probabilities)
+    monkeypatch.setattr(batching, "probabilities", biased_probabilities)
     counts = sampled_joint(target, lambda: ModelDrafter(draft_model, max_len=64), params, 2)
     pvalue = chi_square_p(counts, expected)
     assert pvalue < ALPHA, f"biased verifier not detected (p={pvalue:.3g})"

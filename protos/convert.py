@@ -1,0 +1,65 @@
+"""Between wire messages and the core's types (DraftTree, SamplingParams).
+
+Draft distributions travel sparse: only q's non-zero entries. A drafter
+that samples from a top-k renormalised distribution has exactly k of them,
+so nothing is approximated.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from protos import specserve_pb2 as pb
+from speculative.sampling import SamplingParams
+from speculative.tree import DraftTree
+
+
+def params_to_pb(p: SamplingParams) -> pb.SamplingParams:
+    msg = pb.SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k)
+    if p.seed is not None:
+        msg.seed = p.seed
+    return msg
+
+
+def params_from_pb(msg: pb.SamplingParams) -> SamplingParams:
+    return SamplingParams(max_tokens=msg.max_tokens, temperature=msg.temperature,
+                          top_p=msg.top_p if msg.top_p != 0 else 1.0, top_k=msg.top_k,
+                          seed=msg.seed if msg.HasField("seed") else None)
+
+
+def sparse_to_pb(q: torch.Tensor) -> pb.SparseDist:
+    ids = torch.nonzero(q).flatten()
+    return pb.SparseDist(ids=ids.tolist(), probs=q[ids].tolist())
+
+
+def sparse_from_pb(msg: pb.SparseDist, vocab_size: int) -> torch.Tensor:
+    q = torch.zeros(vocab_size)
+    q[torch.tensor(list(msg.ids), dtype=torch.long)] = torch.tensor(list(msg.probs))
+    return q
+
+
+def tree_to_pb(tree: DraftTree) -> pb.DraftTree:
+    msg = pb.DraftTree(tokens=tree.tokens, parents=tree.parents, draw_nodes=tree.draw_nodes)
+    if tree.draw_q is not None:
+        msg.draw_q.extend(sparse_to_pb(q) for q in tree.draw_q.float().cpu())
+    return msg
+
+
+def tree_from_pb(msg: pb.DraftTree, vocab_size: int) -> DraftTree:
+    """The tree in `msg`, checked: a malformed tree raises ValueError naming what is wrong."""
+    tokens, parents, draws = list(msg.tokens), list(msg.parents), list(msg.draw_nodes)
+    if len(tokens) != len(parents):
+        raise ValueError("tree: tokens and parents differ in length")
+    for i, (tok, parent) in enumerate(zip(tokens, parents)):
+        if not 0 <= tok < vocab_size:
+            raise ValueError(f"tree: token {tok} at node {i} is outside the vocabulary")
+        if not -1 <= parent < i:
+            raise ValueError(f"tree: node {i} has parent {parent}; parents must come first")
+    if any(not 0 <= d < len(tokens) for d in draws):
+        raise ValueError("tree: a draw lands outside the tree")
+    q = None
+    if msg.draw_q:
+        if len(msg.draw_q) != len(draws):
+            raise ValueError("tree: draw_q and draw_nodes differ in length")
+        q = torch.stack([sparse_from_pb(d, vocab_size) for d in msg.draw_q])
+    return DraftTree(tokens, parents, draws, q)

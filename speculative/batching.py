@@ -1,0 +1,72 @@
+"""Verify the draft trees of several requests in one target forward pass.
+
+Each request owns one row of a shared KV cache. A round writes every row's
+root token and tree after that row's committed tokens, scores them in one
+pass, verifies each row on its own, and keeps only the accepted entries.
+Rows up to the highest one in the batch take part (slicing the cache costs
+nothing, gathering rows would copy it); rows with no work get one dummy token
+that attends only to itself and is rolled back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .model import KVCache, Transformer
+from .sampling import SamplingParams, probabilities
+from .tree import DraftTree
+from .verification import verify_greedy, verify_sampling
+
+
+@dataclass
+class VerifyItem:
+    row: int                    # the request's cache row
+    root_token: int             # last verified token, not yet in the cache
+    tree: DraftTree
+    params: SamplingParams
+    generator: torch.Generator  # the request's own verifier stream
+
+
+def verify_batch(model: Transformer, cache: KVCache, items: list[VerifyItem]) -> list[tuple[list[int], int]]:
+    """One forward for all `items`; returns each item's (accepted nodes, bonus token)."""
+    if len({it.row for it in items}) != len(items):
+        raise ValueError("two items in one batch share a cache row")
+    device = model.device
+    rows = max(it.row for it in items) + 1
+    by_row = {it.row: it for it in items}
+    width = max(1 + len(it.tree) for it in items)
+    starts = cache.lengths[:rows]
+    span = max(starts) + width
+    tokens = torch.zeros(rows, width, dtype=torch.long)
+    positions = torch.zeros(rows, width, dtype=torch.long)
+    mask = torch.zeros(rows, width, span, dtype=torch.bool)
+    for r in range(rows):
+        start, it = starts[r], by_row.get(r)
+        n = 0
+        if it is not None:
+            n = 1 + len(it.tree)
+            tokens[r, :n] = torch.tensor([it.root_token] + it.tree.tokens)
+            positions[r, :n] = torch.tensor([start] + [start + d for d in it.tree.depths])
+            mask[r, :n, :start] = True
+            mask[r, :n, start:start + n] = it.tree.ancestors()
+        for j in range(n, width):  # padding: sees only itself
+            mask[r, j, start + j] = True
+    logits = model(tokens.to(device), positions.to(device), cache, mask.to(device))
+    results = []
+    for r in range(rows):
+        it = by_row.get(r)
+        if it is None:
+            cache.rollback(starts[r], row=r)
+            continue
+        scores = logits[r, :1 + len(it.tree)]
+        if it.params.greedy:
+            path, bonus = verify_greedy(it.tree, scores)
+        else:
+            path, bonus = verify_sampling(it.tree, probabilities(scores, it.params), it.generator)
+        # keep the root's and the accepted nodes' keys and values, in path order
+        cache.keep(starts[r], [0] + [node + 1 for node in path], row=r)
+        results.append((r, path, bonus))
+    order = {r: i for i, (r, _, _) in enumerate(results)}
+    return [results[order[it.row]][1:] for it in items]

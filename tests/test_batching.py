@@ -1,0 +1,53 @@
+"""Verification of several requests in one forward pass gives each request
+what verifying it alone gives, and leaves each cache row exact."""
+
+from __future__ import annotations
+
+import torch
+
+from speculative.batching import VerifyItem, verify_batch
+from speculative.model import attention_mask, causal_ancestors
+from speculative.sampling import SamplingParams
+from speculative.tree import DraftTree
+from tiny import tiny_model
+
+GREEDY = SamplingParams()
+
+
+def prefill_row(model, cache, row, tokens):
+    view = cache.row_view(row)
+    n = len(tokens)
+    model(torch.tensor([tokens]), torch.arange(n)[None], view, attention_mask(0, causal_ancestors(n)))
+
+
+def fresh_next_logits(model, tokens):
+    cache = model.new_cache(len(tokens))
+    n = len(tokens)
+    return model(torch.tensor([tokens]), torch.arange(n)[None], cache, attention_mask(0, causal_ancestors(n)))[0, -1]
+
+
+def test_batched_rows_match_single_requests():
+    model = tiny_model(0)
+    prompts = {0: [1, 2, 3, 4, 5, 6, 7], 2: [3, 1], 3: [5, 5, 6, 1, 2]}  # row 1 idle
+    trees = {0: DraftTree(tokens=[1, 2, 3], parents=[-1, 0, -1]),
+             2: DraftTree.chain([4, 4, 4, 4, 4]),
+             3: DraftTree()}
+    cache = model.new_cache(32, batch=4)
+    prefill_row(model, cache, 1, [7, 7, 7])
+    for row, p in prompts.items():
+        prefill_row(model, cache, row, p[:-1])
+    items = [VerifyItem(row, prompts[row][-1], trees[row], GREEDY, torch.Generator()) for row in prompts]
+    got = verify_batch(model, cache, items)
+    assert cache.lengths[1] == 3, "an idle row's dummy token must be rolled back"
+    for (row, p), (path, bonus) in zip(prompts.items(), got):
+        single = model.new_cache(32)
+        prefill_row(model, single, 0, p[:-1])
+        [(want_path, want_bonus)] = verify_batch(model, single, [VerifyItem(0, p[-1], trees[row], GREEDY, torch.Generator())])
+        assert (path, bonus) == (want_path, want_bonus), f"row {row}"
+        accepted = p + [trees[row].tokens[n] for n in path]
+        assert cache.lengths[row] == len(accepted)
+        # the row's cache now continues exactly like a fresh prefill of the accepted tokens
+        view = cache.row_view(row)
+        nxt = model(torch.tensor([[bonus]]), torch.tensor([[len(accepted)]]), view,
+                    attention_mask(len(accepted), causal_ancestors(1)))[0, -1]
+        assert torch.allclose(nxt, fresh_next_logits(model, accepted + [bonus]), atol=1e-5), f"row {row}"
