@@ -124,7 +124,7 @@ def run_bench(args) -> dict:
     questions = load_questions(args.questions, args.limit_per_category)
     if not questions:
         raise ValueError(f"--questions: no questions in {args.questions}")
-    engine = LocalEngine(args.model, args.device, args.dtype)
+    engine = LocalEngine.load(args.model, args.device, args.dtype)
     hf = HFRunner(loading.resolve_source(args.model)) if HF_MODES & set(args.modes) else None
     params = SamplingParams(max_tokens=args.max_tokens)
     # per (mode, category): tokens, seconds, target passes; and output agreement with hf-ar

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 
 from drafter_service.registry import DRAFTER_NAMES
 from speculative.loading import DTYPES
@@ -39,10 +40,22 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0, help="0 disables the top-k cut")
     g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--drafter", default="pld", help=f"one of {', '.join(DRAFTER_NAMES)} (default pld)")
+    g.add_argument("--drafter", default=None,
+                   help=f"one of {', '.join(DRAFTER_NAMES)} (default pld; with --server the router chooses)")
     g.add_argument("--draft-length", type=int, default=5)
     g.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
+    g.add_argument("--server", metavar="HOST:PORT",
+                   help="generate on a specserve server instead of in this process "
+                        "(--model, --device, --dtype and --draft-length then do not apply)")
+    g.add_argument("--tls", action="store_true",
+                   help="with --server: use TLS (system roots, or the file in GRPC_DEFAULT_SSL_ROOTS_FILE_PATH)")
+    g.add_argument("--timeout", type=float, default=None, metavar="SECONDS", help="with --server: deadline per call")
     _add_model_args(g)
+
+    s = sub.add_parser("serve", help="serve the model over gRPC on a Ray cluster (local, or RAY_ADDRESS)")
+    s.add_argument("--config", default=None, help="TOML file of settings (see docs/SERVING.md)")
+    s.add_argument("--host", default=None, help="router address to listen on (overrides the config)")
+    s.add_argument("--port", type=int, default=None, help="router port (overrides the config)")
 
     b = sub.add_parser("bench", help="benchmark decoding modes on Spec-Bench questions")
     b.add_argument("--questions", required=True, help="Spec-Bench JSONL file")
@@ -67,13 +80,18 @@ def cmd_generate(args) -> int:
     params.validate()  # cheap checks before loading the model
     if args.draft_length < 0:
         raise InvalidArgument("draft_length", f"must be >= 0, got {args.draft_length}")
-    if args.drafter not in DRAFTER_NAMES:
+    if args.drafter is not None and args.drafter not in DRAFTER_NAMES:
         raise InvalidArgument("drafter", f"unknown drafter {args.drafter!r}; choose from {', '.join(DRAFTER_NAMES)}")
     if not args.prompt.strip():
         raise InvalidArgument("prompt", "must not be empty")
+    if args.server:
+        return _generate_remote(args, params)
+    if args.tls or args.timeout is not None:
+        raise InvalidArgument("tls" if args.tls else "timeout", "applies only with --server")
+    args.drafter = args.drafter or "pld"
     from cluster.local import LocalEngine, Request
 
-    engine = LocalEngine(args.model, args.device, args.dtype)
+    engine = LocalEngine.load(args.model, args.device, args.dtype)
     req = Request(args.prompt, args.chat, params, args.drafter, args.draft_length)
     tok = engine.tokenizer
     if args.json:
@@ -112,6 +130,67 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def _generate_remote(args, params: SamplingParams) -> int:
+    """`generate` through a server; gRPC errors become one line, exit 2 for bad input, else 1."""
+    import grpc
+
+    from specserve.client import Client, SpecserveError
+
+    if args.timeout is not None and not args.timeout > 0:
+        raise InvalidArgument("timeout", f"must be positive, got {args.timeout}")
+    prompt = {"messages": [{"role": "user", "content": args.prompt}]} if args.chat else {"prompt": args.prompt}
+    call = dict(prompt, max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
+                top_k=params.top_k, seed=params.seed, drafter=args.drafter or "")
+    try:
+        with Client(args.server, tls=args.tls, timeout=args.timeout) as client:
+            if not args.json:
+                for chunk in client.stream(**call):
+                    sys.stdout.write(chunk.text)
+                    sys.stdout.flush()
+                sys.stdout.write("\n")
+                return 0
+            start = time.perf_counter()
+            done = client.generate(**call)
+            seconds = time.perf_counter() - start
+    except SpecserveError as e:
+        print(f"specserve: error: {e.code.name}: {' '.join(e.details.split())}", file=sys.stderr)
+        return 2 if e.code == grpc.StatusCode.INVALID_ARGUMENT else 1
+    u = done.usage
+    print(json.dumps({
+        "text": done.text,
+        "token_ids": list(done.token_ids),
+        "finish_reason": done.finish_reason,
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "drafter": u.drafter,
+        "target_forward_passes": u.target_forward_passes,
+        "mean_accepted_tokens": round(u.mean_accepted_tokens, 4),
+        "draft_tokens": u.draft_tokens,
+        "accepted_draft_tokens": u.accepted_draft_tokens,
+        "acceptance_rate": round(u.acceptance_rate, 4),
+        "seconds": round(seconds, 4),
+        "tokens_per_s": round(len(done.token_ids) / seconds, 3) if seconds else None,
+    }))
+    return 0
+
+
+def cmd_serve(args) -> int:
+    from pydantic import ValidationError
+
+    from cluster.config import ServeConfig, load_config
+
+    try:
+        cfg = load_config(args.config)
+        overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
+        cfg = ServeConfig.model_validate({**cfg.model_dump(), **overrides})
+    except ValidationError as e:
+        err = e.errors()[0]
+        raise InvalidArgument(".".join(str(x) for x in err["loc"]), err["msg"]) from None
+    from cluster.serve import run
+
+    return run(cfg)
+
+
 def cmd_bench(args) -> int:
     from bench.harness import HF_MODES, run_bench
 
@@ -129,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        return {"generate": cmd_generate, "bench": cmd_bench}[args.command](args)
+        return {"generate": cmd_generate, "serve": cmd_serve, "bench": cmd_bench}[args.command](args)
     except InvalidArgument as e:
         print(f"specserve: error: {_flag(e.field)}: {str(e).split(': ', 1)[1]}", file=sys.stderr)
         return 2

@@ -31,9 +31,13 @@ class Request:
 
 
 class LocalEngine:
-    def __init__(self, model: str | None = None, device: str = "cpu", dtype: str = "float32"):
+    def __init__(self, model, tokenizer):
+        self.model, self.tokenizer = model, tokenizer
+
+    @classmethod
+    def load(cls, model: str | None = None, device: str = "cpu", dtype: str = "float32") -> "LocalEngine":
         set_cpu_threads()
-        self.model, self.tokenizer = loading.load(model, device, dtype)
+        return cls(*loading.load(model, device, dtype))
 
     def prompt_ids(self, prompt: str, chat: bool) -> list[int]:
         if not prompt.strip():

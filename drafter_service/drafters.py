@@ -60,11 +60,15 @@ class ModelDrafter:
         self.cache = None
         self.cached: list[int] = []  # tokens whose keys and values the cache holds
 
-    def _sync(self, context: Sequence[int]) -> torch.Tensor:
+    def _sync(self, context: Sequence[int], max_tokens: int) -> torch.Tensor:
         """Bring the cache to context[:-1] plus the last token; return logits after it."""
+        # the cache grows with the request (doubling), never past max_len
+        need = min(len(context) + max_tokens + 4, self.max_len)
         if self.cache is None:
             n_layers = len(self.layers) if self.layers is not None else None
-            self.cache = self.model.new_cache(self.max_len, num_layers=n_layers)
+            self.cache = self.model.new_cache(min(max(need, 256), self.max_len), num_layers=n_layers)
+        elif need > self.cache.max_len:
+            self.cache = self.cache.grown(min(max(need, 2 * self.cache.max_len), self.max_len))
         common = 0
         limit = min(len(self.cached), len(context) - 1)
         while common < limit and self.cached[common] == context[common]:
@@ -86,7 +90,7 @@ class ModelDrafter:
                 generator: torch.Generator) -> DraftTree:
         if len(context) + max_tokens > self.max_len:
             max_tokens = self.max_len - len(context)
-        logits = self._sync(context)
+        logits = self._sync(context, max_tokens)
         tokens, qs = [], []
         for i in range(max_tokens):
             if params.greedy:

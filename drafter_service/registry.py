@@ -20,13 +20,16 @@ PLD_MAX_NGRAM, PLD_MIN_NGRAM = 4, 2
 DRAFTER_NAMES = ("none", "pld", "layerskip")
 
 
-def make_drafter(name: str, target: Transformer):
-    """A fresh per-request drafter of kind `name` for `target`; None for plain decoding."""
+def make_drafter(name: str, target: Transformer, draft_top_k: int | None = None):
+    """A fresh per-request drafter of kind `name` for `target`; None for plain decoding.
+
+    `draft_top_k` makes a model drafter sample from its top-k renormalised
+    distribution, so its q is exactly sparse (k pairs on the wire)."""
     if name == "none":
         return None
     if name == "pld":
         return PromptLookupDrafter(target.config.vocab_size, max_ngram=PLD_MAX_NGRAM, min_ngram=PLD_MIN_NGRAM)
     if name == "layerskip":
         layers = layer_skip_layers(target.config.num_layers, LAYER_SKIP_FIRST, LAYER_SKIP_LAST)
-        return ModelDrafter(target, layers, name="layerskip")
+        return ModelDrafter(target, layers, name="layerskip", draft_top_k=draft_top_k)
     raise InvalidArgument("drafter", f"unknown drafter {name!r}; choose from {', '.join(DRAFTER_NAMES)}")

@@ -71,6 +71,14 @@ def load(source: str | os.PathLike | None = None, device: str = "cpu", dtype: st
     return load_hf_dir(path, device, parse_dtype(dtype)), Tokenizer(path)
 
 
+def load_tokenizer(source: str | os.PathLike | None = None) -> tuple[Tokenizer, ModelConfig]:
+    """Tokenizer and model shape only, without the weights (for routers)."""
+    path = resolve_source(source)
+    if path.suffix == ".gguf":
+        path = converted_gguf_dir(path)
+    return Tokenizer(path), ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+
+
 # ---- Hugging Face directories ------------------------------------------------
 
 def _read_safetensors(directory: Path) -> dict[str, torch.Tensor]:

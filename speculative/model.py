@@ -40,6 +40,16 @@ class KVCache:
     def batch(self) -> int:
         return self.k.shape[1]
 
+    def grown(self, max_len: int) -> "KVCache":
+        """A cache of `max_len` slots holding this one's entries."""
+        layers, batch, heads, _, dim = self.k.shape
+        new = KVCache(layers, batch, heads, max_len, dim, self.k.device, self.k.dtype)
+        n = max(self.lengths)
+        new.k[:, :, :, :n] = self.k[:, :, :, :n]
+        new.v[:, :, :, :n] = self.v[:, :, :, :n]
+        new.lengths = list(self.lengths)
+        return new
+
     def row_view(self, row: int) -> "KVCache":
         """Row `row` as a one-row cache sharing storage and length with this one."""
         view = object.__new__(KVCache)

@@ -40,6 +40,8 @@ class SamplingParams:
             raise InvalidArgument("top_p", f"must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise InvalidArgument("top_k", f"must be >= 0, got {self.top_k}")
+        if self.seed is not None and not 0 <= self.seed < 2**64:
+            raise InvalidArgument("seed", f"must be in [0, 2^64), got {self.seed}")
 
 
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -1,0 +1,175 @@
+"""Ray actors that host the services: each loads what it needs, serves gRPC on
+a free port, and keeps its `host:port` registered in the state store with a
+heartbeat. Ray restarts an actor that dies; its constructor then serves and
+registers again (on a new port), and routers find it through the store.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import uuid
+
+import ray
+
+from .config import ServeConfig
+
+log = logging.getLogger(__name__)
+
+STATE_ACTOR = "specserve-state"
+NAMESPACE = "specserve"
+
+
+@ray.remote(num_cpus=0, max_restarts=-1)
+class StateStoreActor:
+    """The embedded store, hosted once so every actor process shares it."""
+
+    def __init__(self):
+        from .state import EmbeddedStateStore
+
+        self.store = EmbeddedStateStore()
+
+    def call(self, method: str, *args, **kwargs):
+        return getattr(self.store, method)(*args, **kwargs)
+
+
+class _ActorStore:
+    """The StateStore interface, forwarded to the state actor."""
+
+    def __init__(self, handle):
+        self._handle = handle
+
+    def __getattr__(self, method: str):
+        return lambda *args, **kwargs: ray.get(self._handle.call.remote(method, *args, **kwargs))
+
+
+def connect_store(redis_url: str | None):
+    """Redis when a URL is given, else the embedded store in the named state actor."""
+    if redis_url:
+        from .state import open_state_store
+
+        return open_state_store(redis_url)
+    return _ActorStore(ray.get_actor(STATE_ACTOR, namespace=NAMESPACE))
+
+
+class _Registration:
+    """Keeps one service registered while its process lives."""
+
+    def __init__(self, store, kind: str, address: str, cfg: ServeConfig, meta: dict | None = None):
+        self.store, self.kind, self.address, self.cfg = store, kind, address, cfg
+        self.service_id = f"{kind}-{uuid.uuid4().hex[:8]}"
+        self.meta = {"node": ray.get_runtime_context().get_node_id(), "pid": os.getpid(), **(meta or {})}
+        self.store.register_service(kind, self.service_id, address, cfg.service_ttl_s, self.meta)
+        self._stop = threading.Event()
+        threading.Thread(target=self._beat, name=f"{kind}-heartbeat", daemon=True).start()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.cfg.heartbeat_s):
+            try:
+                if not self.store.heartbeat(self.kind, self.service_id, self.cfg.service_ttl_s):
+                    self.store.register_service(self.kind, self.service_id, self.address,
+                                                self.cfg.service_ttl_s, self.meta)
+            except Exception:  # the store may be briefly unreachable; keep trying
+                log.exception("heartbeat of %s failed", self.service_id)
+
+    def stop(self) -> None:
+        self._stop.set()
+        try:
+            self.store.deregister_service(self.kind, self.service_id)
+        except Exception:
+            pass
+
+
+def _load_model(cfg: ServeConfig, threads: int | None):
+    import torch
+
+    from cluster.local import set_cpu_threads
+    from speculative import loading
+
+    set_cpu_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    return loading.load(cfg.model, cfg.device, cfg.dtype)
+
+
+class _ServiceActor:
+    kind = ""
+
+    def address(self) -> str:
+        return self.registration.address
+
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def shutdown(self) -> None:
+        self.registration.stop()
+        self.server.stop(grace=1.0)
+
+
+@ray.remote(num_cpus=0, max_restarts=-1)
+class VerifierActor(_ServiceActor):
+    kind = "verifier"
+
+    def __init__(self, cfg_dict: dict, redis_url: str | None):
+        from verifier_service.engine import VerifierEngine
+        from verifier_service.servicer import serve
+
+        cfg = ServeConfig.model_validate(cfg_dict)
+        model, _ = _load_model(cfg, cfg.verifier_threads)
+        store = connect_store(redis_url)
+        self.engine = VerifierEngine(model, max_batch=cfg.max_batch, max_len=cfg.max_len,
+                                     max_batch_tokens=cfg.max_batch_tokens, checkpoints=store)
+        self.server, port = serve(self.engine, host="0.0.0.0", port=0)
+        self.registration = _Registration(store, self.kind, f"{ray.util.get_node_ip_address()}:{port}", cfg)
+
+    def stats(self) -> dict:
+        return self.engine.stats()
+
+
+@ray.remote(num_cpus=0, max_restarts=-1)
+class DrafterPoolActor(_ServiceActor):
+    kind = "drafter"
+
+    def __init__(self, cfg_dict: dict, redis_url: str | None):
+        from drafter_service.pool import DrafterPool
+        from drafter_service.servicer import serve
+
+        cfg = ServeConfig.model_validate(cfg_dict)
+        model, _ = _load_model(cfg, cfg.drafter_threads)
+        store = connect_store(redis_url)
+        self.pool = DrafterPool(model, kinds=tuple(cfg.drafter_kinds))
+        self.server, port = serve(self.pool, host="0.0.0.0", port=0)
+        self.registration = _Registration(store, self.kind, f"{ray.util.get_node_ip_address()}:{port}", cfg,
+                                          meta={"kinds": cfg.drafter_kinds})
+
+
+@ray.remote(num_cpus=0, max_restarts=-1)
+class RouterActor(_ServiceActor):
+    kind = "router"
+
+    def __init__(self, cfg_dict: dict, redis_url: str | None):
+        from router.coordinator import Coordinator
+        from router.servicer import RouterConfig, RouterServicer, serve
+        from speculative import loading
+
+        cfg = ServeConfig.model_validate(cfg_dict)
+        tokenizer, model_cfg = loading.load_tokenizer(cfg.model)
+        store = connect_store(redis_url)
+
+        def live(kind):
+            return lambda: [s.address for s in store.list_services(kind)]
+
+        coordinator = Coordinator(verifiers=live("verifier"), drafters=live("drafter"))
+        # a request must fit the verifier's KV slots as well as the model's context
+        context = min(model_cfg.max_position_embeddings, cfg.max_len - cfg.draft_length - 4)
+        config = RouterConfig(context_length=context,
+                              eos_token_ids=tokenizer.eos_token_ids or model_cfg.eos_token_ids,
+                              default_drafter=cfg.default_drafter, draft_length=cfg.draft_length,
+                              max_prompt_tokens=cfg.max_prompt_tokens)
+        self.server, port = serve(RouterServicer(tokenizer, coordinator, config), host=cfg.host, port=cfg.port)
+        host = ray.util.get_node_ip_address() if cfg.host in ("0.0.0.0", "::") else cfg.host
+        self.registration = _Registration(store, self.kind, f"{host}:{port}", cfg)

@@ -1,0 +1,57 @@
+"""Configuration of `specserve serve`, from a TOML file (every key optional)."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from drafter_service.registry import DRAFTER_NAMES
+
+
+class ServeConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # a typo in the file is an error, not a silent default
+
+    model: str | None = Field(None, description="HF directory or .gguf; default SmolLM2-135M-Instruct")
+    device: str = "cpu"
+    dtype: str = "float32"
+    host: str = Field("127.0.0.1", description="address the router listens on")
+    port: int = Field(50051, ge=0, le=65535, description="router port (0 = any free port)")
+    verifiers: int = Field(1, ge=1)
+    drafter_pools: int = Field(1, ge=0)
+    drafter_kinds: list[str] = ["pld", "layerskip"]
+    default_drafter: str = "pld"
+    draft_length: int = Field(5, ge=0, le=64)
+    max_batch: int = Field(8, ge=1, description="requests one verifier holds and batches")
+    max_len: int = Field(4096, ge=16, description="KV slots per request in a verifier")
+    max_batch_tokens: int = Field(256, ge=1)
+    max_prompt_tokens: int = Field(4096, ge=1)
+    heartbeat_s: float = Field(1.0, gt=0)
+    service_ttl_s: float = Field(5.0, gt=0)
+    verifier_threads: int | None = Field(None, ge=1, description="torch threads per verifier (default: all cores)")
+    drafter_threads: int | None = Field(1, ge=1)
+    verifier_resources: dict[str, float] = {"verifier": 1}
+    drafter_resources: dict[str, float] = {"drafter": 1}
+
+    @field_validator("drafter_kinds")
+    @classmethod
+    def _known_kinds(cls, kinds: list[str]) -> list[str]:
+        unknown = [k for k in kinds if k not in DRAFTER_NAMES or k == "none"]
+        if unknown:
+            raise ValueError(f"unknown drafter kinds {unknown}; choose from {list(DRAFTER_NAMES[1:])}")
+        return kinds
+
+    @field_validator("default_drafter")
+    @classmethod
+    def _known_default(cls, name: str) -> str:
+        if name not in DRAFTER_NAMES:
+            raise ValueError(f"unknown drafter {name!r}")
+        return name
+
+
+def load_config(path: str | Path | None) -> ServeConfig:
+    if path is None:
+        return ServeConfig()
+    with open(path, "rb") as f:
+        return ServeConfig.model_validate(tomllib.load(f))

@@ -1,0 +1,125 @@
+"""The drafter pool: per-request drafters behind Prefill / Propose / Release.
+
+A drafter node hosts one pool. Each request keeps its own drafter (with its
+KV cache, for model drafters), its verified context, its sampling parameters
+and its own random stream, so seeded runs draft exactly what the
+single-process loop drafts. State is soft: a request idle too long is
+dropped, and a caller whose view of the context differs from the pool's is
+told the state is lost and prefills again. No gRPC here; see servicer.py.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from speculative.decoding import Drafter
+from speculative.model import Transformer
+from speculative.sampling import InvalidArgument, SamplingParams, make_generator
+from speculative.tree import DraftTree
+
+from .registry import DRAFTER_NAMES, make_drafter
+
+
+@dataclass
+class _Request:
+    drafter: Drafter
+    context: list[int]  # every verified token, the last one included
+    params: SamplingParams
+    generator: torch.Generator
+    last_used: float
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class DrafterPool:
+    def __init__(self, target_model: Transformer, kinds: Sequence[str] = ("pld", "layerskip"),
+                 idle_timeout_s: float = 300.0, draft_top_k: int = 32,
+                 clock: Callable[[], float] = time.monotonic):
+        unknown = [k for k in kinds if k == "none" or k not in DRAFTER_NAMES]
+        if unknown:
+            raise ValueError(f"not drafter kinds: {unknown}")
+        self.target, self.kinds = target_model, tuple(kinds)
+        self.idle_timeout_s, self.draft_top_k, self.clock = idle_timeout_s, draft_top_k, clock
+        self._requests: dict[str, _Request] = {}
+        self._lock = threading.Lock()  # guards the dict only; drafting holds a request's own lock
+
+    def prefill(self, request_id: str, kind: str, token_ids: Sequence[int], params: SamplingParams) -> None:
+        """Start (or restart) drafting for a request whose verified tokens are `token_ids`."""
+        if not request_id:
+            raise InvalidArgument("request_id", "must not be empty")
+        if kind not in self.kinds:
+            raise InvalidArgument("drafter", f"unknown drafter {kind!r}; this pool serves {', '.join(self.kinds)}")
+        if not token_ids:
+            raise InvalidArgument("token_ids", "must not be empty")
+        self._check_vocabulary("token_ids", token_ids)
+        params.validate()
+        # Same stream as the single-process loop's drafter, so seeded runs match it.
+        generator = make_generator(params.seed, self.target.device, stream=1)
+        state = _Request(make_drafter(kind, self.target, draft_top_k=self.draft_top_k), list(token_ids),
+                         params, generator, self.clock())
+        with state.lock:
+            with self._lock:
+                self._evict_idle_locked()
+                self._requests[request_id] = state
+            # Drafting zero tokens brings a model drafter's KV cache up to the
+            # context now, while the verifier prefills too, and draws nothing.
+            self._draft(state, 0)
+
+    def propose(self, request_id: str, context_length: int, new_tokens: Sequence[int],
+                max_tokens: int) -> DraftTree | None:
+        """Append the newly verified tokens and draft up to `max_tokens` past them.
+
+        None means the state is lost (unknown or evicted request, or a context
+        that is not `context_length` tokens long): the caller prefills again."""
+        if max_tokens < 0:
+            raise InvalidArgument("max_tokens", f"must be >= 0, got {max_tokens}")
+        self._check_vocabulary("new_tokens", new_tokens)
+        with self._lock:
+            self._evict_idle_locked()
+            state = self._requests.get(request_id)
+            if state is None:
+                return None
+            state.last_used = self.clock()
+        with state.lock:
+            if len(state.context) != context_length:
+                return None
+            state.context.extend(new_tokens)
+            return self._draft(state, max_tokens)
+
+    def release(self, request_id: str) -> bool:
+        with self._lock:
+            return self._requests.pop(request_id, None) is not None
+
+    def evict_idle(self) -> int:
+        """Drop requests idle longer than the timeout; returns how many."""
+        with self._lock:
+            return self._evict_idle_locked()
+
+    def active_requests(self) -> int:
+        with self._lock:
+            return len(self._requests)
+
+    def _evict_idle_locked(self) -> int:
+        now = self.clock()
+        idle = [rid for rid, s in self._requests.items() if now - s.last_used > self.idle_timeout_s]
+        for rid in idle:
+            del self._requests[rid]
+        return len(idle)
+
+    def _draft(self, state: _Request, max_tokens: int) -> DraftTree:
+        # Nothing past the target's context can be verified, and a model
+        # drafter's KV cache holds no more.
+        room = self.target.config.max_position_embeddings - len(state.context)
+        if room < 0:
+            return DraftTree()
+        return state.drafter.propose(state.context, min(max_tokens, room), state.params, state.generator)
+
+    def _check_vocabulary(self, name: str, tokens: Sequence[int]) -> None:
+        vocab = self.target.config.vocab_size
+        bad = next((t for t in tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidArgument(name, f"token {bad} is outside the vocabulary of {vocab}")

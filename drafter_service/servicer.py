@@ -1,0 +1,67 @@
+"""The drafter pool over gRPC (service specserve.v1.Drafter), with standard
+health checking and server reflection so generic tools can probe it."""
+
+from __future__ import annotations
+
+import time
+from concurrent import futures
+from typing import Callable, TypeVar
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from protos import specserve_pb2 as pb
+from protos import specserve_pb2_grpc as pb_grpc
+from protos.convert import params_from_pb, tree_to_pb
+from speculative.sampling import InvalidArgument
+
+from .pool import DrafterPool
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Drafter"].full_name
+
+T = TypeVar("T")
+
+
+def _checked(context: grpc.ServicerContext, call: Callable[[], T]) -> T:
+    """Run `call`; a bad field becomes INVALID_ARGUMENT whose details start with the field's name."""
+    try:
+        return call()
+    except InvalidArgument as err:
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+
+
+class DrafterServicer(pb_grpc.DrafterServicer):
+    def __init__(self, pool: DrafterPool):
+        self.pool = pool
+
+    def Prefill(self, request: pb.DrafterPrefillRequest, context: grpc.ServicerContext) -> pb.Ack:
+        _checked(context, lambda: self.pool.prefill(request.request_id, request.drafter, list(request.token_ids),
+                                                    params_from_pb(request.sampling)))
+        return pb.Ack()
+
+    def Propose(self, request: pb.ProposeRequest, context: grpc.ServicerContext) -> pb.ProposeResponse:
+        started = time.perf_counter()
+        tree = _checked(context, lambda: self.pool.propose(request.request_id, request.context_length,
+                                                           list(request.new_tokens), request.max_tokens))
+        if tree is None:
+            return pb.ProposeResponse(state_lost=True)
+        return pb.ProposeResponse(tree=tree_to_pb(tree), seconds=time.perf_counter() - started)
+
+    def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseResponse:
+        return pb.ReleaseResponse(released=self.pool.release(request.request_id))
+
+
+def serve(pool: DrafterPool, host: str = "127.0.0.1", port: int = 0,
+          max_workers: int = 16) -> tuple[grpc.Server, int]:
+    """Start serving `pool` on host:port (0 picks a free port); returns the server and its port."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers))
+    pb_grpc.add_DrafterServicer_to_server(DrafterServicer(pool), server)
+    health_servicer = health.HealthServicer()
+    for name in ("", SERVICE_NAME):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    server.start()
+    return server, bound

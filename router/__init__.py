@@ -1,0 +1,1 @@
+"""Client-facing router: validation, drafter choice, the draft/verify coordinator."""

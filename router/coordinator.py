@@ -1,0 +1,272 @@
+"""Drive one request through draft/verify rounds over gRPC (sequential rounds).
+
+The verifier owns the request's KV cache and the pending (last verified)
+token; the drafter keeps its own context, which the coordinator keeps in
+step by sending only the tokens verified since the last round. Failures
+degrade, never corrupt: a drafter that dies or lost its state is replaced
+(another pool, or no drafting at all), and a verifier that lost the request
+is prefilled again with every verified token. Both keep the output exactly
+the target's, because only the verifier decides tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Sequence
+
+import grpc
+
+from protos import specserve_pb2 as pb
+from protos import specserve_pb2_grpc as pb_grpc
+from protos.convert import params_to_pb
+from speculative.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+# gRPC failures after which another replica (or no drafting) is the answer
+RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
+             grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.RESOURCE_EXHAUSTED}
+
+
+class Channels:
+    """One cached gRPC channel per address."""
+
+    def __init__(self):
+        self._channels: dict[str, grpc.Channel] = {}
+
+    def get(self, address: str) -> grpc.Channel:
+        if address not in self._channels:
+            self._channels[address] = grpc.insecure_channel(address)
+        return self._channels[address]
+
+    def drop(self, address: str) -> None:
+        ch = self._channels.pop(address, None)
+        if ch is not None:
+            ch.close()
+
+    def close(self) -> None:
+        for ch in self._channels.values():
+            ch.close()
+        self._channels.clear()
+
+
+@dataclass
+class RoundStats:
+    target_forward_passes: int = 0
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
+    drafter: str = ""
+    batch_sizes: list[int] = field(default_factory=list)
+
+
+class DeadlineExceeded(Exception):
+    pass
+
+
+class Cancelled(Exception):
+    pass
+
+
+class NoService(Exception):
+    """No live service of a kind is left to try."""
+
+
+@dataclass
+class Job:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    drafter_kind: str  # "none" for plain decoding
+    draft_length: int
+    eos_token_ids: Sequence[int]
+    deadline: float | None = None  # time.monotonic() value
+    is_cancelled: Callable[[], bool] = lambda: False
+
+
+class Coordinator:
+    """Runs jobs against the services that `verifiers()` and `drafters()` list."""
+
+    def __init__(self, verifiers: Callable[[], list[str]], drafters: Callable[[], list[str]],
+                 channels: Channels | None = None):
+        self.verifiers, self.drafters = verifiers, drafters
+        self.channels = channels or Channels()
+
+    def timeout(self, job: Job) -> float | None:
+        """Seconds left before the job's deadline, for the next downstream call."""
+        if job.deadline is None:
+            return None
+        left = job.deadline - time.monotonic()
+        if left <= 0:
+            raise DeadlineExceeded()
+        return left
+
+    def release(self, stub, request_id: str) -> None:
+        try:
+            stub.Release(pb.ReleaseRequest(request_id=request_id), timeout=2.0)
+        except grpc.RpcError:
+            pass  # best effort: idle timeouts reclaim what we could not release
+
+    def run(self, job: Job, stats: RoundStats) -> Iterator[list[int]]:
+        """Yield each round's newly verified tokens, counting into `stats`."""
+        verified: list[int] = []  # generated tokens; the last one is pending at the verifier
+        verifier, drafter = _VerifySide(self, job), _DraftSide(self, job)
+        try:
+            while not self._finished(job, verified):
+                if job.is_cancelled():
+                    raise Cancelled()
+                if not verified or verifier.stub is None:
+                    # first round, or the verifier lost the request: prefill every verified token;
+                    # the answer is the next token, exactly as a round would give it
+                    new = [verifier.prefill(job.prompt_ids + verified)]
+                else:
+                    budget = min(job.draft_length, job.params.max_tokens - len(verified) - 1)
+                    tree = drafter.propose(job.prompt_ids + verified, budget) if budget > 0 else pb.DraftTree()
+                    resp = verifier.verify(tree)
+                    if resp is None:
+                        continue
+                    new = list(resp.accepted) + [resp.bonus]
+                    stats.draft_tokens += len(tree.tokens)
+                    stats.accepted_draft_tokens += len(resp.accepted)
+                    stats.batch_sizes.append(resp.batch_size)
+                stats.target_forward_passes += 1
+                new = self._clip(job, verified, new)
+                verified.extend(new)
+                yield new
+        finally:
+            drafter.release()
+            verifier.release()
+
+    @staticmethod
+    def _finished(job: Job, verified: list[int]) -> bool:
+        return len(verified) >= job.params.max_tokens or (bool(verified) and verified[-1] in job.eos_token_ids)
+
+    @staticmethod
+    def _clip(job: Job, verified: list[int], new: list[int]) -> list[int]:
+        """Cut at the first end-of-sequence token and at max_tokens."""
+        for i, tok in enumerate(new):
+            if tok in job.eos_token_ids:
+                new = new[:i + 1]
+                break
+        return new[:job.params.max_tokens - len(verified)]
+
+
+class _VerifySide:
+    """The verifier holding one request, replaced when it fails."""
+
+    def __init__(self, coord: Coordinator, job: Job):
+        self.coord, self.job = coord, job
+        self.address: str | None = None
+        self.stub = None
+        self.failed: set[str] = set()
+
+    def prefill(self, tokens: list[int]) -> int:
+        reserve = len(tokens) + self.job.params.max_tokens + self.job.draft_length + 4
+        req = pb.VerifierPrefillRequest(request_id=self.job.request_id, token_ids=tokens,
+                                        sampling=params_to_pb(self.job.params), max_len=reserve)
+        for address in self.coord.verifiers():
+            if address in self.failed:
+                continue
+            stub = pb_grpc.VerifierStub(self.coord.channels.get(address))
+            try:
+                resp = stub.Prefill(req, timeout=self.coord.timeout(self.job))
+            except grpc.RpcError as e:
+                if e.code() not in RETRYABLE:
+                    raise
+                self._fail(address, e)
+                continue
+            self.address, self.stub = address, stub
+            return resp.next_token
+        raise NoService("no verifier is available")
+
+    def verify(self, tree: pb.DraftTree) -> pb.VerifyResponse | None:
+        """The verdict, or None when the request must be prefilled again."""
+        try:
+            resp = self.stub.Verify(pb.VerifyRequest(request_id=self.job.request_id, tree=tree),
+                                    timeout=self.coord.timeout(self.job))
+        except grpc.RpcError as e:
+            if e.code() not in RETRYABLE or e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise
+            self._fail(self.address, e)
+            return None
+        if resp.state_lost:
+            self.stub = None
+            return None
+        return resp
+
+    def _fail(self, address: str, err: grpc.RpcError) -> None:
+        log.warning("verifier %s failed for %s (%s); trying another", address, self.job.request_id, err.code())
+        self.failed.add(address)
+        self.coord.channels.drop(address)
+        self.stub = None
+
+    def release(self) -> None:
+        if self.stub is not None:
+            self.coord.release(self.stub, self.job.request_id)
+
+
+class _DraftSide:
+    """The drafter pool serving one request, replaced when it fails."""
+
+    def __init__(self, coord: Coordinator, job: Job):
+        self.coord, self.job = coord, job
+        self.address: str | None = None
+        self.stub = None
+        self.synced = 0  # context length the drafter holds
+        self.failed: set[str] = set()
+        self.disabled = job.drafter_kind == "none"
+
+    def _connect(self, context: list[int]) -> bool:
+        """Prefill a pool with `context`; False when none is left."""
+        for address in self.coord.drafters():
+            if address in self.failed:
+                continue
+            stub = pb_grpc.DrafterStub(self.coord.channels.get(address))
+            try:
+                stub.Prefill(pb.DrafterPrefillRequest(
+                    request_id=self.job.request_id, drafter=self.job.drafter_kind, token_ids=context,
+                    sampling=params_to_pb(self.job.params)), timeout=self.coord.timeout(self.job))
+            except grpc.RpcError as e:
+                if e.code() not in RETRYABLE:
+                    raise
+                self._fail(address, e)
+                continue
+            self.address, self.stub, self.synced = address, stub, len(context)
+            return True
+        return False
+
+    def _fail(self, address: str, err: grpc.RpcError) -> None:
+        log.warning("drafter %s failed for %s (%s); trying another", address, self.job.request_id, err.code())
+        self.failed.add(address)
+        self.coord.channels.drop(address)
+        if self.address == address:
+            self.address, self.stub = None, None
+
+    def propose(self, context: list[int], budget: int) -> pb.DraftTree:
+        """A draft tree for `context`, or an empty one (plain decoding) if no drafter can help."""
+        for _ in range(3):
+            if self.disabled:
+                return pb.DraftTree()
+            if self.stub is None and not self._connect(context):
+                self.disabled = True  # no pool left: finish with plain decoding
+                return pb.DraftTree()
+            try:
+                resp = self.stub.Propose(pb.ProposeRequest(
+                    request_id=self.job.request_id, context_length=self.synced,
+                    new_tokens=context[self.synced:], max_tokens=budget), timeout=self.coord.timeout(self.job))
+            except grpc.RpcError as e:
+                if e.code() not in RETRYABLE:
+                    raise
+                self._fail(self.address, e)
+                continue
+            if resp.state_lost:  # e.g. the pool restarted: prefill it again
+                self.stub = None
+                continue
+            self.synced = len(context)
+            return resp.tree
+        return pb.DraftTree()
+
+    def release(self) -> None:
+        if self.stub is not None:
+            self.coord.release(self.stub, self.job.request_id)

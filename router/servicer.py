@@ -1,0 +1,156 @@
+"""The client-facing `Specserve` gRPC service."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from concurrent import futures
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from drafter_service.registry import DRAFTER_NAMES
+from protos import specserve_pb2 as pb
+from protos import specserve_pb2_grpc as pb_grpc
+from speculative.sampling import InvalidArgument, SamplingParams
+from speculative.tokenizer import Tokenizer
+
+from .coordinator import Cancelled, Coordinator, DeadlineExceeded, Job, NoService, RoundStats
+from .domains import DOMAINS
+from .text import StreamingText
+
+ROLES = {"system", "user", "assistant"}
+
+
+@dataclass
+class RouterConfig:
+    context_length: int
+    eos_token_ids: list[int]
+    default_drafter: str = "pld"
+    draft_length: int = 5
+    max_prompt_tokens: int = 4096
+    default_max_tokens: int = 128
+    max_stop_strings: int = 8
+
+
+class RouterServicer(pb_grpc.SpecserveServicer):
+    def __init__(self, tokenizer: Tokenizer, coordinator: Coordinator, config: RouterConfig):
+        self.tokenizer, self.coordinator, self.config = tokenizer, coordinator, config
+
+    # -- validation -----------------------------------------------------------
+    def _job(self, req: pb.GenerateRequest, context: grpc.ServicerContext) -> Job:
+        cfg = self.config
+        if req.prompt and req.messages:
+            raise InvalidArgument("prompt", "give a prompt or messages, not both")
+        if req.messages:
+            for i, m in enumerate(req.messages):
+                if m.role not in ROLES:
+                    raise InvalidArgument(f"messages[{i}].role", f"must be one of {', '.join(sorted(ROLES))}")
+            if not any(m.content.strip() for m in req.messages):
+                raise InvalidArgument("messages", "all messages are empty")
+            ids = self.tokenizer.encode_chat([{"role": m.role, "content": m.content} for m in req.messages])
+        else:
+            if not req.prompt.strip():
+                raise InvalidArgument("prompt", "must not be empty")
+            ids = self.tokenizer.encode(req.prompt)
+        if len(ids) > cfg.max_prompt_tokens:
+            raise InvalidArgument("prompt", f"{len(ids)} tokens exceeds the limit of {cfg.max_prompt_tokens}")
+        s = req.sampling
+        params = SamplingParams(max_tokens=s.max_tokens or cfg.default_max_tokens, temperature=s.temperature,
+                                top_p=s.top_p if s.top_p != 0 else 1.0, top_k=s.top_k,
+                                seed=s.seed if s.HasField("seed") else None)
+        params.validate(len(ids), cfg.context_length)
+        if req.domain_hint and req.domain_hint not in DOMAINS:
+            raise InvalidArgument("domain_hint", f"unknown domain {req.domain_hint!r}; known: {', '.join(DOMAINS)}")
+        drafter = req.drafter or cfg.default_drafter
+        if drafter not in DRAFTER_NAMES:
+            raise InvalidArgument("drafter", f"unknown drafter {drafter!r}; choose from {', '.join(DRAFTER_NAMES)}")
+        if len(req.stop) > cfg.max_stop_strings or any(not s for s in req.stop):
+            raise InvalidArgument("stop", f"at most {cfg.max_stop_strings} non-empty strings")
+        remaining = context.time_remaining()
+        return Job(request_id=req.request_id or uuid.uuid4().hex, prompt_ids=ids, params=params,
+                   drafter_kind=drafter, draft_length=cfg.draft_length, eos_token_ids=cfg.eos_token_ids,
+                   deadline=None if remaining is None else time.monotonic() + remaining,
+                   is_cancelled=lambda: not context.is_active())
+
+    # -- running ------------------------------------------------------------------
+    def _chunks(self, req: pb.GenerateRequest, context: grpc.ServicerContext):
+        """Yield (job, text delta, new tokens, stats, finish_reason or None) per round."""
+        try:
+            job = self._job(req, context)
+        except InvalidArgument as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        stats = RoundStats(drafter=job.drafter_kind)
+        text = StreamingText(self.tokenizer.decode, req.stop)
+        count = 0
+        try:
+            for new in self.coordinator.run(job, stats):
+                count += len(new)
+                delta = text.add(new)
+                if text.stopped:
+                    yield job, delta, new, stats, "stop"
+                    return
+                reason = None
+                if count >= job.params.max_tokens or new[-1] in job.eos_token_ids:
+                    reason = "stop" if new[-1] in job.eos_token_ids else "length"
+                    delta += text.finish()
+                yield job, delta, new, stats, reason
+        except DeadlineExceeded:
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded during generation")
+        except Cancelled:
+            return
+        except NoService as e:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        except grpc.RpcError as e:
+            context.abort(grpc.StatusCode.INTERNAL, f"downstream {e.code().name}: {e.details()}")
+
+    @staticmethod
+    def _usage(job: Job, stats: RoundStats, completion: int) -> pb.Usage:
+        passes = max(stats.target_forward_passes, 1)
+        return pb.Usage(prompt_tokens=len(job.prompt_ids), completion_tokens=completion,
+                        target_forward_passes=stats.target_forward_passes, draft_tokens=stats.draft_tokens,
+                        accepted_draft_tokens=stats.accepted_draft_tokens,
+                        mean_accepted_tokens=completion / passes, drafter=stats.drafter)
+
+    def Generate(self, request, context):
+        tokens, text, reason, job, stats = [], [], "length", None, None
+        for job, delta, new, stats, finish in self._chunks(request, context):
+            tokens.extend(new)
+            text.append(delta)
+            reason = finish or reason
+        if job is None:  # cancelled before anything was generated
+            return pb.GenerateResponse()
+        return pb.GenerateResponse(request_id=job.request_id, text="".join(text), token_ids=tokens,
+                                   finish_reason=reason, usage=self._usage(job, stats, len(tokens)))
+
+    def GenerateStream(self, request, context):
+        total = 0
+        for job, delta, new, stats, finish in self._chunks(request, context):
+            total += len(new)
+            chunk = pb.GenerateChunk(request_id=job.request_id, text=delta, token_ids=new)
+            if finish:
+                chunk.finish_reason = finish
+                chunk.usage.CopyFrom(self._usage(job, stats, total))
+            yield chunk
+
+
+def serve(servicer: RouterServicer, host: str = "0.0.0.0", port: int = 50051, max_workers: int = 32
+          ) -> tuple[grpc.Server, int]:
+    """Start the router's gRPC server with health checking and reflection."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="router"))
+    pb_grpc.add_SpecserveServicer_to_server(servicer, server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    service = pb.DESCRIPTOR.services_by_name["Specserve"].full_name
+    for name in ("", service):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    reflection.enable_server_reflection((service, reflection.SERVICE_NAME, health.SERVICE_NAME), server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind {host}:{port}")
+    server.start()
+    return server, bound
+
+

@@ -1,0 +1,1 @@
+"""Python client for a specserve server: `from specserve.client import Client, AsyncClient`."""

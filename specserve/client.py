@@ -1,0 +1,285 @@
+"""Client for the specserve gRPC API (service `specserve.v1.Specserve`).
+
+    from specserve.client import Client
+
+    with Client("localhost:50051", timeout=30) as client:
+        done = client.generate("Explain speculative decoding.", max_tokens=64)
+        print(done.text, done.usage.mean_accepted_tokens)
+        for chunk in client.stream(messages=[{"role": "user", "content": "Hi"}]):
+            print(chunk.text, end="", flush=True)
+
+`AsyncClient` has the same API for asyncio (`await client.generate(...)`,
+`async for chunk in client.stream(...)`); create it inside the running event loop.
+
+Results are plain frozen dataclasses (`Completion`, `Chunk`, `Usage`); no
+protobuf types reach the caller.
+
+Errors: every failed call raises `SpecserveError`, whose `.code` is the
+`grpc.StatusCode` (e.g. `DEADLINE_EXCEEDED`, `UNAVAILABLE`, `INVALID_ARGUMENT`)
+and `.details` the server's message; the original `grpc.RpcError` is its
+`__cause__`. Bad arguments caught before sending (neither or both of
+`prompt` / `messages`) raise `ValueError`.
+
+Deadlines: `timeout` (seconds) on a call, else the client's `timeout`, becomes
+the gRPC deadline. It covers the whole call, retries included; None = no deadline.
+
+Retries: gRPC itself retries calls that fail with UNAVAILABLE, configured
+through the channel's service config: up to `max_attempts` attempts (1 turns
+retrying off, gRPC allows at most 5), with jittered exponential backoff from
+0.1 s up to 2 s. A stream is retried only until its first response arrives;
+after that a failure reaches the caller, since chunks already handed out
+cannot be taken back.
+
+TLS: `tls=True` verifies the server against `root_certificates` (PEM bytes),
+or the system's roots when None.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import grpc.aio
+
+from protos import specserve_pb2 as pb
+from protos import specserve_pb2_grpc as pb_grpc
+
+SERVICE = "specserve.v1.Specserve"
+MAX_ATTEMPTS_LIMIT = 5  # gRPC silently caps retryPolicy.maxAttempts here; refuse more instead
+
+
+class SpecserveError(Exception):
+    """A call failed; `code` is the gRPC status code, `details` the server's message."""
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+        self.details = details
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    target_forward_passes: int
+    draft_tokens: int
+    accepted_draft_tokens: int
+    mean_accepted_tokens: float  # completion tokens per target forward pass
+    drafter: str  # the drafter kind that served the request
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_draft_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+
+@dataclass(frozen=True)
+class Completion:
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str  # "stop" or "length"
+    usage: Usage
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """The tokens verified in one round; the last chunk also carries finish_reason and usage."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str | None
+    usage: Usage | None
+    request_id: str
+
+
+def _service_config(max_attempts: int) -> str:
+    method: dict[str, Any] = {"name": [{"service": SERVICE}]}
+    if max_attempts > 1:  # gRPC rejects a retryPolicy with maxAttempts < 2
+        method["retryPolicy"] = {
+            "maxAttempts": max_attempts,
+            "initialBackoff": "0.1s",
+            "maxBackoff": "2s",
+            "backoffMultiplier": 2,
+            "retryableStatusCodes": ["UNAVAILABLE"],
+        }
+    return json.dumps({"methodConfig": [method]})
+
+
+def _channel_options(max_attempts: int, options: Sequence[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    if not 1 <= max_attempts <= MAX_ATTEMPTS_LIMIT:
+        raise ValueError(f"max_attempts must be in 1..{MAX_ATTEMPTS_LIMIT}, got {max_attempts}")
+    merged = {"grpc.enable_retries": 1, "grpc.service_config": _service_config(max_attempts)}
+    merged.update(options)  # the caller's options win
+    return list(merged.items())
+
+
+def _credentials(tls: bool, root_certificates: bytes | None) -> grpc.ChannelCredentials | None:
+    if root_certificates is not None and not tls:
+        raise ValueError("root_certificates given without tls=True")
+    return grpc.ssl_channel_credentials(root_certificates) if tls else None
+
+
+def _request(prompt: str | None, messages: Sequence[Mapping[str, str]] | None, max_tokens: int,
+             temperature: float, top_p: float, top_k: int, seed: int | None, stop: Sequence[str],
+             domain_hint: str, drafter: str, request_id: str) -> pb.GenerateRequest:
+    if (prompt is None) == (messages is None):
+        raise ValueError("give exactly one of prompt or messages")
+    if messages is not None and not messages:
+        raise ValueError("messages must not be empty")
+    sampling = pb.SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k)
+    if seed is not None:  # `optional` on the wire: unset means unseeded
+        sampling.seed = seed
+    req = pb.GenerateRequest(sampling=sampling, stop=list(stop), domain_hint=domain_hint, drafter=drafter,
+                             request_id=request_id)
+    if prompt is not None:
+        req.prompt = prompt
+    else:
+        for m in messages or ():
+            if set(m) != {"role", "content"}:
+                raise ValueError(f"a message needs exactly 'role' and 'content', got {sorted(m)}")
+            req.messages.add(role=m["role"], content=m["content"])
+    return req
+
+
+def _usage(u: pb.Usage) -> Usage:
+    return Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
+                 target_forward_passes=u.target_forward_passes, draft_tokens=u.draft_tokens,
+                 accepted_draft_tokens=u.accepted_draft_tokens, mean_accepted_tokens=u.mean_accepted_tokens,
+                 drafter=u.drafter)
+
+
+def _completion(r: pb.GenerateResponse) -> Completion:
+    return Completion(text=r.text, token_ids=tuple(r.token_ids), finish_reason=r.finish_reason,
+                      usage=_usage(r.usage), request_id=r.request_id)
+
+
+def _chunk(c: pb.GenerateChunk) -> Chunk:
+    return Chunk(text=c.text, token_ids=tuple(c.token_ids), finish_reason=c.finish_reason or None,
+                 usage=_usage(c.usage) if c.HasField("usage") else None, request_id=c.request_id)
+
+
+def _error(e: grpc.RpcError) -> SpecserveError:
+    # Raised RpcErrors (sync and aio) are also grpc.Call objects carrying the status.
+    return SpecserveError(e.code(), e.details() or "")  # type: ignore[attr-defined]
+
+
+class _Base:
+    def __init__(self, tls: bool, root_certificates: bytes | None,
+                 metadata: Sequence[tuple[str, str]], timeout: float | None, max_attempts: int,
+                 options: Sequence[tuple[str, Any]]):
+        self._credentials = _credentials(tls, root_certificates)
+        self._options = _channel_options(max_attempts, options)
+        self._metadata = tuple(metadata)
+        self._timeout = timeout
+
+    def _call_args(self, timeout: float | None, metadata: Sequence[tuple[str, str]]) -> dict[str, Any]:
+        return {"timeout": self._timeout if timeout is None else timeout,
+                "metadata": self._metadata + tuple(metadata)}
+
+
+class Client(_Base):
+    """Blocking client over one gRPC channel; safe to share between threads."""
+
+    def __init__(self, target: str, *, tls: bool = False, root_certificates: bytes | None = None,
+                 metadata: Sequence[tuple[str, str]] = (), timeout: float | None = None, max_attempts: int = 4,
+                 options: Sequence[tuple[str, Any]] = ()):
+        super().__init__(tls, root_certificates, metadata, timeout, max_attempts, options)
+        self._channel = (grpc.secure_channel(target, self._credentials, self._options) if self._credentials
+                         else grpc.insecure_channel(target, self._options))
+        self._stub = pb_grpc.SpecserveStub(self._channel)
+
+    def generate(self, prompt: str | None = None, *, messages: Sequence[Mapping[str, str]] | None = None,
+                 max_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+                 seed: int | None = None, stop: Sequence[str] = (), domain_hint: str = "", drafter: str = "",
+                 request_id: str = "", timeout: float | None = None,
+                 metadata: Sequence[tuple[str, str]] = ()) -> Completion:
+        req = _request(prompt, messages, max_tokens, temperature, top_p, top_k, seed, stop, domain_hint, drafter,
+                       request_id)
+        try:
+            return _completion(self._stub.Generate(req, **self._call_args(timeout, metadata)))
+        except grpc.RpcError as e:
+            raise _error(e) from e
+
+    def stream(self, prompt: str | None = None, *, messages: Sequence[Mapping[str, str]] | None = None,
+               max_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+               seed: int | None = None, stop: Sequence[str] = (), domain_hint: str = "", drafter: str = "",
+               request_id: str = "", timeout: float | None = None,
+               metadata: Sequence[tuple[str, str]] = ()) -> Iterator[Chunk]:
+        # Not a generator itself, so bad arguments raise here and the call starts now.
+        req = _request(prompt, messages, max_tokens, temperature, top_p, top_k, seed, stop, domain_hint, drafter,
+                       request_id)
+        return self._chunks(self._stub.GenerateStream(req, **self._call_args(timeout, metadata)))
+
+    @staticmethod
+    def _chunks(call: Any) -> Iterator[Chunk]:
+        try:
+            for c in call:
+                yield _chunk(c)
+        except grpc.RpcError as e:
+            raise _error(e) from e
+        finally:
+            call.cancel()  # the caller stopped early: let the server stop generating too
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncClient(_Base):
+    """asyncio client (grpc.aio) with the same API as `Client`."""
+
+    def __init__(self, target: str, *, tls: bool = False, root_certificates: bytes | None = None,
+                 metadata: Sequence[tuple[str, str]] = (), timeout: float | None = None, max_attempts: int = 4,
+                 options: Sequence[tuple[str, Any]] = ()):
+        super().__init__(tls, root_certificates, metadata, timeout, max_attempts, options)
+        self._channel = (grpc.aio.secure_channel(target, self._credentials, self._options) if self._credentials
+                         else grpc.aio.insecure_channel(target, self._options))
+        self._stub = pb_grpc.SpecserveStub(self._channel)
+
+    async def generate(self, prompt: str | None = None, *, messages: Sequence[Mapping[str, str]] | None = None,
+                       max_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+                       seed: int | None = None, stop: Sequence[str] = (), domain_hint: str = "", drafter: str = "",
+                       request_id: str = "", timeout: float | None = None,
+                       metadata: Sequence[tuple[str, str]] = ()) -> Completion:
+        req = _request(prompt, messages, max_tokens, temperature, top_p, top_k, seed, stop, domain_hint, drafter,
+                       request_id)
+        try:
+            return _completion(await self._stub.Generate(req, **self._call_args(timeout, metadata)))
+        except grpc.RpcError as e:
+            raise _error(e) from e
+
+    def stream(self, prompt: str | None = None, *, messages: Sequence[Mapping[str, str]] | None = None,
+               max_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+               seed: int | None = None, stop: Sequence[str] = (), domain_hint: str = "", drafter: str = "",
+               request_id: str = "", timeout: float | None = None,
+               metadata: Sequence[tuple[str, str]] = ()) -> AsyncIterator[Chunk]:
+        req = _request(prompt, messages, max_tokens, temperature, top_p, top_k, seed, stop, domain_hint, drafter,
+                       request_id)
+        return self._chunks(self._stub.GenerateStream(req, **self._call_args(timeout, metadata)))
+
+    @staticmethod
+    async def _chunks(call: Any) -> AsyncIterator[Chunk]:
+        try:
+            async for c in call:
+                yield _chunk(c)
+        except grpc.RpcError as e:
+            raise _error(e) from e
+        finally:
+            call.cancel()  # the caller stopped early: let the server stop generating too
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

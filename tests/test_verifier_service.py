@@ -1,0 +1,282 @@
+"""The verifier engine behind a real gRPC server on loopback.
+
+Driven round by round from the test process with a prompt-lookup drafter, it
+gives the tokens of the single-process loop (speculative.decoding.generate,
+itself checked against Hugging Face): greedy on the real model, seeded
+sampling and concurrent batched requests on the tiny one. Also: bad input,
+lost state, resuming from a checkpoint on a new verifier, health and reflection.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import replace
+from typing import Iterator, Sequence
+
+import grpc
+import pytest
+from google.protobuf import descriptor_pool
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+from cluster.state import EmbeddedStateStore
+from drafter_service.registry import make_drafter
+from protos import specserve_pb2 as pb
+from protos import specserve_pb2_grpc as pb_grpc
+from protos.convert import params_to_pb, tree_to_pb
+from speculative import batching
+from speculative.decoding import generate
+from speculative.sampling import SamplingParams, make_generator
+from speculative.tree import DraftTree
+from tiny import tiny_model
+from verifier_service.engine import VerifierEngine
+from verifier_service.servicer import SERVICE_NAME, serve
+
+DRAFT_LENGTH = 5
+SAMPLED = SamplingParams(max_tokens=30, temperature=1.0, top_k=6, top_p=0.95, seed=11)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_model(0)
+
+
+@contextmanager
+def served(engine: VerifierEngine) -> Iterator[pb_grpc.VerifierStub]:
+    """A Verifier stub on a fresh loopback server; server and engine stop on exit (a verifier going away)."""
+    server, port = serve(engine)
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        yield pb_grpc.VerifierStub(channel)
+    finally:
+        channel.close()
+        server.stop(None)
+        engine.close()
+
+
+def prompt(i: int, n: int = 10) -> list[int]:
+    """A tiny-model prompt with repeats, so prompt lookup finds drafts."""
+    return [(i + j * (i % 3 + 1)) % 7 for j in range(n)]
+
+
+def single_run(model, prompt_ids: Sequence[int], params: SamplingParams, eos: Sequence[int] = ()) -> list[int]:
+    return generate(model, prompt_ids, params, make_drafter("pld", model), DRAFT_LENGTH, eos).token_ids
+
+
+class Remote:
+    """One request driven over gRPC as speculative.decoding.generate drives it in process."""
+
+    def __init__(self, stub: pb_grpc.VerifierStub, request_id: str, prompt_ids: Sequence[int],
+                 params: SamplingParams, model, eos: Sequence[int] = ()):
+        self.stub, self.request_id, self.prompt, self.params, self.eos = stub, request_id, list(prompt_ids), params, eos
+        self.drafter = make_drafter("pld", model)
+        self.drafter_rng = make_generator(params.seed, stream=1)
+        self.tokens: list[int] = []
+        self.done = False
+        self.accepted_drafts = 0
+        self.batch_sizes: list[int] = []
+        first = stub.Prefill(pb.VerifierPrefillRequest(
+            request_id=request_id, token_ids=self.prompt, sampling=params_to_pb(params),
+            max_len=len(self.prompt) + params.max_tokens + DRAFT_LENGTH + 1)).next_token
+        self._emit([first])
+
+    def _emit(self, new: list[int]) -> None:
+        for i, tok in enumerate(new):
+            if tok in self.eos:
+                new, self.done = new[:i + 1], True
+                break
+        room = self.params.max_tokens - len(self.tokens)
+        if len(new) >= room:
+            new, self.done = new[:room], True
+        self.tokens += new
+
+    def step(self) -> None:
+        budget = min(DRAFT_LENGTH, self.params.max_tokens - len(self.tokens) - 1)
+        tree = DraftTree()
+        if budget > 0:
+            tree = self.drafter.propose(self.prompt + self.tokens, budget, self.params, self.drafter_rng)
+            tree = tree.truncated(budget)
+        resp = self.stub.Verify(pb.VerifyRequest(request_id=self.request_id, tree=tree_to_pb(tree)))
+        assert not resp.state_lost
+        self.accepted_drafts += len(resp.accepted)
+        self.batch_sizes.append(resp.batch_size)
+        self._emit(list(resp.accepted) + [resp.bonus])
+
+    def run(self) -> list[int]:
+        while not self.done:
+            self.step()
+        return self.tokens
+
+
+def test_greedy_over_grpc_equals_the_single_process_loop(smollm2):
+    model, tok = smollm2
+    eos = tok.eos_token_ids or model.config.eos_token_ids
+    params = SamplingParams(max_tokens=32)
+    prompts = ["Repeat this line twice: the quick brown fox jumps over the lazy dog.",
+               "Add type hints to this function:\ndef area(width, height):\n    return width * height"]
+    with served(VerifierEngine(model, max_batch=2, max_len=512)) as stub:
+        for i, text in enumerate(prompts):
+            ids = tok.encode_chat([{"role": "user", "content": text}])
+            remote = Remote(stub, f"r{i}", ids, params, model, eos)
+            assert remote.run() == single_run(model, ids, params, eos), text
+            assert remote.accepted_drafts > 0, "no draft token was accepted: the trees were not exercised"
+            assert stub.Release(pb.ReleaseRequest(request_id=f"r{i}")).released
+
+
+def test_concurrent_requests_share_passes_and_match_single_runs(tiny):
+    n = 8
+    params = [SamplingParams(max_tokens=24) if i % 2 else SamplingParams(max_tokens=24, temperature=1.0, seed=i)
+              for i in range(n)]
+    all_prefilled = threading.Barrier(n)
+    with served(VerifierEngine(tiny, max_batch=n, max_len=64, batch_wait_s=0.05)) as stub:
+        def client(i: int) -> Remote:
+            remote = Remote(stub, f"c{i}", prompt(i), params[i], tiny)
+            all_prefilled.wait(timeout=30)
+            remote.run()
+            return remote
+
+        with ThreadPoolExecutor(n) as pool:
+            remotes = list(pool.map(client, range(n)))
+        stats = stub.Stats(pb.VerifierStatsRequest())
+        assert stats.active_requests == n
+        for i, remote in enumerate(remotes):
+            assert remote.tokens == single_run(tiny, prompt(i), params[i]), f"client {i}"
+            assert stub.Release(pb.ReleaseRequest(request_id=f"c{i}")).released
+        assert stub.Stats(pb.VerifierStatsRequest()).active_requests == 0
+    rounds = sum(len(r.batch_sizes) for r in remotes)
+    assert stats.verified_requests == rounds
+    assert sum(size * count for size, count in stats.batch_size_histogram.items()) == rounds
+    assert stats.max_batch_size > 1 and any(size > 1 for size in stats.batch_size_histogram)
+    assert stats.forward_passes == n + sum(stats.batch_size_histogram.values())  # prefills + verification passes
+    assert max(max(r.batch_sizes) for r in remotes) == stats.max_batch_size
+
+
+def test_seeded_sampling_over_grpc_equals_the_single_process_loop(tiny):
+    with served(VerifierEngine(tiny, max_len=64)) as stub:
+        for seed in (11, 12):
+            params = SamplingParams(max_tokens=30, temperature=1.0, top_k=6, top_p=0.95, seed=seed)
+            remote = Remote(stub, f"s{seed}", prompt(seed), params, tiny)
+            assert remote.run() == single_run(tiny, prompt(seed), params), f"seed {seed}"
+            assert remote.accepted_drafts > 0
+
+
+def invalid(call, request, field: str) -> str:
+    """The details of the INVALID_ARGUMENT error `call(request)` must raise; they name `field`."""
+    with pytest.raises(grpc.RpcError) as info:
+        call(request)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+    assert info.value.details().startswith(f"{field}: "), info.value.details()
+    return info.value.details()
+
+
+def test_bad_input_is_invalid_argument_naming_the_field(tiny):
+    greedy = params_to_pb(SamplingParams(max_tokens=4))
+
+    def prefill(request_id: str, tokens: list[int], sampling: pb.SamplingParams = greedy, max_len: int = 0):
+        return pb.VerifierPrefillRequest(request_id=request_id, token_ids=tokens, sampling=sampling, max_len=max_len)
+
+    def verify(tree: pb.DraftTree, request_id: str = "ok") -> pb.VerifyRequest:
+        return pb.VerifyRequest(request_id=request_id, tree=tree)
+
+    with served(VerifierEngine(tiny, max_batch=3, max_len=64, max_batch_tokens=16)) as stub:
+        first = stub.Prefill(prefill("ok", [1, 2, 3])).next_token
+        assert "parent" in invalid(stub.Verify, verify(pb.DraftTree(tokens=[1, 2], parents=[-1, 1])), "tree")
+        assert "vocabulary" in invalid(stub.Verify, verify(pb.DraftTree(tokens=[99], parents=[-1])), "tree")
+        assert "budget" in invalid(stub.Verify, verify(tree_to_pb(DraftTree.chain([1] * 16))), "tree")
+        invalid(stub.Prefill, prefill("e", []), "token_ids")
+        invalid(stub.Prefill, prefill("e", [1, 8]), "token_ids")
+        invalid(stub.Prefill, prefill("e", [1], pb.SamplingParams(max_tokens=4, temperature=1.0, top_p=2.0)), "top_p")
+        invalid(stub.Prefill, prefill("e", [1], max_len=65), "max_len")
+
+        # sampling needs every draw's q, a distribution over the vocabulary
+        stub.Prefill(prefill("s", [1, 2], params_to_pb(SAMPLED)))
+        chain = tree_to_pb(DraftTree.chain([3, 4]))
+        invalid(stub.Verify, verify(chain, "s"), "tree.draw_q")
+        chain.draw_q.extend([pb.SparseDist(ids=[3], probs=[1.0]), pb.SparseDist(ids=[99], probs=[1.0])])
+        invalid(stub.Verify, verify(chain, "s"), "tree.draw_q")
+        chain.draw_q[1].ids[0] = 5  # token 4 drawn from a q that cannot give it
+        invalid(stub.Verify, verify(chain, "s"), "tree.draw_q")
+
+        # unknown requests lose their state rather than fail; a full verifier is exhausted
+        assert stub.Verify(verify(pb.DraftTree(), "nobody")).state_lost
+        stub.Prefill(prefill("b", [1]))
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Prefill(prefill("c", [1]))
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+        # none of that disturbed the request that was going on
+        resp = stub.Verify(verify(pb.DraftTree()))
+        assert not resp.state_lost
+        assert [first, resp.bonus] == single_run(tiny, [1, 2, 3], SamplingParams(max_tokens=2))
+
+
+def test_new_verifier_resumes_from_the_checkpoint(tiny):
+    want = single_run(tiny, prompt(5), SAMPLED)
+    store = EmbeddedStateStore()
+    with served(VerifierEngine(tiny, max_len=64, checkpoints=store)) as stub:
+        assert stub.Verify(pb.VerifyRequest(request_id="nobody")).state_lost  # no checkpoint either
+        remote = Remote(stub, "r", prompt(5), SAMPLED, tiny)
+        for _ in range(3):
+            remote.step()
+        assert not remote.done
+    # that verifier is gone; a new one with the same store takes the request over
+    with served(VerifierEngine(tiny, max_len=64, checkpoints=store)) as stub:
+        remote.stub = stub
+        assert remote.run() == want
+        assert stub.Release(pb.ReleaseRequest(request_id="r")).released
+        assert store.load_checkpoint("r") is None
+        assert stub.Verify(pb.VerifyRequest(request_id="r")).state_lost
+
+
+def test_failed_pass_fails_its_requests_which_resume_from_checkpoints(tiny, monkeypatch):
+    greedy = SamplingParams(max_tokens=30)
+    cases = [("r", prompt(4), SAMPLED), ("c", prompt(5), replace(SAMPLED, seed=12)),  # rows 0-3
+             ("idle", prompt(6), greedy), ("d", prompt(8), greedy)]
+    real, calls = batching.verify_sampling, []
+
+    def fail_at_row_1(*args):
+        # after the forward wrote rows 0-3, row 0 drew from its random stream, and before
+        # rows 2 and 3 were cut back: the worst moment
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("device lost")
+        return real(*args)
+
+    engine = VerifierEngine(tiny, max_len=64, batch_wait_s=0.2, checkpoints=EmbeddedStateStore())
+    with served(engine) as stub, ThreadPoolExecutor(len(cases)) as pool:
+        remotes = [Remote(stub, name, ids, params, tiny) for name, ids, params in cases]
+        for remote in remotes:
+            remote.step()
+        monkeypatch.setattr(batching, "verify_sampling", fail_at_row_1)
+        in_pass = [remotes[0], remotes[1], remotes[3]]  # one pass; "idle" is not in it
+        for step in [pool.submit(remote.step) for remote in in_pass]:
+            with pytest.raises(grpc.RpcError, match="device lost"):
+                step.result()
+
+        def finish(remote: Remote) -> list[int]:
+            remote.run()
+            stub.Release(pb.ReleaseRequest(request_id=remote.request_id))  # no pass waits for it any more
+            return remote.tokens
+
+        for tokens, (name, ids, params) in zip(pool.map(finish, remotes), cases):
+            assert tokens == single_run(tiny, ids, params), name
+
+
+def test_health_and_reflection(tiny):
+    engine = VerifierEngine(tiny, max_len=64)
+    server, port = serve(engine)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            for service in ("", SERVICE_NAME):
+                status = health.Check(health_pb2.HealthCheckRequest(service=service)).status
+                assert status == health_pb2.HealthCheckResponse.SERVING
+            reflected = ProtoReflectionDescriptorDatabase(channel)
+            assert SERVICE_NAME in reflected.get_services()
+            service = descriptor_pool.DescriptorPool(reflected).FindServiceByName(SERVICE_NAME)
+            assert {"Prefill", "Verify", "Release", "Stats"} <= set(service.methods_by_name)
+    finally:
+        server.stop(None)
+        engine.close()

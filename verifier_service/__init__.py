@@ -1,0 +1,1 @@
+"""The verifier: the target model behind gRPC, verifying many requests' draft trees per forward pass."""

@@ -1,0 +1,366 @@
+"""The target engine: one KV cache row per request, and one worker thread that
+verifies the draft trees of many requests in each forward pass (continuous
+batching).
+
+Callers (gRPC threads) only check their arguments, queue work with a Future
+and wait; the worker alone touches the model, the cache and the requests'
+state, so none of those needs a lock. A request's state is that of the
+single-process loop (speculative.decoding.generate): every verified token,
+the last of which (the pending root) is not in the cache yet, and the
+request's own verifier random stream. With a checkpoint store that state is
+saved after every round, so a restarted verifier resumes a request with
+identical output.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import logging
+import threading
+import time
+from collections import Counter, deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Protocol, Sequence
+
+import torch
+
+from speculative.batching import VerifyItem, verify_batch
+from speculative.model import Transformer, attention_mask, causal_ancestors
+from speculative.sampling import InvalidArgument, SamplingParams, make_generator, probabilities, sample
+from speculative.tree import DraftTree
+
+log = logging.getLogger(__name__)
+
+
+class UnknownRequest(KeyError):
+    """Neither a cache row nor a checkpoint holds this request: it must be prefilled again."""
+
+
+class ResourceExhausted(RuntimeError):
+    """Every cache row is taken."""
+
+
+class CheckpointStore(Protocol):
+    """The part of cluster.state's stores the engine uses."""
+
+    def save_checkpoint(self, request_id: str, data: dict[str, Any], ttl_s: float) -> None: ...
+
+    def load_checkpoint(self, request_id: str) -> dict[str, Any] | None: ...
+
+    def delete_checkpoint(self, request_id: str) -> None: ...
+
+
+@dataclass
+class VerifyOutcome:
+    accepted: list[int]  # accepted draft tokens, root to leaf
+    bonus: int           # the target's own next token
+    batch_size: int      # requests that shared the forward pass
+
+
+@dataclass
+class _Request:
+    row: int
+    params: SamplingParams
+    generator: torch.Generator  # the verifier stream (stream 0), as in the single-process loop
+    tokens: list[int]           # every verified token; the last one is not in the cache yet
+
+
+# Work items for the worker. eq=False: they are taken off the queue by identity.
+@dataclass(eq=False)
+class _Prefill:
+    request_id: str
+    tokens: list[int]
+    params: SamplingParams
+    future: Future = field(default_factory=Future)
+
+
+@dataclass(eq=False)
+class _Verify:
+    request_id: str
+    tree: DraftTree
+    future: Future = field(default_factory=Future)
+
+
+@dataclass(eq=False)
+class _Release:
+    request_id: str
+    future: Future = field(default_factory=Future)
+
+
+_Work = _Prefill | _Verify | _Release
+
+
+class VerifierEngine:
+    def __init__(self, model: Transformer, max_batch: int = 8, max_len: int = 4096, max_batch_tokens: int = 256,
+                 batch_wait_s: float = 0.002, checkpoints: CheckpointStore | None = None,
+                 checkpoint_ttl_s: float = 600.0):
+        if max_batch < 1 or max_batch_tokens < 1:
+            raise ValueError("max_batch and max_batch_tokens must be positive")
+        self.model = model
+        self.max_batch, self.max_batch_tokens, self.batch_wait_s = max_batch, max_batch_tokens, batch_wait_s
+        self.max_len = min(max_len, model.config.max_position_embeddings)  # KV slots one request may use
+        self.checkpoints, self.checkpoint_ttl_s = checkpoints, checkpoint_ttl_s
+        # A pass pads every row up to the highest one in the batch to the batch's width (at most
+        # max_batch_tokens; the model pads 2-3 token passes to 4 on CPU), so rows get spare slots for it.
+        self._cache = model.new_cache(self.max_len + max(max_batch_tokens, 4), batch=max_batch)
+        self._requests: dict[str, _Request] = {}
+        self._queue: deque[_Work] = deque()
+        self._cond = threading.Condition()
+        self._closed = False
+        self._stats_lock = threading.Lock()
+        self._forward_passes = self._verified_requests = 0
+        self._batch_sizes: Counter[int] = Counter()
+        self._worker = threading.Thread(target=self._run, name="verifier-engine", daemon=True)
+        self._worker.start()
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.config.vocab_size
+
+    # ---- called from any thread ---------------------------------------------
+
+    def prefill(self, request_id: str, token_ids: Sequence[int], params: SamplingParams, reserve: int = 0) -> int:
+        """Fill the lowest free row with `token_ids`; returns the target's next token.
+
+        `reserve` more KV slots must fit after the tokens. Prefilling a request
+        this engine holds starts it over. Raises ResourceExhausted when no row is free.
+        """
+        tokens = list(token_ids)
+        if not request_id:
+            raise InvalidArgument("request_id", "must not be empty")
+        if not tokens:
+            raise InvalidArgument("token_ids", "must not be empty")
+        bad = next((t for t in tokens if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidArgument("token_ids", f"token {bad} is outside the vocabulary of {self.vocab_size}")
+        params.validate()
+        if len(tokens) + reserve > self.max_len:
+            raise InvalidArgument("max_len", f"{len(tokens)} tokens + {reserve} reserved slots exceed the "
+                                  f"verifier's {self.max_len} KV slots per request")
+        return self._submit(_Prefill(request_id, tokens, params))
+
+    def verify(self, request_id: str, tree: DraftTree) -> VerifyOutcome:
+        """Verify `tree` (well-formed, as protos.convert.tree_from_pb checks) below the pending token.
+
+        Raises UnknownRequest when the request has neither a row nor a checkpoint.
+        """
+        if 1 + len(tree) > self.max_batch_tokens:
+            raise InvalidArgument("tree", f"{len(tree)} nodes exceed the verifier's budget of "
+                                  f"{self.max_batch_tokens - 1} per request")
+        if tree.draw_q is not None:
+            tree = dataclasses.replace(tree, draw_q=tree.draw_q.to(self.model.device))
+        return self._submit(_Verify(request_id, tree))
+
+    def release(self, request_id: str) -> bool:
+        """Free the request's row and delete its checkpoint; False if no row held it."""
+        return self._submit(_Release(request_id))
+
+    def stats(self) -> dict[str, Any]:
+        """forward_passes counts prefills too; the histogram counts verification passes by batch size."""
+        with self._stats_lock:
+            return {"forward_passes": self._forward_passes, "verified_requests": self._verified_requests,
+                    "max_batch_size": max(self._batch_sizes, default=0),
+                    "batch_size_histogram": dict(self._batch_sizes), "active_requests": len(self._requests)}
+
+    def close(self) -> None:
+        """Stop the worker; work still queued fails."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._worker.join()
+        while self._queue:
+            self._queue.popleft().future.set_exception(RuntimeError("the verifier engine is closed"))
+
+    def _submit(self, work: _Work) -> Any:
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("the verifier engine is closed")
+            self._queue.append(work)
+            self._cond.notify()
+        return work.future.result()
+
+    # ---- the worker thread ----------------------------------------------------
+
+    def _run(self) -> None:
+        while (batch := self._take()) is not None:
+            work = batch[0]
+            if isinstance(work, _Verify):
+                self._verify(batch)
+                continue
+            try:
+                result = self._prefill(work) if isinstance(work, _Prefill) else self._release(work.request_id)
+            except Exception as exc:
+                work.future.set_exception(exc)
+            else:
+                work.future.set_result(result)
+
+    def _take(self) -> list[_Work] | None:
+        """The next work: one prefill or release, or a batch of verify items; None once closed."""
+        with self._cond:
+            while not self._queue and not self._closed:
+                self._cond.wait()
+            if self._closed:
+                return None
+            first = self._queue.popleft()
+            if not isinstance(first, _Verify):
+                return [first]
+            # Wait a moment for other requests' rounds, but not for more requests than there are.
+            deadline = time.monotonic() + self.batch_wait_s
+            while (len(batch := self._batchable(first)) < min(self.max_batch, len(self._requests))
+                   and (left := deadline - time.monotonic()) > 0):
+                self._cond.wait(left)
+            for work in batch[1:]:
+                self._queue.remove(work)
+            return batch
+
+    def _batchable(self, first: _Verify) -> list[_Verify]:
+        """`first` and the queued verify items that can share its pass, in queue order:
+        one item per request, at most max_batch items and max_batch_tokens tokens (roots included)."""
+        batch, ids, tokens = [first], {first.request_id}, 1 + len(first.tree)
+        for work in self._queue:
+            if len(batch) == self.max_batch:
+                break
+            if (isinstance(work, _Verify) and work.request_id not in ids
+                    and tokens + 1 + len(work.tree) <= self.max_batch_tokens):
+                batch.append(work)
+                ids.add(work.request_id)
+                tokens += 1 + len(work.tree)
+        return batch
+
+    def _prefill(self, work: _Prefill) -> int:
+        self._drop(work.request_id)
+        params = work.params
+        generator = make_generator(params.seed, self.model.device, stream=0)
+        row, logits = self._fill_free_row(work.tokens)
+        # the first token exactly as speculative.decoding.generate chooses it
+        first = int(logits.argmax()) if params.greedy else sample(probabilities(logits, params), generator)
+        state = _Request(row, params, generator, work.tokens + [first])
+        self._requests[work.request_id] = state
+        self._checkpoint(work.request_id, state)
+        return first
+
+    def _verify(self, batch: list[_Verify]) -> None:
+        ready: list[tuple[_Verify, _Request]] = []
+        for work in batch:
+            try:
+                state = self._requests.get(work.request_id) or self._restore(work.request_id)
+                self._check_tree(work.tree, state)
+            except Exception as exc:
+                work.future.set_exception(exc)
+            else:
+                ready.append((work, state))
+        if not ready:
+            return
+        items = [VerifyItem(state.row, state.tokens[-1], work.tree, state.params, state.generator)
+                 for work, state in ready]
+        try:
+            results = verify_batch(self.model, self._cache, items)
+        except Exception as exc:
+            # The pass may have left rows half-written and random streams advanced: drop its
+            # requests (they resume from their checkpoints or are prefilled again) and cut
+            # every other row back to its verified tokens.
+            for work, _ in ready:
+                self._drop(work.request_id)
+                work.future.set_exception(exc)
+            self._resync_rows()
+            return
+        self._count_pass(len(ready))
+        for (work, state), (path, bonus) in zip(ready, results):
+            accepted = [work.tree.tokens[node] for node in path]
+            state.tokens += accepted + [bonus]
+            self._checkpoint(work.request_id, state)  # before answering: a resumed request must match
+            work.future.set_result(VerifyOutcome(accepted, bonus, len(ready)))
+
+    def _check_tree(self, tree: DraftTree, state: _Request) -> None:
+        """What a well-formed tree still needs: room in the row, and when sampling, its draws' q."""
+        used = self._cache.lengths[state.row] + 1  # the root goes in with the tree
+        if used + len(tree) > self.max_len:
+            raise InvalidArgument("tree", f"{len(tree)} nodes do not fit: the request already uses "
+                                  f"{used} of {self.max_len} KV slots")
+        if state.params.greedy or not len(tree):
+            return
+        q = tree.draw_q
+        if q is None:
+            raise InvalidArgument("tree.draw_q", "sampling needs the distribution of every draw")
+        drawn = q[torch.arange(len(q)), torch.tensor([tree.tokens[n] for n in tree.draw_nodes], dtype=torch.long)]
+        # verification is exact only if each draw really came from its q
+        if not (q.isfinite().all() and (q >= 0).all() and ((q.sum(-1) - 1).abs() <= 1e-3).all() and (drawn > 0).all()):
+            raise InvalidArgument("tree.draw_q", "each draw's q must be a distribution giving its token a "
+                                  "positive probability")
+
+    def _fill_free_row(self, tokens: list[int]) -> tuple[int, torch.Tensor]:
+        """Prefill `tokens` into the lowest free row (keeping batches narrow); returns it and the next logits."""
+        taken = {state.row for state in self._requests.values()}
+        row = next((r for r in range(self.max_batch) if r not in taken), None)
+        if row is None:
+            raise ResourceExhausted(f"all {self.max_batch} KV cache rows are in use")
+        device, n = self.model.device, len(tokens)
+        try:
+            logits = self.model(torch.tensor([tokens], device=device), torch.arange(n, device=device)[None],
+                                self._cache.row_view(row), attention_mask(0, causal_ancestors(n, device)),
+                                logits_from=n - 1)
+        except Exception:
+            self._cache.rollback(0, row=row)  # free rows hold nothing
+            raise
+        self._count_pass(0)
+        return row, logits[0, -1]
+
+    def _restore(self, request_id: str) -> _Request:
+        """A request this engine does not hold, rebuilt from its checkpoint (a restarted verifier)."""
+        saved = self.checkpoints.load_checkpoint(request_id) if self.checkpoints is not None else None
+        if saved is None:
+            raise UnknownRequest(request_id)
+        generator = torch.Generator(self.model.device)
+        state_bytes = bytearray(base64.b64decode(saved["generator"]))
+        generator.set_state(torch.frombuffer(state_bytes, dtype=torch.uint8))
+        tokens = saved["tokens"]
+        row, _ = self._fill_free_row(tokens[:-1])
+        state = _Request(row, SamplingParams(**saved["params"]), generator, tokens)
+        self._requests[request_id] = state
+        log.info("resumed request %s from its checkpoint (%d tokens)", request_id, len(tokens))
+        return state
+
+    def _checkpoint(self, request_id: str, state: _Request) -> None:
+        if self.checkpoints is None:
+            return
+        data = {"tokens": state.tokens, "params": dataclasses.asdict(state.params),
+                "generator": base64.b64encode(state.generator.get_state().numpy().tobytes()).decode()}
+        try:
+            self.checkpoints.save_checkpoint(request_id, data, self.checkpoint_ttl_s)
+        except Exception:
+            # Checkpoints are best effort: the request goes on here. A stale one must not
+            # resurrect it behind the client's view, so it is dropped if the store allows.
+            log.warning("could not checkpoint request %s", request_id, exc_info=True)
+            try:
+                self.checkpoints.delete_checkpoint(request_id)
+            except Exception:
+                log.warning("could not delete the stale checkpoint of %s", request_id, exc_info=True)
+
+    def _release(self, request_id: str) -> bool:
+        held = self._drop(request_id)
+        if self.checkpoints is not None:
+            self.checkpoints.delete_checkpoint(request_id)
+        return held
+
+    def _drop(self, request_id: str) -> bool:
+        state = self._requests.pop(request_id, None)
+        if state is None:
+            return False
+        self._cache.rollback(0, row=state.row)
+        return True
+
+    def _resync_rows(self) -> None:
+        """Cut every row back to its request's verified tokens, and free rows to nothing."""
+        committed = {state.row: len(state.tokens) - 1 for state in self._requests.values()}
+        for row in range(self.max_batch):
+            self._cache.rollback(committed.get(row, 0), row=row)
+
+    def _count_pass(self, batch_size: int) -> None:
+        """One target forward; batch_size > 0 for a verification pass."""
+        with self._stats_lock:
+            self._forward_passes += 1
+            if batch_size:
+                self._verified_requests += batch_size
+                self._batch_sizes[batch_size] += 1

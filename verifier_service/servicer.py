@@ -1,0 +1,93 @@
+"""The verifier engine over gRPC (service specserve.v1.Verifier), with standard
+health checking and server reflection so generic tools can probe it."""
+
+from __future__ import annotations
+
+from concurrent import futures
+from typing import Callable, TypeVar
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from protos import specserve_pb2 as pb
+from protos import specserve_pb2_grpc as pb_grpc
+from protos.convert import params_from_pb, tree_from_pb
+from speculative.sampling import InvalidArgument
+from speculative.tree import DraftTree
+
+from .engine import ResourceExhausted, UnknownRequest, VerifierEngine
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Verifier"].full_name
+
+T = TypeVar("T")
+
+
+def _checked(context: grpc.ServicerContext, call: Callable[[], T]) -> T:
+    """Run `call`; a bad field becomes INVALID_ARGUMENT whose details start with the field's name,
+    and a full verifier RESOURCE_EXHAUSTED (the caller tries another)."""
+    try:
+        return call()
+    except InvalidArgument as err:
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+    except ResourceExhausted as err:
+        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
+
+
+def _parse_tree(msg: pb.DraftTree, vocab_size: int) -> DraftTree:
+    """The wire tree, checked; every problem is an InvalidArgument naming the tree's field."""
+    for d, dist in enumerate(msg.draw_q):  # tree_from_pb leaves the sparse entries unchecked
+        if len(dist.ids) != len(dist.probs) or any(not 0 <= i < vocab_size for i in dist.ids):
+            raise InvalidArgument("tree.draw_q", f"draw {d} needs one prob per id, ids inside the vocabulary")
+    try:
+        return tree_from_pb(msg, vocab_size)
+    except ValueError as err:
+        raise InvalidArgument("tree", str(err).removeprefix("tree: ")) from err
+
+
+class VerifierServicer(pb_grpc.VerifierServicer):
+    def __init__(self, engine: VerifierEngine):
+        self.engine = engine
+
+    def Prefill(self, request: pb.VerifierPrefillRequest,
+                context: grpc.ServicerContext) -> pb.VerifierPrefillResponse:
+        def prefill() -> int:
+            tokens = list(request.token_ids)
+            if request.max_len and request.max_len < len(tokens):
+                raise InvalidArgument("max_len", f"{request.max_len} is less than the {len(tokens)} token_ids")
+            reserve = request.max_len - len(tokens) if request.max_len else 0  # 0: unset, reserve nothing
+            return self.engine.prefill(request.request_id, tokens, params_from_pb(request.sampling), reserve)
+
+        return pb.VerifierPrefillResponse(next_token=_checked(context, prefill))
+
+    def Verify(self, request: pb.VerifyRequest, context: grpc.ServicerContext) -> pb.VerifyResponse:
+        def verify() -> pb.VerifyResponse:
+            try:
+                out = self.engine.verify(request.request_id, _parse_tree(request.tree, self.engine.vocab_size))
+            except UnknownRequest:
+                return pb.VerifyResponse(state_lost=True)
+            return pb.VerifyResponse(accepted=out.accepted, bonus=out.bonus, batch_size=out.batch_size)
+
+        return _checked(context, verify)
+
+    def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseResponse:
+        return pb.ReleaseResponse(released=self.engine.release(request.request_id))
+
+    def Stats(self, request: pb.VerifierStatsRequest, context: grpc.ServicerContext) -> pb.VerifierStatsResponse:
+        return pb.VerifierStatsResponse(**self.engine.stats())
+
+
+def serve(engine: VerifierEngine, host: str = "127.0.0.1", port: int = 0,
+          max_workers: int = 16) -> tuple[grpc.Server, int]:
+    """Start serving `engine` on host:port (0 picks a free port); returns the server and its port."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers))
+    pb_grpc.add_VerifierServicer_to_server(VerifierServicer(engine), server)
+    health_servicer = health.HealthServicer()
+    for name in ("", SERVICE_NAME):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"  # IPv6 literals need brackets
+    bound = server.add_insecure_port(address)
+    server.start()
+    return server, bound
