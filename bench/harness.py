@@ -25,6 +25,7 @@ from speculative.sampling import SamplingParams
 MT_BENCH = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
 CATEGORIES = ["translation", "summarization", "qa", "math_reasoning", "rag", "mt_bench"]
 HF_MODES = {"hf-ar", "hf-pld"}
+SERVED = "served-"  # served-<mode>: the same drafter through a running server (--server)
 
 
 def bench_category(category: str) -> str:
@@ -66,6 +67,22 @@ class HFRunner:
             out = self.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_tokens,
                                       do_sample=False, **extra)
         return out[0, len(ids):].tolist(), time.perf_counter() - start
+
+
+class ServedRunner:
+    """A running specserve server, called like a client would."""
+
+    def __init__(self, address: str):
+        from specserve.client import Client
+
+        self.client = Client(address, timeout=600)
+
+    def run(self, prompt: str, max_tokens: int, mode: str) -> tuple[list[int], float, int]:
+        drafter = mode.removeprefix(SERVED)
+        start = time.perf_counter()
+        out = self.client.generate(messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
+                                   drafter="none" if drafter == "ar" else drafter)
+        return list(out.token_ids), time.perf_counter() - start, out.usage.target_forward_passes
 
 
 def forward_ms(engine: LocalEngine, sizes=(1, 4, 8, 16), prefix: int = 128, repeats: int = 10) -> dict[str, float]:
@@ -126,6 +143,7 @@ def run_bench(args) -> dict:
         raise ValueError(f"--questions: no questions in {args.questions}")
     engine = LocalEngine.load(args.model, args.device, args.dtype)
     hf = HFRunner(loading.resolve_source(args.model)) if HF_MODES & set(args.modes) else None
+    served = ServedRunner(args.server) if any(m.startswith(SERVED) for m in args.modes) else None
     params = SamplingParams(max_tokens=args.max_tokens)
     # per (mode, category): tokens, seconds, target passes; and output agreement with hf-ar
     sums: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0, 0])
@@ -139,6 +157,8 @@ def run_bench(args) -> dict:
             for _ in range(args.repeats):
                 if mode in HF_MODES:
                     tokens, seconds = hf.run(ids, args.max_tokens, mode)
+                elif mode.startswith(SERVED):
+                    tokens, seconds, passes = served.run(q["turns"][0], args.max_tokens, mode)
                 else:
                     drafter = "none" if mode == "ar" else mode
                     r = engine.run(Request(q["turns"][0], True, params, drafter, args.draft_length))
@@ -172,11 +192,20 @@ def run_bench(args) -> dict:
                 "speedup_vs_hf_ar": round(tps / base_tps, 3) if base_tps else None,
                 "generated_tokens": int(tokens),
             })
+    overall = {mode: v for (mode, cat), v in sums.items() if cat == "overall"}
+    overhead = {}
+    for mode in args.modes:
+        local = mode.removeprefix(SERVED)
+        if mode != local and local in overall:
+            # extra wall time per target pass (one round) of the served path over the in-process one
+            (_, s_served, p_served), (_, s_local, p_local) = overall[mode], overall[local]
+            overhead[mode] = round(1000 * (s_served / p_served - s_local / p_local), 2)
     report = {
         "command": "specserve " + " ".join(getattr(args, "argv", []) or []),
         "max_tokens": args.max_tokens, "limit_per_category": args.limit_per_category,
         "draft_length": args.draft_length, "repeats": args.repeats, "torch_threads": torch.get_num_threads(),
         "identical_to_hf_ar": {m: f"{a}/{n}" for m, (a, n) in same_as_hf.items()},
+        "served_overhead_ms_per_round": overhead,
         "results": rows,
     }
     if args.micro:
@@ -215,6 +244,8 @@ def print_table(report: dict) -> None:
     console.print(table)
     if report.get("identical_to_hf_ar"):
         console.print("outputs identical to hf-ar: " + ", ".join(f"{m} {v}" for m, v in report["identical_to_hf_ar"].items()))
+    if report.get("served_overhead_ms_per_round"):
+        console.print(f"served overhead per round (ms): {report['served_overhead_ms_per_round']}")
     if "forward_ms" in report:
         console.print(f"one target forward (ms) by new tokens: {report['forward_ms']}")
         console.print(f"load seconds: {report['load_seconds']}")

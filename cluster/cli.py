@@ -65,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--draft-length", type=int, default=5)
     b.add_argument("--repeats", type=int, default=1, help="time each generation this many times; report the median")
     b.add_argument("--micro", action="store_true", help="also time single forwards and model loading")
+    b.add_argument("--server", default=None,
+                   help="HOST:PORT of a running `specserve serve`, for the served-<mode> modes")
     b.add_argument("--out", required=True, help="JSON file to write")
     _add_model_args(b)
     return parser
@@ -192,11 +194,14 @@ def cmd_serve(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from bench.harness import HF_MODES, run_bench
+    from bench.harness import HF_MODES, SERVED, run_bench
 
-    unknown = [m for m in args.modes if m not in HF_MODES | {"ar"} | set(DRAFTER_NAMES) - {"none"}]
+    local = HF_MODES | {"ar"} | set(DRAFTER_NAMES) - {"none"}
+    unknown = [m for m in args.modes if m not in local and m.removeprefix(SERVED) not in local - HF_MODES]
     if unknown:
         raise InvalidArgument("modes", f"unknown mode(s) {', '.join(unknown)}")
+    if any(m.startswith(SERVED) for m in args.modes) and not args.server:
+        raise InvalidArgument("server", "the served-* modes need --server HOST:PORT")
     for name in ("max_tokens", "limit_per_category", "repeats"):
         if getattr(args, name) <= 0:
             raise InvalidArgument(name, f"must be positive, got {getattr(args, name)}")

@@ -46,7 +46,7 @@ def tree_to_pb(tree: DraftTree) -> pb.DraftTree:
 
 
 def tree_from_pb(msg: pb.DraftTree, vocab_size: int) -> DraftTree:
-    """The tree in `msg`, checked: a malformed tree raises ValueError naming what is wrong."""
+    """The tree in `msg`, checked: a malformed tree raises ValueError("field: what is wrong")."""
     tokens, parents, draws = list(msg.tokens), list(msg.parents), list(msg.draw_nodes)
     if len(tokens) != len(parents):
         raise ValueError("tree: tokens and parents differ in length")
@@ -60,6 +60,9 @@ def tree_from_pb(msg: pb.DraftTree, vocab_size: int) -> DraftTree:
     q = None
     if msg.draw_q:
         if len(msg.draw_q) != len(draws):
-            raise ValueError("tree: draw_q and draw_nodes differ in length")
+            raise ValueError("tree.draw_q: one distribution per draw is needed")
+        for d, dist in enumerate(msg.draw_q):
+            if len(dist.ids) != len(dist.probs) or any(not 0 <= i < vocab_size for i in dist.ids):
+                raise ValueError(f"tree.draw_q: draw {d} needs one prob per id and ids inside the vocabulary")
         q = torch.stack([sparse_from_pb(d, vocab_size) for d in msg.draw_q])
     return DraftTree(tokens, parents, draws, q)

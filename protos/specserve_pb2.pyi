@@ -181,12 +181,14 @@ class VerifierPrefillResponse(_message.Message):
     def __init__(self, next_token: _Optional[int] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("request_id", "tree")
+    __slots__ = ("request_id", "tree", "context_length")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TREE_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     tree: DraftTree
-    def __init__(self, request_id: _Optional[str] = ..., tree: _Optional[_Union[DraftTree, _Mapping]] = ...) -> None: ...
+    context_length: int
+    def __init__(self, request_id: _Optional[str] = ..., tree: _Optional[_Union[DraftTree, _Mapping]] = ..., context_length: _Optional[int] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
     __slots__ = ("accepted", "bonus", "state_lost", "batch_size")

@@ -123,7 +123,7 @@ class Coordinator:
                 else:
                     budget = min(job.draft_length, job.params.max_tokens - len(verified) - 1)
                     tree = drafter.propose(job.prompt_ids + verified, budget) if budget > 0 else pb.DraftTree()
-                    resp = verifier.verify(tree)
+                    resp = verifier.verify(tree, len(job.prompt_ids) + len(verified))
                     if resp is None:
                         continue
                     new = list(resp.accepted) + [resp.bonus]
@@ -180,10 +180,11 @@ class _VerifySide:
             return resp.next_token
         raise NoService("no verifier is available")
 
-    def verify(self, tree: pb.DraftTree) -> pb.VerifyResponse | None:
+    def verify(self, tree: pb.DraftTree, context_length: int) -> pb.VerifyResponse | None:
         """The verdict, or None when the request must be prefilled again."""
         try:
-            resp = self.stub.Verify(pb.VerifyRequest(request_id=self.job.request_id, tree=tree),
+            resp = self.stub.Verify(pb.VerifyRequest(request_id=self.job.request_id, tree=tree,
+                                                     context_length=context_length),
                                     timeout=self.coord.timeout(self.job))
         except grpc.RpcError as e:
             if e.code() not in RETRYABLE or e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:

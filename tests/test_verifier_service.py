@@ -280,3 +280,15 @@ def test_health_and_reflection(tiny):
     finally:
         server.stop(None)
         engine.close()
+
+
+def test_verify_with_a_stale_context_length_is_state_lost_not_a_wrong_round(tiny):
+    """A retried Verify (its first answer lost) must not verify on top of the state it already moved."""
+    with served(VerifierEngine(tiny, max_batch=2, max_len=32)) as stub:
+        stub.Prefill(pb.VerifierPrefillRequest(request_id="r", token_ids=[1, 2, 3],
+                                               sampling=pb.SamplingParams(max_tokens=8), max_len=16))
+        ok = stub.Verify(pb.VerifyRequest(request_id="r", tree=pb.DraftTree(), context_length=4))
+        assert not ok.state_lost
+        retried = stub.Verify(pb.VerifyRequest(request_id="r", tree=pb.DraftTree(), context_length=4))
+        assert retried.state_lost
+        assert not stub.Verify(pb.VerifyRequest(request_id="r", tree=pb.DraftTree(), context_length=5)).state_lost

@@ -80,6 +80,7 @@ class _Prefill:
 class _Verify:
     request_id: str
     tree: DraftTree
+    context_length: int | None = None
     future: Future = field(default_factory=Future)
 
 
@@ -141,17 +142,18 @@ class VerifierEngine:
                                   f"verifier's {self.max_len} KV slots per request")
         return self._submit(_Prefill(request_id, tokens, params))
 
-    def verify(self, request_id: str, tree: DraftTree) -> VerifyOutcome:
+    def verify(self, request_id: str, tree: DraftTree, context_length: int | None = None) -> VerifyOutcome:
         """Verify `tree` (well-formed, as protos.convert.tree_from_pb checks) below the pending token.
 
-        Raises UnknownRequest when the request has neither a row nor a checkpoint.
+        Raises UnknownRequest when the request has neither a row nor a checkpoint,
+        or when it holds other than `context_length` tokens (if given).
         """
         if 1 + len(tree) > self.max_batch_tokens:
             raise InvalidArgument("tree", f"{len(tree)} nodes exceed the verifier's budget of "
                                   f"{self.max_batch_tokens - 1} per request")
         if tree.draw_q is not None:
             tree = dataclasses.replace(tree, draw_q=tree.draw_q.to(self.model.device))
-        return self._submit(_Verify(request_id, tree))
+        return self._submit(_Verify(request_id, tree, context_length))
 
     def release(self, request_id: str) -> bool:
         """Free the request's row and delete its checkpoint; False if no row held it."""
@@ -246,6 +248,8 @@ class VerifierEngine:
         for work in batch:
             try:
                 state = self._requests.get(work.request_id) or self._restore(work.request_id)
+                if work.context_length is not None and work.context_length != len(state.tokens):
+                    raise UnknownRequest(work.request_id)  # the caller's view differs: start over
                 self._check_tree(work.tree, state)
             except Exception as exc:
                 work.future.set_exception(exc)

@@ -36,13 +36,11 @@ def _checked(context: grpc.ServicerContext, call: Callable[[], T]) -> T:
 
 def _parse_tree(msg: pb.DraftTree, vocab_size: int) -> DraftTree:
     """The wire tree, checked; every problem is an InvalidArgument naming the tree's field."""
-    for d, dist in enumerate(msg.draw_q):  # tree_from_pb leaves the sparse entries unchecked
-        if len(dist.ids) != len(dist.probs) or any(not 0 <= i < vocab_size for i in dist.ids):
-            raise InvalidArgument("tree.draw_q", f"draw {d} needs one prob per id, ids inside the vocabulary")
     try:
         return tree_from_pb(msg, vocab_size)
     except ValueError as err:
-        raise InvalidArgument("tree", str(err).removeprefix("tree: ")) from err
+        field, _, problem = str(err).partition(": ")
+        raise InvalidArgument(field, problem) from err
 
 
 class VerifierServicer(pb_grpc.VerifierServicer):
@@ -63,7 +61,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
     def Verify(self, request: pb.VerifyRequest, context: grpc.ServicerContext) -> pb.VerifyResponse:
         def verify() -> pb.VerifyResponse:
             try:
-                out = self.engine.verify(request.request_id, _parse_tree(request.tree, self.engine.vocab_size))
+                out = self.engine.verify(request.request_id, _parse_tree(request.tree, self.engine.vocab_size),
+                                         request.context_length or None)
             except UnknownRequest:
                 return pb.VerifyResponse(state_lost=True)
             return pb.VerifyResponse(accepted=out.accepted, bonus=out.bonus, batch_size=out.batch_size)
