@@ -4,15 +4,13 @@ health checking and server reflection so generic tools can probe it."""
 from __future__ import annotations
 
 import time
-from concurrent import futures
 from typing import Callable, TypeVar
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from protos import specserve_pb2 as pb
 from protos import specserve_pb2_grpc as pb_grpc
+from protos.server import start_server
 from protos.convert import params_from_pb, tree_to_pb
 from speculative.sampling import InvalidArgument
 
@@ -55,13 +53,5 @@ class DrafterServicer(pb_grpc.DrafterServicer):
 def serve(pool: DrafterPool, host: str = "127.0.0.1", port: int = 0,
           max_workers: int = 16) -> tuple[grpc.Server, int]:
     """Start serving `pool` on host:port (0 picks a free port); returns the server and its port."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers))
-    pb_grpc.add_DrafterServicer_to_server(DrafterServicer(pool), server)
-    health_servicer = health.HealthServicer()
-    for name in ("", SERVICE_NAME):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    server.start()
-    return server, bound
+    return start_server(pb_grpc.add_DrafterServicer_to_server, DrafterServicer(pool), SERVICE_NAME,
+                        host, port, max_workers)

@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import time
 import uuid
-from concurrent import futures
 from dataclasses import dataclass
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from drafter_service.registry import DRAFTER_NAMES
 from protos import specserve_pb2 as pb
 from protos import specserve_pb2_grpc as pb_grpc
+from protos.server import start_server
 from speculative.sampling import InvalidArgument, SamplingParams
 from speculative.tokenizer import Tokenizer
 
@@ -138,19 +136,6 @@ class RouterServicer(pb_grpc.SpecserveServicer):
 
 def serve(servicer: RouterServicer, host: str = "0.0.0.0", port: int = 50051, max_workers: int = 32
           ) -> tuple[grpc.Server, int]:
-    """Start the router's gRPC server with health checking and reflection."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="router"))
-    pb_grpc.add_SpecserveServicer_to_server(servicer, server)
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    """Start the router's gRPC server (health checking and reflection included)."""
     service = pb.DESCRIPTOR.services_by_name["Specserve"].full_name
-    for name in ("", service):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    reflection.enable_server_reflection((service, reflection.SERVICE_NAME, health.SERVICE_NAME), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise OSError(f"cannot bind {host}:{port}")
-    server.start()
-    return server, bound
-
-
+    return start_server(pb_grpc.add_SpecserveServicer_to_server, servicer, service, host, port, max_workers)

@@ -1,0 +1,31 @@
+"""Start the gRPC server of one of our services, with standard health
+checking and server reflection, as every specserve server has."""
+
+from __future__ import annotations
+
+from concurrent import futures
+from typing import Any, Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+
+def start_server(register: Callable[[Any, grpc.Server], None], servicer: Any, service: str,
+                 host: str, port: int, max_workers: int) -> tuple[grpc.Server, int]:
+    """Serve `servicer` (added by the generated `register` function) on host:port;
+    port 0 picks a free one. Returns the started server and its bound port."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers,
+                                                    thread_name_prefix=service.rsplit(".", 1)[-1]))
+    register(servicer, server)
+    health_servicer = health.HealthServicer()
+    for name in ("", service):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((service, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"  # IPv6 literals need brackets
+    bound = server.add_insecure_port(address)
+    if bound == 0:
+        raise OSError(f"cannot listen on {address}")
+    server.start()
+    return server, bound
