@@ -212,8 +212,38 @@ def run_bench(args) -> dict:
         report["forward_ms"] = forward_ms(engine)
         report["load_seconds"] = load_seconds(args.model)
     Path(args.out).write_text(json.dumps(report, indent=2))
+    Path(args.out).with_suffix(".md").write_text(to_markdown(report))
     print_table(report)
     return report
+
+
+def to_markdown(report: dict) -> str:
+    """The report as Markdown tables, for docs/BENCHMARKS.md."""
+    modes = list(dict.fromkeys(r["mode"] for r in report["results"]))
+    by = {(r["mode"], r["category"]): r for r in report["results"]}
+    lines = [f"Command: `{report['command']}`", "",
+             "Tokens/s (speedup vs hf-ar) [mean accepted tokens per target pass]:", "",
+             "| category | " + " | ".join(modes) + " |", "| --- |" + " ---: |" * len(modes)]
+    for cat in dict.fromkeys(r["category"] for r in report["results"]):
+        cells = []
+        for m in modes:
+            r = by.get((m, cat))
+            cell = "" if r is None else f"{r['tokens_per_s']:.1f}"
+            if r is not None and r["speedup_vs_hf_ar"] is not None and m != "hf-ar":
+                cell += f" ({r['speedup_vs_hf_ar']:.2f}x)"
+            if r is not None and r["mean_accepted_tokens"] is not None:
+                cell += f" [{r['mean_accepted_tokens']:.2f}]"
+            cells.append(cell)
+        lines.append(f"| {cat} | " + " | ".join(cells) + " |")
+    lines.append("")
+    if report.get("identical_to_hf_ar"):
+        lines.append("Outputs identical to hf-ar: " + ", ".join(f"{m} {v}" for m, v in report["identical_to_hf_ar"].items()))
+    if report.get("served_overhead_ms_per_round"):
+        lines.append(f"Served overhead per round (ms): {report['served_overhead_ms_per_round']}")
+    if "forward_ms" in report:
+        lines.append(f"One target forward (ms) by new tokens: {report['forward_ms']}")
+        lines.append(f"Model load (s): {report['load_seconds']}")
+    return "\n".join(lines) + "\n"
 
 
 def print_table(report: dict) -> None:

@@ -20,7 +20,7 @@ class ServeConfig(BaseModel):
     port: int = Field(50051, ge=0, le=65535, description="router port (0 = any free port)")
     verifiers: int = Field(1, ge=1)
     drafter_pools: int = Field(1, ge=0)
-    drafter_kinds: list[str] = ["pld", "layerskip"]
+    drafter_kinds: list[str] = ["pld", "layerskip", "suffix"]
     default_drafter: str = "pld"
     draft_length: int = Field(5, ge=0, le=64)
     max_batch: int = Field(8, ge=1, description="requests one verifier holds and batches")

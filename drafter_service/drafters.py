@@ -15,6 +15,7 @@ import torch
 from speculative.model import Transformer, attention_mask, causal_ancestors
 from speculative.ngram import lookup_continuation
 from speculative.sampling import SamplingParams, probabilities, sample
+from speculative.suffix import SuffixIndex, SuffixStream
 from speculative.tree import DraftTree
 
 
@@ -44,6 +45,32 @@ class PromptLookupDrafter:
                 generator: torch.Generator) -> DraftTree:
         tokens = lookup_continuation(context, max_tokens, self.max_ngram, self.min_ngram)
         return DraftTree.chain(tokens, None if params.greedy else _one_hot(tokens, self.vocab_size))
+
+
+class SuffixDrafter:
+    """Model-free trees from a suffix index shared by every request of the process
+    (SuffixDecoding): it holds the prompts and outputs of all requests, this one's
+    included, fed as tokens are verified. Its tree is deterministic, so each node's
+    q is one-hot, which multi-draft verification handles exactly."""
+
+    name = "suffix"
+
+    def __init__(self, index: SuffixIndex, vocab_size: int):
+        self.index, self.vocab_size = index, vocab_size
+        self.stream = SuffixStream()
+        self.fed: list[int] = []  # the context fed so far (its length and last token say if it still holds)
+
+    def propose(self, context: Sequence[int], max_tokens: int, params: SamplingParams,
+                generator: torch.Generator) -> DraftTree:
+        n = len(self.fed)
+        if len(context) < n or (n and context[n - 1] != self.fed[-1]):  # not our request's context: start over
+            self.stream, self.fed, n = SuffixStream(), [], 0
+        self.index.feed(self.stream, context[n:])
+        self.fed = list(context)
+        tree = self.index.propose(context, max_tokens)
+        if not params.greedy and len(tree):
+            tree.draw_q = _one_hot([tree.tokens[node] for node in tree.draw_nodes], self.vocab_size)
+        return tree
 
 
 class ModelDrafter:

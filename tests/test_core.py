@@ -67,3 +67,35 @@ def test_top_k_and_top_p_cut_the_tail():
     assert torch.allclose(p, torch.tensor([0.625, 0.375, 0, 0]), atol=1e-6)
     p = probabilities(logits, SamplingParams(temperature=1.0, top_p=0.81))
     assert torch.allclose(p, torch.tensor([0.5, 0.3, 0.15, 0]) / 0.95, atol=1e-6)
+
+
+def test_suffix_index_grows_trees_best_first():
+    from speculative.suffix import SuffixIndex
+
+    index = SuffixIndex(depth=4, max_draft=4)
+    for seq in ([1, 2, 3, 4, 5, 6], [1, 2, 3, 7, 8], [1, 2, 3, 4, 5, 9]):
+        index.add(seq)
+    tree = index.propose([9, 9, 1, 2, 3], 6)
+    # after 1 2 3: "4 5" twice, "7 8" once; then 6 or 9 after 4 5
+    assert tree.tokens == [4, 5, 7, 6, 9, 8] and tree.parents == [-1, 0, -1, 1, 1, 2]
+    assert index.propose([9, 9, 1, 2, 3], 2).tokens == [4, 5]
+    assert index.propose([42], 4).tokens == []
+
+
+def test_suffix_stream_feeding_equals_whole_sequence_and_resets_when_full():
+    from speculative.suffix import SuffixIndex, SuffixStream
+
+    whole, streamed = SuffixIndex(depth=3, max_draft=3), SuffixIndex(depth=3, max_draft=3)
+    seq = [5, 1, 2, 5, 1, 3, 5, 1, 2]
+    whole.add(seq)
+    stream = SuffixStream()
+    for i in range(0, len(seq), 2):
+        streamed.feed(stream, seq[i:i + 2])
+    assert whole.nodes == streamed.nodes
+    for ctx in ([5, 1], [2, 5], [3]):
+        assert whole.propose(ctx, 5).tokens == streamed.propose(ctx, 5).tokens
+    small = SuffixIndex(depth=3, max_draft=3, max_nodes=10)
+    small_stream = SuffixStream()
+    small.feed(small_stream, seq)
+    small.feed(small_stream, [7])  # over max_nodes: starts afresh from the stream's recent tokens
+    assert small.generation == 1 and small.propose([5, 1], 3).tokens

@@ -122,6 +122,21 @@ def test_deadline_is_honoured(stub):
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
 
 
+def test_cancelled_stream_frees_the_verifier_state(cluster, stub):
+    def active():
+        return ray.get(cluster.verifiers[0].stats.remote())["active_requests"]
+
+    assert active() == 0
+    stream = stub.GenerateStream(request(PROMPTS[3], max_tokens=400), timeout=300)
+    next(stream)
+    assert active() == 1
+    stream.cancel()
+    deadline = time.monotonic() + 30
+    while active() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert active() == 0, "a cancelled request still holds its verifier row"
+
+
 def test_killed_drafter_pools_do_not_lose_the_request(cluster, stub, reference, redis_url, smollm2):
     """Kill every drafter pool mid-request: the request finishes (plain decoding)
     with identical output, and Ray brings the pools back."""

@@ -15,9 +15,10 @@ from scipy.stats import chisquare
 
 import speculative.batching as batching
 import speculative.decoding as decoding
-from drafter_service.drafters import ModelDrafter, MultiSampleDrafter, PromptLookupDrafter
+from drafter_service.drafters import ModelDrafter, MultiSampleDrafter, PromptLookupDrafter, SuffixDrafter
 from speculative.model import attention_mask, causal_ancestors
 from speculative.sampling import SamplingParams, probabilities
+from speculative.suffix import SuffixIndex
 from tiny import TINY, tiny_model
 
 PROMPT = [1, 2, 3, 1, 2]  # repeats, so prompt lookup has something to propose
@@ -78,6 +79,9 @@ CASES = {
     "chain_topk_topp": (lambda d: ModelDrafter(d, max_len=64), SamplingParams(temperature=0.8, top_k=5, top_p=0.9), 2),
     "chain_sparse_q": (lambda d: ModelDrafter(d, max_len=64, draft_top_k=3), SamplingParams(temperature=1.0), 2),
     "tree": (lambda d: MultiSampleDrafter(ModelDrafter(d, max_len=64), branches=3), SamplingParams(temperature=1.0), 2),
+    # one index across all runs: earlier outputs make its deterministic trees branch
+    "suffix_tree": (lambda d, index=SuffixIndex(depth=4, max_draft=4): SuffixDrafter(index, TINY.vocab_size),
+                    SamplingParams(temperature=1.0), 3),
     "prompt_lookup": (lambda d: PromptLookupDrafter(TINY.vocab_size), SamplingParams(temperature=1.0), 2),
 }
 

@@ -8,8 +8,9 @@ state, so none of those needs a lock. A request's state is that of the
 single-process loop (speculative.decoding.generate): every verified token,
 the last of which (the pending root) is not in the cache yet, and the
 request's own verifier random stream. With a checkpoint store that state is
-saved after every round, so a restarted verifier resumes a request with
-identical output.
+saved after every round, off the verification path, so a restarted verifier
+resumes a request with identical output (or, should the last checkpoint not
+have landed, the caller's context_length check sends it back to prefill).
 """
 
 from __future__ import annotations
@@ -32,6 +33,64 @@ from speculative.sampling import InvalidArgument, SamplingParams, make_generator
 from speculative.tree import DraftTree
 
 log = logging.getLogger(__name__)
+
+
+class _CheckpointWriter:
+    """Writes checkpoints off the verification path, coalescing to the latest per request.
+
+    A checkpoint a round behind is harmless: a resumed request then holds fewer
+    tokens than the caller's context_length, answers state_lost and is prefilled
+    again with every verified token, so the output is still the target's.
+    """
+
+    def __init__(self, store: "CheckpointStore", ttl_s: float):
+        self.store, self.ttl_s = store, ttl_s
+        self._pending: dict[str, dict | None] = {}  # request id -> checkpoint, or None to delete
+        self._busy = False
+        self._cond = threading.Condition()
+        threading.Thread(target=self._run, name="checkpoint-writer", daemon=True).start()
+
+    def save(self, request_id: str, data: dict) -> None:
+        with self._cond:
+            self._pending[request_id] = data
+            self._cond.notify_all()
+
+    def delete(self, request_id: str) -> None:
+        with self._cond:
+            self._pending[request_id] = None
+            self._cond.notify_all()
+
+    def flush(self) -> None:
+        """Return once everything handed over so far is written."""
+        with self._cond:
+            self._cond.wait_for(lambda: not self._pending and not self._busy)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._pending)
+                work, self._pending, self._busy = self._pending, {}, True
+            for request_id, data in work.items():
+                self._write(request_id, data)
+            with self._cond:
+                self._busy = False
+                self._cond.notify_all()
+
+    def _write(self, request_id: str, data: dict | None) -> None:
+        try:
+            if data is None:
+                self.store.delete_checkpoint(request_id)
+            else:
+                self.store.save_checkpoint(request_id, data, self.ttl_s)
+        except Exception:
+            # Best effort: the request goes on here. A failed save leaves an older
+            # checkpoint, which context_length checks catch; try to drop it anyway.
+            log.warning("could not write the checkpoint of %s", request_id, exc_info=True)
+            if data is not None:
+                try:
+                    self.store.delete_checkpoint(request_id)
+                except Exception:
+                    pass
 
 
 class UnknownRequest(KeyError):
@@ -103,6 +162,7 @@ class VerifierEngine:
         self.max_batch, self.max_batch_tokens, self.batch_wait_s = max_batch, max_batch_tokens, batch_wait_s
         self.max_len = min(max_len, model.config.max_position_embeddings)  # KV slots one request may use
         self.checkpoints, self.checkpoint_ttl_s = checkpoints, checkpoint_ttl_s
+        self._writer = None if checkpoints is None else _CheckpointWriter(checkpoints, checkpoint_ttl_s)
         # A pass pads every row up to the highest one in the batch to the batch's width (at most
         # max_batch_tokens; the model pads 2-3 token passes to 4 on CPU), so rows get spare slots for it.
         self._cache = model.new_cache(self.max_len + max(max_batch_tokens, 4), batch=max_batch)
@@ -167,11 +227,13 @@ class VerifierEngine:
                     "batch_size_histogram": dict(self._batch_sizes), "active_requests": len(self._requests)}
 
     def close(self) -> None:
-        """Stop the worker; work still queued fails."""
+        """Stop the worker; work still queued fails; checkpoints on their way are written."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
         self._worker.join()
+        if self._writer is not None:
+            self._writer.flush()
         while self._queue:
             self._queue.popleft().future.set_exception(RuntimeError("the verifier engine is closed"))
 
@@ -274,7 +336,7 @@ class VerifierEngine:
         for (work, state), (path, bonus) in zip(ready, results):
             accepted = [work.tree.tokens[node] for node in path]
             state.tokens += accepted + [bonus]
-            self._checkpoint(work.request_id, state)  # before answering: a resumed request must match
+            self._checkpoint(work.request_id, state)
             work.future.set_result(VerifyOutcome(accepted, bonus, len(ready)))
 
     def _check_tree(self, tree: DraftTree, state: _Request) -> None:
@@ -313,6 +375,8 @@ class VerifierEngine:
 
     def _restore(self, request_id: str) -> _Request:
         """A request this engine does not hold, rebuilt from its checkpoint (a restarted verifier)."""
+        if self._writer is not None:
+            self._writer.flush()  # this engine's own latest checkpoint may still be on its way
         saved = self.checkpoints.load_checkpoint(request_id) if self.checkpoints is not None else None
         if saved is None:
             raise UnknownRequest(request_id)
@@ -327,25 +391,16 @@ class VerifierEngine:
         return state
 
     def _checkpoint(self, request_id: str, state: _Request) -> None:
-        if self.checkpoints is None:
+        if self._writer is None:
             return
-        data = {"tokens": state.tokens, "params": dataclasses.asdict(state.params),
-                "generator": base64.b64encode(state.generator.get_state().numpy().tobytes()).decode()}
-        try:
-            self.checkpoints.save_checkpoint(request_id, data, self.checkpoint_ttl_s)
-        except Exception:
-            # Checkpoints are best effort: the request goes on here. A stale one must not
-            # resurrect it behind the client's view, so it is dropped if the store allows.
-            log.warning("could not checkpoint request %s", request_id, exc_info=True)
-            try:
-                self.checkpoints.delete_checkpoint(request_id)
-            except Exception:
-                log.warning("could not delete the stale checkpoint of %s", request_id, exc_info=True)
+        self._writer.save(request_id, {
+            "tokens": list(state.tokens), "params": dataclasses.asdict(state.params),
+            "generator": base64.b64encode(state.generator.get_state().numpy().tobytes()).decode()})
 
     def _release(self, request_id: str) -> bool:
         held = self._drop(request_id)
-        if self.checkpoints is not None:
-            self.checkpoints.delete_checkpoint(request_id)
+        if self._writer is not None:
+            self._writer.delete(request_id)
         return held
 
     def _drop(self, request_id: str) -> bool:
