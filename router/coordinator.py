@@ -172,6 +172,10 @@ class _VerifySide:
             try:
                 resp = stub.Prefill(req, timeout=self.coord.timeout(self.job))
             except grpc.RpcError as e:
+                # the verifier may have taken a row before the call failed: give it back
+                self.coord.release(stub, self.job.request_id)
+                if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    raise DeadlineExceeded() from e
                 if e.code() not in RETRYABLE:
                     raise
                 self._fail(address, e)

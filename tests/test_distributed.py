@@ -126,15 +126,18 @@ def test_cancelled_stream_frees_the_verifier_state(cluster, stub):
     def active():
         return ray.get(cluster.verifiers[0].stats.remote())["active_requests"]
 
-    assert active() == 0
+    def wait_idle():
+        deadline = time.monotonic() + 30
+        while active() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return active()
+
+    assert wait_idle() == 0, "an earlier request still holds its verifier row"
     stream = stub.GenerateStream(request(PROMPTS[3], max_tokens=400), timeout=300)
     next(stream)
     assert active() == 1
     stream.cancel()
-    deadline = time.monotonic() + 30
-    while active() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert active() == 0, "a cancelled request still holds its verifier row"
+    assert wait_idle() == 0, "a cancelled request still holds its verifier row"
 
 
 def test_killed_drafter_pools_do_not_lose_the_request(cluster, stub, reference, redis_url, smollm2):

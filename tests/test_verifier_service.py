@@ -292,3 +292,17 @@ def test_verify_with_a_stale_context_length_is_state_lost_not_a_wrong_round(tiny
         retried = stub.Verify(pb.VerifyRequest(request_id="r", tree=pb.DraftTree(), context_length=4))
         assert retried.state_lost
         assert not stub.Verify(pb.VerifyRequest(request_id="r", tree=pb.DraftTree(), context_length=5)).state_lost
+
+
+def test_idle_requests_are_dropped(tiny):
+    """A request whose router went away must not hold its row for ever."""
+    now = [0.0]
+    with served(VerifierEngine(tiny, max_batch=1, max_len=32, idle_timeout_s=60, clock=lambda: now[0])) as stub:
+        sp = pb.SamplingParams(max_tokens=4)
+        stub.Prefill(pb.VerifierPrefillRequest(request_id="gone", token_ids=[1, 2], sampling=sp, max_len=8))
+        with pytest.raises(grpc.RpcError) as info:  # its row is the only one
+            stub.Prefill(pb.VerifierPrefillRequest(request_id="new", token_ids=[1], sampling=sp, max_len=8))
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        now[0] = 61.0
+        stub.Prefill(pb.VerifierPrefillRequest(request_id="new", token_ids=[1], sampling=sp, max_len=8))
+        assert stub.Verify(pb.VerifyRequest(request_id="gone", tree=pb.DraftTree())).state_lost

@@ -23,7 +23,7 @@ import time
 from collections import Counter, deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
@@ -124,6 +124,7 @@ class _Request:
     params: SamplingParams
     generator: torch.Generator  # the verifier stream (stream 0), as in the single-process loop
     tokens: list[int]           # every verified token; the last one is not in the cache yet
+    last_used: float = 0.0      # engine clock at the last prefill or verify
 
 
 # Work items for the worker. eq=False: they are taken off the queue by identity.
@@ -155,13 +156,16 @@ _Work = _Prefill | _Verify | _Release
 class VerifierEngine:
     def __init__(self, model: Transformer, max_batch: int = 8, max_len: int = 4096, max_batch_tokens: int = 256,
                  batch_wait_s: float = 0.002, checkpoints: CheckpointStore | None = None,
-                 checkpoint_ttl_s: float = 600.0):
+                 checkpoint_ttl_s: float = 600.0, idle_timeout_s: float = 300.0,
+                 clock: Callable[[], float] = time.monotonic):
         if max_batch < 1 or max_batch_tokens < 1:
             raise ValueError("max_batch and max_batch_tokens must be positive")
         self.model = model
         self.max_batch, self.max_batch_tokens, self.batch_wait_s = max_batch, max_batch_tokens, batch_wait_s
         self.max_len = min(max_len, model.config.max_position_embeddings)  # KV slots one request may use
         self.checkpoints, self.checkpoint_ttl_s = checkpoints, checkpoint_ttl_s
+        # a request whose router went away would hold its row for ever: drop it when idle
+        self.idle_timeout_s, self.clock = idle_timeout_s, clock
         self._writer = None if checkpoints is None else _CheckpointWriter(checkpoints, checkpoint_ttl_s)
         # A pass pads every row up to the highest one in the batch to the batch's width (at most
         # max_batch_tokens; the model pads 2-3 token passes to 4 on CPU), so rows get spare slots for it.
@@ -249,6 +253,9 @@ class VerifierEngine:
 
     def _run(self) -> None:
         while (batch := self._take()) is not None:
+            self._evict_idle()
+            if not batch:
+                continue
             work = batch[0]
             if isinstance(work, _Verify):
                 self._verify(batch)
@@ -263,10 +270,12 @@ class VerifierEngine:
     def _take(self) -> list[_Work] | None:
         """The next work: one prefill or release, or a batch of verify items; None once closed."""
         with self._cond:
-            while not self._queue and not self._closed:
-                self._cond.wait()
+            if not self._queue and not self._closed:
+                self._cond.wait(min(self.idle_timeout_s / 4, 5.0))  # wake now and then to drop idle requests
             if self._closed:
                 return None
+            if not self._queue:
+                return []
             first = self._queue.popleft()
             if not isinstance(first, _Verify):
                 return [first]
@@ -300,7 +309,7 @@ class VerifierEngine:
         row, logits = self._fill_free_row(work.tokens)
         # the first token exactly as speculative.decoding.generate chooses it
         first = int(logits.argmax()) if params.greedy else sample(probabilities(logits, params), generator)
-        state = _Request(row, params, generator, work.tokens + [first])
+        state = _Request(row, params, generator, work.tokens + [first], self.clock())
         self._requests[work.request_id] = state
         self._checkpoint(work.request_id, state)
         return first
@@ -336,6 +345,7 @@ class VerifierEngine:
         for (work, state), (path, bonus) in zip(ready, results):
             accepted = [work.tree.tokens[node] for node in path]
             state.tokens += accepted + [bonus]
+            state.last_used = self.clock()
             self._checkpoint(work.request_id, state)
             work.future.set_result(VerifyOutcome(accepted, bonus, len(ready)))
 
@@ -385,7 +395,7 @@ class VerifierEngine:
         generator.set_state(torch.frombuffer(state_bytes, dtype=torch.uint8))
         tokens = saved["tokens"]
         row, _ = self._fill_free_row(tokens[:-1])
-        state = _Request(row, SamplingParams(**saved["params"]), generator, tokens)
+        state = _Request(row, SamplingParams(**saved["params"]), generator, tokens, self.clock())
         self._requests[request_id] = state
         log.info("resumed request %s from its checkpoint (%d tokens)", request_id, len(tokens))
         return state
@@ -402,6 +412,12 @@ class VerifierEngine:
         if self._writer is not None:
             self._writer.delete(request_id)
         return held
+
+    def _evict_idle(self) -> None:
+        cutoff = self.clock() - self.idle_timeout_s
+        for request_id in [r for r, state in self._requests.items() if state.last_used < cutoff]:
+            log.info("dropping idle request %s (its checkpoint stays for a resume)", request_id)
+            self._drop(request_id)
 
     def _drop(self, request_id: str) -> bool:
         state = self._requests.pop(request_id, None)
