@@ -72,6 +72,17 @@ def test_unary_and_streaming_equal_single_process(stub, reference):
         assert chunks[-1].finish_reason in ("stop", "length") and chunks[-1].usage.completion_tokens == len(want)
 
 
+def test_seeded_sampling_equals_single_process(stub, smollm2):
+    """The sampled path across processes draws what the single-process loop draws
+    (whose distribution test_sampling_distribution.py checks): same seeds, same streams."""
+    engine = LocalEngine(*smollm2)
+    for i, prompt in enumerate(PROMPTS[:3]):
+        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, top_p=0.95, seed=100 + i)
+        want = engine.run(Request(prompt, True, params, "pld", CONFIG.draft_length)).token_ids
+        got = stub.Generate(request(prompt, temperature=0.8, top_p=0.95, seed=100 + i), timeout=120)
+        assert list(got.token_ids) == want, f"prompt {i}"
+
+
 def test_services_registered_in_redis(cluster, redis_url):
     store = open_state_store(redis_url)
     assert len(store.list_services("verifier")) == 1
