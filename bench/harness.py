@@ -217,13 +217,11 @@ def run_bench(args) -> dict:
     return report
 
 
-def to_markdown(report: dict) -> str:
-    """The report as Markdown tables, for docs/BENCHMARKS.md."""
+def _table(report: dict) -> tuple[list[str], list[tuple[str, list[str]]]]:
+    """Modes, and per category one cell per mode: "tokens/s (speedup) [mean accepted]"."""
     modes = list(dict.fromkeys(r["mode"] for r in report["results"]))
     by = {(r["mode"], r["category"]): r for r in report["results"]}
-    lines = [f"Command: `{report['command']}`", "",
-             "Tokens/s (speedup vs hf-ar) [mean accepted tokens per target pass]:", "",
-             "| category | " + " | ".join(modes) + " |", "| --- |" + " ---: |" * len(modes)]
+    rows = []
     for cat in dict.fromkeys(r["category"] for r in report["results"]):
         cells = []
         for m in modes:
@@ -234,48 +232,44 @@ def to_markdown(report: dict) -> str:
             if r is not None and r["mean_accepted_tokens"] is not None:
                 cell += f" [{r['mean_accepted_tokens']:.2f}]"
             cells.append(cell)
-        lines.append(f"| {cat} | " + " | ".join(cells) + " |")
-    lines.append("")
+        rows.append((cat, cells))
+    return modes, rows
+
+
+def _footnotes(report: dict) -> list[str]:
+    notes = []
     if report.get("identical_to_hf_ar"):
-        lines.append("Outputs identical to hf-ar: " + ", ".join(f"{m} {v}" for m, v in report["identical_to_hf_ar"].items()))
+        notes.append("Outputs identical to hf-ar: " + ", ".join(f"{m} {v}" for m, v in report["identical_to_hf_ar"].items()))
     if report.get("served_overhead_ms_per_round"):
-        lines.append(f"Served overhead per round (ms): {report['served_overhead_ms_per_round']}")
+        notes.append(f"Served overhead per round (ms): {report['served_overhead_ms_per_round']}")
     if "forward_ms" in report:
-        lines.append(f"One target forward (ms) by new tokens: {report['forward_ms']}")
-        lines.append(f"Model load (s): {report['load_seconds']}")
-    return "\n".join(lines) + "\n"
+        notes.append(f"One target forward (ms) by new tokens: {report['forward_ms']}")
+        notes.append(f"Model load (s): {report['load_seconds']}")
+    return notes
+
+
+def to_markdown(report: dict) -> str:
+    """The report as a Markdown table, for docs/BENCHMARKS.md."""
+    modes, rows = _table(report)
+    lines = [f"Command: `{report['command']}`", "",
+             "Tokens/s (speedup vs hf-ar) [mean accepted tokens per target pass]:", "",
+             "| category | " + " | ".join(modes) + " |", "| --- |" + " ---: |" * len(modes)]
+    lines += [f"| {cat} | " + " | ".join(cells) + " |" for cat, cells in rows]
+    return "\n".join(lines + [""] + _footnotes(report)) + "\n"
 
 
 def print_table(report: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    modes, rows = _table(report)
     table = Table(title="specserve bench (greedy, tokens/s; mean accepted tokens per target pass)")
     table.add_column("category")
-    modes = list(dict.fromkeys(r["mode"] for r in report["results"]))
     for m in modes:
         table.add_column(m, justify="right")
-    by = {(r["mode"], r["category"]): r for r in report["results"]}
-    for cat in dict.fromkeys(r["category"] for r in report["results"]):
-        cells = []
-        for m in modes:
-            r = by.get((m, cat))
-            if r is None:
-                cells.append("")
-                continue
-            cell = f"{r['tokens_per_s']:.1f}"
-            if r["speedup_vs_hf_ar"] is not None and m != "hf-ar":
-                cell += f" ({r['speedup_vs_hf_ar']:.2f}x)"
-            if r["mean_accepted_tokens"] is not None:
-                cell += f" [{r['mean_accepted_tokens']:.2f}]"
-            cells.append(cell)
+    for cat, cells in rows:
         table.add_row(cat, *cells)
     console = Console()
     console.print(table)
-    if report.get("identical_to_hf_ar"):
-        console.print("outputs identical to hf-ar: " + ", ".join(f"{m} {v}" for m, v in report["identical_to_hf_ar"].items()))
-    if report.get("served_overhead_ms_per_round"):
-        console.print(f"served overhead per round (ms): {report['served_overhead_ms_per_round']}")
-    if "forward_ms" in report:
-        console.print(f"one target forward (ms) by new tokens: {report['forward_ms']}")
-        console.print(f"load seconds: {report['load_seconds']}")
+    for note in _footnotes(report):
+        console.print(note)
