@@ -152,14 +152,34 @@ class Coordinator:
         return new[:job.params.max_tokens - len(verified)]
 
 
-class _VerifySide:
-    """The verifier holding one request, replaced when it fails."""
+class _Side:
+    """The service of one kind holding one request; failed replicas are not tried again."""
+
+    kind = ""
 
     def __init__(self, coord: Coordinator, job: Job):
         self.coord, self.job = coord, job
         self.address: str | None = None
         self.stub = None
         self.failed: set[str] = set()
+
+    def _fail(self, address: str, err: grpc.RpcError) -> None:
+        log.warning("%s %s failed for %s (%s); trying another", self.kind, address, self.job.request_id,
+                    err.code())
+        self.failed.add(address)
+        self.coord.channels.drop(address)
+        if self.address == address:
+            self.address, self.stub = None, None
+
+    def release(self) -> None:
+        if self.stub is not None:
+            self.coord.release(self.stub, self.job.request_id)
+
+
+class _VerifySide(_Side):
+    """The verifier holding one request, replaced when it fails."""
+
+    kind = "verifier"
 
     def prefill(self, tokens: list[int]) -> int:
         reserve = len(tokens) + self.job.params.max_tokens + self.job.draft_length + 4
@@ -200,26 +220,16 @@ class _VerifySide:
             return None
         return resp
 
-    def _fail(self, address: str, err: grpc.RpcError) -> None:
-        log.warning("verifier %s failed for %s (%s); trying another", address, self.job.request_id, err.code())
-        self.failed.add(address)
-        self.coord.channels.drop(address)
-        self.stub = None
-
-    def release(self) -> None:
-        if self.stub is not None:
-            self.coord.release(self.stub, self.job.request_id)
 
 
-class _DraftSide:
+class _DraftSide(_Side):
     """The drafter pool serving one request, replaced when it fails."""
 
+    kind = "drafter"
+
     def __init__(self, coord: Coordinator, job: Job):
-        self.coord, self.job = coord, job
-        self.address: str | None = None
-        self.stub = None
+        super().__init__(coord, job)
         self.synced = 0  # context length the drafter holds
-        self.failed: set[str] = set()
         self.disabled = job.drafter_kind == "none"
 
     def _connect(self, context: list[int]) -> bool:
@@ -241,12 +251,6 @@ class _DraftSide:
             return True
         return False
 
-    def _fail(self, address: str, err: grpc.RpcError) -> None:
-        log.warning("drafter %s failed for %s (%s); trying another", address, self.job.request_id, err.code())
-        self.failed.add(address)
-        self.coord.channels.drop(address)
-        if self.address == address:
-            self.address, self.stub = None, None
 
     def propose(self, context: list[int], budget: int) -> pb.DraftTree:
         """A draft tree for `context`, or an empty one (plain decoding) if no drafter can help."""
@@ -271,7 +275,3 @@ class _DraftSide:
             self.synced = len(context)
             return resp.tree
         return pb.DraftTree()
-
-    def release(self) -> None:
-        if self.stub is not None:
-            self.coord.release(self.stub, self.job.request_id)
