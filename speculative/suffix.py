@@ -88,7 +88,8 @@ class SuffixIndex:
 
     def propose(self, context: Sequence[int], max_tokens: int, min_probability: float = 0.1) -> DraftTree:
         """A tree of at most `max_tokens` nodes continuing `context`, grown best-first by
-        the empirical probability of each node's path (kept only while >= min_probability)."""
+        the empirical probability of each node's path (kept only while >= min_probability).
+        A node's confidence is the empirical probability of its token after its parent."""
         tree = DraftTree()
         with self._lock:
             start = self._match(context)
@@ -108,10 +109,10 @@ class SuffixIndex:
             for tok, child in node.children.items():
                 p = prob * child.count / total
                 if p >= min_probability:
-                    heapq.heappush(heap, (-p, next(tie), tok, child, parent, depth + 1))
+                    heapq.heappush(heap, (-p, next(tie), tok, child.count / total, child, parent, depth + 1))
 
         offer_children(start, 1.0, -1, 0)
         while heap and len(tree) < max_tokens:
-            neg_p, _, tok, child, parent, depth = heapq.heappop(heap)
-            [node] = tree.add_chain([tok], under=parent)
+            neg_p, _, tok, step, child, parent, depth = heapq.heappop(heap)
+            [node] = tree.add_chain([tok], under=parent, confidence=[step])
             offer_children(child, -neg_p, node, depth)

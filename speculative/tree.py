@@ -6,6 +6,11 @@ also records its *draws* in the order they were made: each draw is a token
 sampled from a draft distribution q, landing on a node. Several draws may
 land on one node (two drafters, or two samples, proposing the same token);
 multi-draft verification tests them one by one, in draw order.
+
+A node may carry a *confidence*: the probability its drafter gave the
+node's token after its parent's (for a node several chains merged into, the
+highest). Confidence fusion (`speculative.fusion`) ranks greedy nodes by it;
+verification never reads it.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ class DraftTree:
     parents: list[int] = field(default_factory=list)
     draw_nodes: list[int] = field(default_factory=list)  # node each draw landed on, in draw order
     draw_q: torch.Tensor | None = None  # [draws, V] distributions the draws came from; None if greedy
+    confidence: list[float] | None = None  # per node, or None when the drafter gives none
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -53,10 +59,17 @@ class DraftTree:
             mask[i + 1, i + 1] = True
         return mask.to(device)
 
-    def add_chain(self, tokens: Sequence[int], q: torch.Tensor | None = None, under: int = -1) -> list[int]:
+    def add_chain(self, tokens: Sequence[int], q: torch.Tensor | None = None, under: int = -1,
+                  confidence: Sequence[float] | None = None) -> list[int]:
         """Add a chain drawn below node `under`, merging with existing nodes that
-        carry the same tokens. Each token is one draw (with q[i], if given).
+        carry the same tokens. Each token is one draw (with q[i], if given), and
+        has confidence[i], if given (a merged node keeps the highest).
         Returns the node of each token."""
+        if len(tokens):
+            if not len(self):
+                self.confidence = None if confidence is None else []
+            elif (confidence is None) != (self.confidence is None):
+                raise ValueError("chains with and without confidence cannot share a tree")
         nodes = []
         parent = under
         new_q = []
@@ -66,6 +79,10 @@ class DraftTree:
                 node = len(self.tokens)
                 self.tokens.append(int(tok))
                 self.parents.append(parent)
+                if confidence is not None:
+                    self.confidence.append(float(confidence[i]))
+            elif confidence is not None:
+                self.confidence[node] = max(self.confidence[node], float(confidence[i]))
             nodes.append(node)
             self.draw_nodes.append(node)
             if q is not None:
@@ -77,9 +94,10 @@ class DraftTree:
         return nodes
 
     @classmethod
-    def chain(cls, tokens: Sequence[int], q: torch.Tensor | None = None) -> "DraftTree":
+    def chain(cls, tokens: Sequence[int], q: torch.Tensor | None = None,
+              confidence: Sequence[float] | None = None) -> "DraftTree":
         tree = cls()
-        tree.add_chain(tokens, q)
+        tree.add_chain(tokens, q, confidence=confidence)
         return tree
 
     def truncated(self, max_nodes: int) -> "DraftTree":
@@ -88,11 +106,14 @@ class DraftTree:
         Whether a draw is kept depends only on the draws before it, never on
         the token it drew itself (keeping a draw because it happened to merge
         into an existing node would bias multi-draft sampling): the cut falls
-        before the first draw made once the budget is full."""
-        if len(self) <= max_nodes:
+        before the first draw made once the budget is full. So a tree of
+        exactly `max_nodes` nodes may lose draws too: the ones after its last
+        new node, which are kept in full only because they merged."""
+        if len(self) < max_nodes:
             return self
         if not self.draw_nodes:  # a tree built without draws (greedy): nodes follow their parents
-            return DraftTree(self.tokens[:max_nodes], self.parents[:max_nodes])
+            return DraftTree(self.tokens[:max_nodes], self.parents[:max_nodes],
+                             confidence=self._confidence(max_nodes))
         kept, n_nodes = len(self.draw_nodes), 0
         for d, node in enumerate(self.draw_nodes):
             if n_nodes >= max_nodes:
@@ -100,4 +121,8 @@ class DraftTree:
                 break
             n_nodes = max(n_nodes, node + 1)
         q = None if self.draw_q is None else self.draw_q[:kept]
-        return DraftTree(self.tokens[:n_nodes], self.parents[:n_nodes], self.draw_nodes[:kept], q)
+        return DraftTree(self.tokens[:n_nodes], self.parents[:n_nodes], self.draw_nodes[:kept], q,
+                         self._confidence(n_nodes))
+
+    def _confidence(self, n_nodes: int) -> list[float] | None:
+        return None if self.confidence is None else self.confidence[:n_nodes]
