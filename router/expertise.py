@@ -1,0 +1,186 @@
+"""Expertise routing: which drafters serve a request, and how far to trust each.
+
+    router = ExpertiseRouter(store)               # store: a cluster.state.StateStore
+    route = router.route(prompt, candidates=["pld", "smollm-68m"], k=2, hint=req.domain_hint or None)
+    route.domain, route.drafters, route.reliability   # drafters best first; reliability in [0, 1]
+    ...
+    router.record("smollm-68m", route.domain, proposed=40, accepted=31)   # once per request and drafter
+
+Domain: the client's hint if any, else the prompt classifier's guess
+(`router.classifier`). Drafters are named by kind (e.g. "smollm-68m"), not by
+replica, so every replica of a drafter adds to one record.
+
+Ranking: for each (drafter, domain) the acceptance rate of drafted tokens
+has a Beta(prior + accepted, prior + rejected) posterior. Thompson sampling
+ranks the candidates by one draw from each posterior: the better drafter
+wins most requests, while a drafter whose rate is still uncertain (a new
+one) is tried in proportion to its chance of being the best. Two things keep
+a drafter that improves (one that keeps learning online) from being ignored
+forever: evidence is a window (at most `window` proposed tokens per pair,
+older tokens scaled away as new ones arrive), so the posterior never grows
+so sharp that it cannot move; and with probability `epsilon` a request ranks
+its candidates at random, so even a drafter far behind gets some tokens to be
+judged by. `reliability` is the posterior mean, the weight confidence fusion
+gives a drafter's tokens.
+
+Sharing: the counters live in the state store, shared by all router
+replicas. A router keeps a cache and talks to the store at most once every
+`refresh_s` seconds (from inside whichever call finds the cache stale): it
+writes the outcomes it recorded since the last time, then reads everyone's
+totals and adds what is new to its windows. Its own outcomes count in its
+cache at once. Outcomes not yet written are lost if the process dies (at most
+`refresh_s` worth, an acceptable loss for statistics); `close()` writes them.
+
+The store is duck-typed (`record_acceptance(drafter, domain, proposed,
+accepted)`, `acceptance_stats() -> {(drafter, domain): (proposed, accepted)}`),
+because `router/` does not import `cluster/`. Its errors reach the caller;
+a failed refresh keeps the cache and what is unwritten, and is retried only
+after `refresh_s`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import NamedTuple, Protocol
+
+import numpy as np
+
+from .classifier import DomainClassifier
+from .domains import DOMAINS
+
+Key = tuple[str, str]  # (drafter, domain)
+
+
+class AcceptanceStore(Protocol):
+    def record_acceptance(self, drafter: str, domain: str, proposed: int, accepted: int) -> None: ...
+
+    def acceptance_stats(self, domain: str | None = None) -> dict[Key, tuple[int, int]]: ...
+
+
+class Route(NamedTuple):
+    domain: str
+    drafters: tuple[str, ...]  # best first
+    reliability: dict[str, float]  # of each chosen drafter on the domain
+
+
+class ExpertiseRouter:
+    def __init__(self, store: AcceptanceStore, classifier: DomainClassifier | None = None, *,
+                 refresh_s: float = 5.0, prior: tuple[float, float] = (1.0, 1.0), window: float = 4000.0,
+                 epsilon: float = 0.02, rng: np.random.Generator | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        """prior: Beta (alpha, beta) of a pair with no evidence, as pseudo-counts of
+        accepted and rejected tokens. rng and clock are injectable for tests."""
+        if not (prior[0] > 0 and prior[1] > 0 and window > 0 and 0 <= epsilon <= 1 and refresh_s >= 0):
+            raise ValueError(f"bad routing parameters: {prior=} {window=} {epsilon=} {refresh_s=}")
+        self.store, self.refresh_s, self.prior, self.window, self.epsilon = store, refresh_s, prior, window, epsilon
+        self.classifier = DomainClassifier.load() if classifier is None else classifier
+        self._rng = rng or np.random.default_rng()
+        self._clock = clock
+        self._lock = threading.Lock()  # guards everything below and the rng
+        self._refreshing = threading.Lock()  # one refresh at a time
+        self._evidence: dict[Key, tuple[float, float]] = {}  # windowed (proposed, accepted)
+        self._seen: dict[Key, tuple[int, int]] = {}  # store totals already in the evidence
+        self._unwritten: dict[Key, tuple[int, int]] = {}  # own outcomes not yet in the store
+        self._next_refresh = -float("inf")
+
+    # -- per request ------------------------------------------------------------
+    def domain(self, prompt: str, hint: str | None = None) -> str:
+        """The client's hint when given, else the classifier's guess."""
+        if hint:
+            if hint not in DOMAINS:
+                raise ValueError(f"unknown domain {hint!r}; known: {', '.join(DOMAINS)}")
+            return hint
+        return self.classifier.predict(prompt)
+
+    def choose(self, domain: str, candidates: Sequence[str], k: int = 1) -> list[str]:
+        """Up to k distinct candidates, best first by one Thompson draw each."""
+        candidates = list(dict.fromkeys(candidates))
+        self._maybe_refresh()
+        with self._lock:
+            if self._rng.random() < self.epsilon:
+                order = self._rng.permutation(len(candidates))
+            else:
+                draws = [self._rng.beta(*self._posterior((c, domain))) for c in candidates]
+                order = np.argsort(draws, kind="stable")[::-1]
+        return [candidates[i] for i in order[:k]]
+
+    def reliability(self, drafter: str, domain: str) -> float:
+        """Posterior mean acceptance rate of the drafter's tokens on the domain."""
+        self._maybe_refresh()
+        with self._lock:
+            a, b = self._posterior((drafter, domain))
+        return a / (a + b)
+
+    def route(self, prompt: str, candidates: Sequence[str], k: int = 1, hint: str | None = None) -> Route:
+        domain = self.domain(prompt, hint)
+        drafters = self.choose(domain, candidates, k)
+        return Route(domain, tuple(drafters), {d: self.reliability(d, domain) for d in drafters})
+
+    def record(self, drafter: str, domain: str, proposed: int, accepted: int) -> None:
+        """Count a drafter's outcome: of `proposed` drafted tokens, `accepted` were accepted.
+
+        Record a request's totals once rather than every round: same statistics, less work.
+        """
+        if not 0 <= accepted <= proposed:
+            raise ValueError(f"need 0 <= accepted <= proposed, got {accepted=} {proposed=}")
+        key = (drafter, domain)
+        with self._lock:
+            self._add(key, proposed, accepted)
+            p, a = self._unwritten.get(key, (0, 0))
+            self._unwritten[key] = (p + proposed, a + accepted)
+
+    # -- sharing through the store --------------------------------------------
+    def refresh(self) -> None:
+        """Write own outcomes to the store and take in everyone's; normally automatic."""
+        with self._refreshing:
+            self._refresh()
+
+    def close(self) -> None:
+        """Write the outcomes not yet in the store."""
+        self.refresh()
+
+    def _maybe_refresh(self) -> None:
+        with self._lock:
+            due = self._clock() >= self._next_refresh
+        # Non-blocking: a request never waits for another thread's refresh.
+        if due and self._refreshing.acquire(blocking=False):
+            try:
+                self._refresh()
+            finally:
+                self._refreshing.release()
+
+    def _refresh(self) -> None:
+        with self._lock:
+            # Set first: a store that fails is tried again only after refresh_s.
+            self._next_refresh = self._clock() + self.refresh_s
+            unwritten = dict(self._unwritten)
+        for key, (p, a) in unwritten.items():
+            self.store.record_acceptance(*key, p, a)
+            with self._lock:  # written: now in the totals, and already in the evidence
+                left = self._unwritten[key]  # record() may have added since
+                self._unwritten[key] = (left[0] - p, left[1] - a)
+                if self._unwritten[key] == (0, 0):
+                    del self._unwritten[key]
+                seen = self._seen.get(key, (0, 0))
+                self._seen[key] = (seen[0] + p, seen[1] + a)
+        totals = self.store.acceptance_stats()
+        with self._lock:
+            for key, (p, a) in totals.items():
+                seen = self._seen.get(key, (0, 0))
+                if p >= seen[0] and a >= seen[1]:  # else the store was reset: start counting again
+                    self._add(key, p - seen[0], a - seen[1])
+                self._seen[key] = (p, a)
+
+    # -- statistics (callers hold self._lock) ---------------------------------
+    def _add(self, key: Key, proposed: float, accepted: float) -> None:
+        p, a = self._evidence.get(key, (0.0, 0.0))
+        p, a = p + proposed, a + accepted
+        if p > self.window:  # forget old tokens in proportion, keeping the rate
+            a, p = a * self.window / p, self.window
+        self._evidence[key] = (p, a)
+
+    def _posterior(self, key: Key) -> tuple[float, float]:
+        p, a = self._evidence.get(key, (0.0, 0.0))
+        return self.prior[0] + a, self.prior[1] + p - a

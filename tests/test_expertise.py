@@ -1,0 +1,275 @@
+"""Expertise routing: the prompt classifier and the acceptance-driven drafter choice.
+
+Routing runs against both real state stores (embedded, and Redis on a real
+redis-server), with a seeded simulation of drafters' acceptance and a fake
+clock, so every outcome is deterministic.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections import Counter
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+import pytest
+from conftest import DEV_QUESTIONS
+from redis_server import redis_server_fixture
+
+from cluster.state import EmbeddedStateStore, RedisStateStore, StateStore
+from router.classifier import DomainClassifier, evaluate
+from router.domains import DOMAINS, read_questions, split_dev
+from router.expertise import ExpertiseRouter
+
+redis_url = redis_server_fixture()
+
+PROPOSED = 16  # drafted tokens per simulated request
+REFRESH_S = 2.0
+
+
+# --- the classifier
+
+
+@pytest.fixture(scope="module")
+def dev_split() -> tuple[list[dict], list[dict]]:
+    if not DEV_QUESTIONS.exists():
+        pytest.fail(f"Spec-Bench dev questions not found at {DEV_QUESTIONS} (../shared beside the repo)")
+    return split_dev(read_questions(DEV_QUESTIONS))
+
+
+@pytest.fixture(scope="module")
+def classifier() -> DomainClassifier:
+    return DomainClassifier.load()
+
+
+def test_classifier_accuracy_on_held_out_bench(classifier: DomainClassifier, dev_split) -> None:
+    bench, _ = dev_split
+    acc = evaluate(classifier, bench)
+    # Measured: category accuracy 1.0 on translation, summarization, qa, rag and
+    # 0.9 on math_reasoning; mt_bench 1.0 as a group. MT-bench's own categories
+    # are not asserted: its bench questions are writing (no training example
+    # at all) and roleplay (3 training examples).
+    for group in ("translation", "summarization", "qa", "math_reasoning", "rag"):
+        category_acc, _, n = acc[group]
+        assert n == 10 and category_acc >= 0.9, (group, acc[group])
+    assert acc["mt_bench"][1] >= 0.8, acc["mt_bench"]
+    assert acc["overall"][1] >= 0.95, acc["overall"]  # measured 0.983
+
+
+def test_shipped_classifier_is_what_training_gives(classifier: DomainClassifier, dev_split) -> None:
+    bench, training = dev_split
+    retrained = DomainClassifier.train(training)
+    for shipped, fresh in ((classifier.groups, retrained.groups), (classifier.mt_bench, retrained.mt_bench)):
+        assert shipped.classes == fresh.classes
+        # float16 weights: another BLAS may round a last bit differently.
+        np.testing.assert_allclose(shipped.weights, fresh.weights, atol=1e-2)
+        np.testing.assert_allclose(shipped.bias, fresh.bias, atol=1e-2)
+    for q in bench + training:
+        assert classifier.predict(q["turns"][0]) == retrained.predict(q["turns"][0])
+
+
+def test_classifier_scores(classifier: DomainClassifier) -> None:
+    for text in ("", "Translate German to English: Alle Tickets behalten Gültigkeit .", "def f(x):\n    return x"):
+        scores = classifier.scores(text)
+        assert list(scores) == list(DOMAINS)
+        assert all(0 <= p <= 1 for p in scores.values()) and sum(scores.values()) == pytest.approx(1)
+        assert classifier.predict(text) in DOMAINS
+    assert classifier.predict("Translate German to English: Das Wetter ist heute schön .") == "translation"
+
+
+# --- routing
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@pytest.fixture(params=["embedded", "redis"])
+def store(request: pytest.FixtureRequest) -> Iterator[StateStore]:
+    if request.param == "embedded":
+        s: StateStore = EmbeddedStateStore()
+    else:  # a fresh prefix: tests share one redis-server but not data
+        s = RedisStateStore(request.getfixturevalue("redis_url"), prefix=f"test-{secrets.token_hex(4)}:")
+    yield s
+    s.close()
+
+
+def make_router(store, classifier: DomainClassifier, clock: Clock, seed: int, **kw) -> ExpertiseRouter:
+    kw.setdefault("refresh_s", REFRESH_S)
+    return ExpertiseRouter(store, classifier, rng=np.random.default_rng(seed), clock=clock, **kw)
+
+
+def serve(routers: Sequence[ExpertiseRouter], clock: Clock, rates: dict[str, float], domain: str, n: int,
+          outcomes: np.random.Generator) -> list[str]:
+    """n requests of one domain, round-robin over the routers (replicas), one
+    drafter each; a drafter accepts each token with its rate. Returns the choices."""
+    chosen = []
+    for i in range(n):
+        router = routers[i % len(routers)]
+        [drafter] = router.choose(domain, list(rates))
+        router.record(drafter, domain, PROPOSED, int(outcomes.binomial(PROPOSED, rates[drafter])))
+        chosen.append(drafter)
+        clock.t += 1.0
+    return chosen
+
+
+def test_routing_learns_each_domains_better_drafter(store, classifier) -> None:
+    clock, outcomes = Clock(), np.random.default_rng(0)
+    replicas = [make_router(store, classifier, clock, seed) for seed in (1, 2)]
+    rates = {"math_reasoning": {"alpha": 0.8, "beta": 0.3}, "translation": {"alpha": 0.3, "beta": 0.8}}
+    for _ in range(5):  # warm-up, the domains interleaved
+        for domain, r in rates.items():
+            serve(replicas, clock, r, domain, 10, outcomes)
+
+    math = Counter(serve(replicas, clock, rates["math_reasoning"], "math_reasoning", 100, outcomes))
+    translation = Counter(serve(replicas, clock, rates["translation"], "translation", 100, outcomes))
+    assert math["alpha"] >= 90, math
+    assert translation["beta"] >= 90, translation
+    for r in replicas:
+        r.close()
+    # Every outcome reached the shared store.
+    assert sum(a.proposed for a in store.acceptance_stats().values()) == PROPOSED * 300
+    assert replicas[0].reliability("alpha", "math_reasoning") == pytest.approx(0.8, abs=0.05)  # well sampled
+    assert replicas[1].reliability("alpha", "translation") < replicas[1].reliability("beta", "translation")
+
+
+def test_new_drafter_gets_traffic_and_takes_over_if_better(store, classifier) -> None:
+    clock, outcomes = Clock(), np.random.default_rng(3)
+    router = make_router(store, classifier, clock, seed=4)
+    serve([router], clock, {"old": 0.5}, "qa", 100, outcomes)  # the only drafter so far
+
+    better = serve([router], clock, {"old": 0.5, "new": 0.8}, "qa", 200, outcomes)
+    assert "new" in better[:20]
+    assert better[100:].count("new") >= 90
+
+    worse = serve([router], clock, {"new": 0.8, "newer": 0.2}, "qa", 200, outcomes)
+    assert "newer" in worse[:50]  # tried...
+    assert worse[100:].count("newer") <= 10  # ...and then left alone
+
+
+def test_improved_drafter_wins_back_its_traffic(store, classifier) -> None:
+    """A long poor record, then the drafter improves: the epsilon floor still
+    gives it tokens to be judged by, and the evidence window lets its old
+    record fade. Without either it stays at the epsilon share or below (checked)."""
+    store.record_acceptance("steady", "coding", 5000, 3000)
+    store.record_acceptance("learner", "coding", 5000, 1000)
+    clock, outcomes = Clock(), np.random.default_rng(5)
+    router = make_router(store, classifier, clock, seed=6, window=400, epsilon=0.05)
+    before = serve([router], clock, {"steady": 0.6, "learner": 0.2}, "coding", 200, outcomes)
+    assert before.count("steady") >= 180
+    after = serve([router], clock, {"steady": 0.6, "learner": 0.9}, "coding", 1500, outcomes)
+    assert after[-100:].count("learner") >= 90
+
+
+def test_domain_hint_overrides_the_classifier(classifier) -> None:
+    router = ExpertiseRouter(EmbeddedStateStore(), classifier)
+    prompt = "Translate German to English: Alle Tickets behalten für diese Shows Gültigkeit ."
+    assert router.domain(prompt) == "translation"
+    assert router.domain(prompt, hint="math") == "math"
+    assert router.route(prompt, ["a", "b"], k=2, hint="coding").domain == "coding"
+    with pytest.raises(ValueError, match="unknown domain"):
+        router.domain(prompt, hint="poetry")
+
+
+def test_route_returns_top_k_with_reliability(classifier) -> None:
+    store = EmbeddedStateStore()
+    store.record_acceptance("good", "rag", 1000, 900)
+    store.record_acceptance("bad", "rag", 1000, 100)
+    router = ExpertiseRouter(store, classifier, epsilon=0, rng=np.random.default_rng(0), prior=(3, 1))
+    route = router.route("context ...\nWho wrote it?", ["bad", "good", "unknown", "good"], k=2, hint="rag")
+    assert route.domain == "rag" and len(set(route.drafters)) == 2
+    assert "good" in route.drafters and "bad" not in route.drafters
+    assert route.reliability["good"] == pytest.approx(903 / 1004)
+    assert router.reliability("unknown", "rag") == 0.75  # the prior's mean
+    assert router.choose("rag", []) == []
+
+
+def test_replicas_share_stats_through_the_store(store, classifier) -> None:
+    writer_clock, reader_clock = Clock(), Clock()
+    writer, reader = make_router(store, classifier, writer_clock, 7), make_router(store, classifier, reader_clock, 8)
+    assert writer.reliability("d", "stem") == reader.reliability("d", "stem") == 0.5  # both refreshed: nothing yet
+    writer.record("d", "stem", 100, 90)
+    assert writer.reliability("d", "stem") == pytest.approx(91 / 102)  # its own outcome counts at once
+    assert store.acceptance_stats() == {}  # and is written on its next refresh
+    writer_clock.t += REFRESH_S
+    writer.reliability("d", "stem")
+    assert store.acceptance_stats() == {("d", "stem"): (100, 90)}
+    assert reader.reliability("d", "stem") == 0.5  # its cache is not due yet
+    reader_clock.t += REFRESH_S
+    assert reader.reliability("d", "stem") == pytest.approx(91 / 102)
+    # Counted once each, however many refreshes follow.
+    writer_clock.t += REFRESH_S
+    reader_clock.t += REFRESH_S
+    assert writer.reliability("d", "stem") == reader.reliability("d", "stem") == pytest.approx(91 / 102)
+
+
+class CountingStore(EmbeddedStateStore):
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads = self.writes = 0
+
+    def acceptance_stats(self, domain=None):
+        self.reads += 1
+        return super().acceptance_stats(domain)
+
+    def record_acceptance(self, *args) -> None:
+        self.writes += 1
+        super().record_acceptance(*args)
+
+
+def test_store_is_read_at_most_once_per_refresh_interval(classifier) -> None:
+    store, clock = CountingStore(), Clock()
+    router = make_router(store, classifier, clock, seed=9)
+    for i in range(100):
+        route = router.route("What is 2 + 2?", ["a", "b"], hint="math")
+        router.record(route.drafters[0], "math", 4, i % 5)
+        clock.t += REFRESH_S / 10
+    assert store.reads == 10
+    assert store.writes <= 2 * 10  # one per (drafter, domain) pair per refresh
+    router.close()
+    assert sum(a.proposed for a in store.acceptance_stats().values()) == 400
+
+
+class FailingStore(EmbeddedStateStore):
+    up = True
+
+    def acceptance_stats(self, domain=None):
+        if not self.up:
+            raise ConnectionError("store down")
+        return super().acceptance_stats(domain)
+
+    def record_acceptance(self, *args) -> None:
+        if not self.up:
+            raise ConnectionError("store down")
+        super().record_acceptance(*args)
+
+
+def test_store_failure_keeps_cache_and_unwritten_outcomes(classifier) -> None:
+    store, clock = FailingStore(), Clock()
+    router = make_router(store, classifier, clock, seed=10)
+    router.record("d", "qa", 10, 9)
+    store.up = False
+    with pytest.raises(ConnectionError):
+        router.reliability("d", "qa")
+    assert router.reliability("d", "qa") == pytest.approx(10 / 12)  # no retry before refresh_s, cache kept
+    store.up = True
+    clock.t += REFRESH_S
+    assert router.reliability("d", "qa") == pytest.approx(10 / 12)
+    assert store.acceptance_stats() == {("d", "qa"): (10, 9)}
+
+
+@pytest.mark.parametrize("bad", [dict(prior=(0, 1)), dict(window=0), dict(epsilon=1.5), dict(refresh_s=-1)])
+def test_bad_parameters_refused(classifier, bad) -> None:
+    with pytest.raises(ValueError):
+        ExpertiseRouter(EmbeddedStateStore(), classifier, **bad)
+
+
+def test_bad_outcome_refused(classifier) -> None:
+    router = ExpertiseRouter(EmbeddedStateStore(), classifier)
+    with pytest.raises(ValueError):
+        router.record("d", "qa", 3, 4)
+
