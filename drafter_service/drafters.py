@@ -75,14 +75,27 @@ class SuffixDrafter:
 
 class ModelDrafter:
     """Drafts autoregressively with a small causal LM, or with a subset of the
-    target's own layers (layer-skip self-drafting), keeping its own KV cache."""
+    target's own layers (layer-skip self-drafting), keeping its own KV cache.
+
+    A drafter with a trimmed vocabulary (VocabTrim) gives `vocab_ids`: its
+    token i is the target's token vocab_ids[i], and its one extra last row
+    stands for every other target token on input and is never proposed. Its
+    q, spread back over the target's vocabulary, is still exactly what the
+    draft was drawn from."""
 
     def __init__(self, model: Transformer, layers: Sequence[int] | None = None, name: str = "model",
-                 max_len: int | None = None, draft_top_k: int | None = None):
+                 max_len: int | None = None, draft_top_k: int | None = None,
+                 vocab_ids: Sequence[int] | None = None, target_vocab_size: int | None = None):
         self.model, self.layers, self.name = model, list(layers) if layers is not None else None, name
         # Sampling from the top-k renormalised distribution makes q exactly
         # sparse: k (id, prob) pairs per draft token on the wire, still exact.
         self.draft_top_k = draft_top_k
+        self.vocab_ids = self.to_draft = None
+        self.target_vocab_size = target_vocab_size or model.config.vocab_size
+        if vocab_ids is not None:
+            self.vocab_ids = torch.tensor(list(vocab_ids), dtype=torch.long)
+            self.to_draft = torch.full((self.target_vocab_size,), len(self.vocab_ids), dtype=torch.long)
+            self.to_draft[self.vocab_ids] = torch.arange(len(self.vocab_ids))
         self.max_len = max_len or model.config.max_position_embeddings
         self.cache = None
         self.cached: list[int] = []  # tokens whose keys and values the cache holds
@@ -106,32 +119,48 @@ class ModelDrafter:
     def _feed(self, tokens: list[int], start: int) -> torch.Tensor:
         device = self.model.device
         t = len(tokens)
-        logits = self.model(torch.tensor([tokens], device=device),
+        ids = torch.tensor([tokens])
+        if self.to_draft is not None:
+            ids = self.to_draft[ids]
+        logits = self.model(ids.to(device),
                             torch.arange(start, start + t, device=device)[None], self.cache,
                             attention_mask(start, causal_ancestors(t, device)), layers=self.layers,
                             logits_from=t - 1)
         self.cached = self.cached[:start] + tokens
-        return logits[0, -1]
+        logits = logits[0, -1]
+        if self.vocab_ids is not None:  # the "any other token" row is never proposed
+            logits = torch.cat((logits[:-1], logits.new_full((1,), float("-inf"))))
+        return logits
 
     def propose(self, context: Sequence[int], max_tokens: int, params: SamplingParams,
                 generator: torch.Generator) -> DraftTree:
         if len(context) + max_tokens > self.max_len:
             max_tokens = self.max_len - len(context)
         logits = self._sync(context, max_tokens)
-        tokens, qs = [], []
+        tokens, qs, confidence = [], [], []
         for i in range(max_tokens):
             if params.greedy:
                 tok = int(logits.argmax())
+                confidence.append(float(torch.softmax(logits.float(), -1)[tok]))
             else:
                 q = probabilities(logits, params)
                 if self.draft_top_k:
                     q = _top_k_renormalised(q, self.draft_top_k)
                 tok = sample(q, generator)
-                qs.append(q)
+                confidence.append(float(q[tok]))
+                qs.append(q if self.vocab_ids is None else self._spread(q))
+            if self.vocab_ids is not None:
+                tok = int(self.vocab_ids[tok])
             tokens.append(tok)
             if i + 1 < max_tokens:
                 logits = self._feed([tok], len(self.cached))
-        return DraftTree.chain(tokens, torch.stack(qs) if qs else None)
+        return DraftTree.chain(tokens, torch.stack(qs) if qs else None, confidence)
+
+    def _spread(self, q: torch.Tensor) -> torch.Tensor:
+        """q over the drafter's vocabulary as a distribution over the target's."""
+        full = torch.zeros(self.target_vocab_size, dtype=q.dtype, device=q.device)
+        full[self.vocab_ids] = q[:-1]
+        return full
 
 
 def layer_skip_layers(num_layers: int, keep_first: int, keep_last: int = 0) -> list[int]:
@@ -154,5 +183,5 @@ class MultiSampleDrafter:
         tree = DraftTree()
         for _ in range(self.branches):
             chain = self.base.propose(context, max_tokens, params, generator)
-            tree.add_chain(chain.tokens, chain.draw_q)
+            tree.add_chain(chain.tokens, chain.draw_q, confidence=chain.confidence)
         return tree

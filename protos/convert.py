@@ -42,6 +42,8 @@ def tree_to_pb(tree: DraftTree) -> pb.DraftTree:
     msg = pb.DraftTree(tokens=tree.tokens, parents=tree.parents, draw_nodes=tree.draw_nodes)
     if tree.draw_q is not None:
         msg.draw_q.extend(sparse_to_pb(q) for q in tree.draw_q.float().cpu())
+    if tree.confidence is not None:
+        msg.confidence.extend(tree.confidence)
     return msg
 
 
@@ -65,4 +67,7 @@ def tree_from_pb(msg: pb.DraftTree, vocab_size: int) -> DraftTree:
             if len(dist.ids) != len(dist.probs) or any(not 0 <= i < vocab_size for i in dist.ids):
                 raise ValueError(f"tree.draw_q: draw {d} needs one prob per id and ids inside the vocabulary")
         q = torch.stack([sparse_from_pb(d, vocab_size) for d in msg.draw_q])
-    return DraftTree(tokens, parents, draws, q)
+    confidence = list(msg.confidence) or None
+    if confidence is not None and len(confidence) != len(tokens):
+        raise ValueError("tree.confidence: one value per node is needed")
+    return DraftTree(tokens, parents, draws, q, confidence)

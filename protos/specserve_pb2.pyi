@@ -29,16 +29,18 @@ class SparseDist(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class DraftTree(_message.Message):
-    __slots__ = ("tokens", "parents", "draw_nodes", "draw_q")
+    __slots__ = ("tokens", "parents", "draw_nodes", "draw_q", "confidence")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     PARENTS_FIELD_NUMBER: _ClassVar[int]
     DRAW_NODES_FIELD_NUMBER: _ClassVar[int]
     DRAW_Q_FIELD_NUMBER: _ClassVar[int]
+    CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     parents: _containers.RepeatedScalarFieldContainer[int]
     draw_nodes: _containers.RepeatedScalarFieldContainer[int]
     draw_q: _containers.RepeatedCompositeFieldContainer[SparseDist]
-    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., draw_nodes: _Optional[_Iterable[int]] = ..., draw_q: _Optional[_Iterable[_Union[SparseDist, _Mapping]]] = ...) -> None: ...
+    confidence: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., draw_nodes: _Optional[_Iterable[int]] = ..., draw_q: _Optional[_Iterable[_Union[SparseDist, _Mapping]]] = ..., confidence: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
