@@ -7,7 +7,7 @@ import json
 import sys
 import time
 
-from drafter_service.registry import DRAFTER_NAMES
+from drafter_service.registry import DRAFTER_NAMES, check_drafter
 from speculative.loading import DTYPES
 from speculative.sampling import InvalidArgument, SamplingParams
 
@@ -69,6 +69,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="HOST:PORT of a running `specserve serve`, for the served-<mode> modes")
     b.add_argument("--out", required=True, help="JSON file to write")
     _add_model_args(b)
+
+    t = sub.add_parser("train-drafter", help="distil a small drafter from a target model (see docs/DRAFTERS.md)")
+    t.add_argument("--target", default=None, help="target model: Hugging Face directory or .gguf (default smollm2)")
+    t.add_argument("--corpus", nargs="+", required=True, metavar="PATH",
+                   help="question/prompt .jsonl files (answered by the target) and text files or directories")
+    t.add_argument("--out", required=True, help="directory to write the drafter (and its work/ cache) to")
+    t.add_argument("--layers", type=int, default=2)
+    t.add_argument("--hidden", type=int, default=None, help="hidden size (default: the target's, weights copied)")
+    t.add_argument("--intermediate", type=int, default=512, help="MLP width per layer")
+    t.add_argument("--vocab-trim", type=int, default=6144, help="tokens the drafter can propose (0: all)")
+    t.add_argument("--minutes", type=float, default=30.0, help="training time budget, data preparation excluded")
+    t.add_argument("--init", default=None, metavar="DIR", help="continue from this drafter (e.g. specialise one)")
+    t.add_argument("--answer-tokens", type=int, default=192, help="length of the target's answers to prompts")
+    t.add_argument("--seed", type=int, default=0)
     return parser
 
 
@@ -82,8 +96,8 @@ def cmd_generate(args) -> int:
     params.validate()  # cheap checks before loading the model
     if args.draft_length < 0:
         raise InvalidArgument("draft_length", f"must be >= 0, got {args.draft_length}")
-    if args.drafter is not None and args.drafter not in DRAFTER_NAMES:
-        raise InvalidArgument("drafter", f"unknown drafter {args.drafter!r}; choose from {', '.join(DRAFTER_NAMES)}")
+    if args.drafter is not None:
+        check_drafter(args.drafter)
     if not args.prompt.strip():
         raise InvalidArgument("prompt", "must not be empty")
     if args.server:
@@ -209,11 +223,28 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_train_drafter(args) -> int:
+    from cluster.local import set_cpu_threads
+    from drafter_service.corpus import corpus_files
+    from drafter_service.training import TrainConfig, train
+
+    cfg = TrainConfig(target=args.target, corpus=args.corpus, out=args.out, layers=args.layers, hidden=args.hidden,
+                      intermediate=args.intermediate, vocab_trim=args.vocab_trim, minutes=args.minutes,
+                      init=args.init, answer_tokens=args.answer_tokens, seed=args.seed,
+                      extra={"command": "specserve " + " ".join(args.argv)})
+    cfg.validate()
+    corpus_files(cfg.corpus)  # a missing file fails now, not after loading the target
+    set_cpu_threads()
+    train(cfg)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        return {"generate": cmd_generate, "serve": cmd_serve, "bench": cmd_bench}[args.command](args)
+        return {"generate": cmd_generate, "serve": cmd_serve, "bench": cmd_bench,
+                "train-drafter": cmd_train_drafter}[args.command](args)
     except InvalidArgument as e:
         print(f"specserve: error: {_flag(e.field)}: {str(e).split(': ', 1)[1]}", file=sys.stderr)
         return 2

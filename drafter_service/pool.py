@@ -22,7 +22,7 @@ from speculative.model import Transformer
 from speculative.sampling import InvalidArgument, SamplingParams, make_generator
 from speculative.tree import DraftTree
 
-from .registry import DRAFTER_NAMES, make_drafter
+from .registry import is_drafter, make_drafter
 
 
 @dataclass
@@ -39,7 +39,7 @@ class DrafterPool:
     def __init__(self, target_model: Transformer, kinds: Sequence[str] = ("pld", "layerskip"),
                  idle_timeout_s: float = 300.0, draft_top_k: int = 32,
                  clock: Callable[[], float] = time.monotonic):
-        unknown = [k for k in kinds if k == "none" or k not in DRAFTER_NAMES]
+        unknown = [k for k in kinds if k == "none" or not is_drafter(k)]
         if unknown:
             raise ValueError(f"not drafter kinds: {unknown}")
         self.target, self.kinds = target_model, tuple(kinds)

@@ -1,12 +1,21 @@
-"""Drafter kinds by name, so the CLI and services build them the same way."""
+"""Drafter kinds by name, so the CLI and services build them the same way.
+
+Names: the model-free kinds (`pld`, `suffix`), the target's own layers
+(`layerskip`), the small drafters shipped for the default target
+(`small-*`, docs/DRAFTERS.md), or the path of any drafter directory written
+by `specserve train-drafter`.
+"""
 
 from __future__ import annotations
 
+import threading
+from pathlib import Path
+
 from speculative.model import Transformer
 from speculative.sampling import InvalidArgument
-
 from speculative.suffix import SuffixIndex
 
+from .checkpoint import is_drafter_dir, load_drafter
 from .drafters import ModelDrafter, PromptLookupDrafter, SuffixDrafter, layer_skip_layers
 
 # Layer-skip default: the target's first layers and its last, with its head.
@@ -19,10 +28,33 @@ LAYER_SKIP_FIRST, LAYER_SKIP_LAST = 10, 10
 # they win when a 5-token verify costs 1.5x a 1-token step (tuned on 12 dev prompts).
 PLD_MAX_NGRAM, PLD_MIN_NGRAM = 4, 2
 
-DRAFTER_NAMES = ("none", "pld", "layerskip", "suffix")
+SHIPPED_DIR = Path(__file__).parent / "checkpoints"
+SHIPPED_DRAFTERS = ("small-general", "small-math", "small-extraction", "small-language")
+DRAFTER_NAMES = ("none", "pld", "layerskip", "suffix") + SHIPPED_DRAFTERS
 
 # One suffix index per target in this process: every request feeds it and drafts from it.
 _suffix_indexes: dict[int, SuffixIndex] = {}
+# Small drafter models, loaded once per process and target, shared by requests.
+_small_models: dict[tuple[str, int], tuple[Transformer, list[int] | None]] = {}
+_load_lock = threading.Lock()
+
+
+def drafter_path(name: str) -> Path | None:
+    """The checkpoint directory a small-model drafter name refers to, else None."""
+    if name in SHIPPED_DRAFTERS:
+        return SHIPPED_DIR / name.removeprefix("small-")
+    return Path(name) if is_drafter_dir(name) else None
+
+
+def is_drafter(name: str) -> bool:
+    return name in DRAFTER_NAMES or drafter_path(name) is not None
+
+
+def check_drafter(name: str) -> None:
+    """Raise InvalidArgument('drafter') unless `name` names a drafter."""
+    if not is_drafter(name):
+        raise InvalidArgument("drafter", f"unknown drafter {name!r}; choose from {', '.join(DRAFTER_NAMES)} "
+                                         "or give a directory written by specserve train-drafter")
 
 
 def make_drafter(name: str, target: Transformer, draft_top_k: int | None = None):
@@ -30,6 +62,7 @@ def make_drafter(name: str, target: Transformer, draft_top_k: int | None = None)
 
     `draft_top_k` makes a model drafter sample from its top-k renormalised
     distribution, so its q is exactly sparse (k pairs on the wire)."""
+    check_drafter(name)
     if name == "none":
         return None
     if name == "pld":
@@ -40,4 +73,22 @@ def make_drafter(name: str, target: Transformer, draft_top_k: int | None = None)
     if name == "suffix":
         index = _suffix_indexes.setdefault(id(target), SuffixIndex())
         return SuffixDrafter(index, target.config.vocab_size)
-    raise InvalidArgument("drafter", f"unknown drafter {name!r}; choose from {', '.join(DRAFTER_NAMES)}")
+    model, vocab_ids = _small_model(name, target)
+    return ModelDrafter(model, name=name, draft_top_k=draft_top_k, vocab_ids=vocab_ids,
+                        target_vocab_size=target.config.vocab_size)
+
+
+def _small_model(name: str, target: Transformer) -> tuple[Transformer, list[int] | None]:
+    path = drafter_path(name)
+    key = (str(path.resolve()), id(target))
+    with _load_lock:
+        if key not in _small_models:
+            if not (path / "model.safetensors").exists():
+                raise FileNotFoundError(f"drafter {name!r}: no checkpoint at {path}")
+            model, vocab_ids, info = load_drafter(path, str(target.device), target.dtype)
+            trained_for = info.get("target", {}).get("vocab_size")
+            if trained_for != target.config.vocab_size:
+                raise InvalidArgument("drafter", f"drafter {name!r} was trained for a target with a vocabulary of "
+                                                 f"{trained_for} tokens, this target has {target.config.vocab_size}")
+            _small_models[key] = (model, vocab_ids)
+        return _small_models[key]

@@ -32,3 +32,29 @@ def test_lost_state_recovers_by_reprefilling():
     # a new process knows nothing: it rebuilds from the verified context alone
     b = ModelDrafter(model, max_len=64)
     assert a.propose(ctx, 3, GREEDY, torch.Generator()).tokens == b.propose(ctx, 3, GREEDY, torch.Generator()).tokens
+
+
+def test_trimmed_vocabulary_drafter_maps_tokens_both_ways():
+    """Its token i is the target's vocab_ids[i]; target tokens it lacks read as its last row."""
+    small = tiny_model(2, vocab_size=4)
+    vocab_ids = [1, 4, 6]
+    drafter = ModelDrafter(small, max_len=64, vocab_ids=vocab_ids, target_vocab_size=8)
+    ctx = [1, 4, 6, 0, 7, 1]  # 0 and 7 are outside its vocabulary
+    tokens = drafter.propose(ctx, 4, GREEDY, torch.Generator()).tokens
+    assert set(tokens) <= set(vocab_ids)
+    # the same chain drafted directly with the small model on mapped ids
+    mapped = [0, 1, 2, 3, 3, 0]
+    plain = ModelDrafter(small, max_len=64)
+    plain.propose(mapped, 1, GREEDY, torch.Generator())
+    expect, ctx2 = [], list(mapped)
+    for _ in range(4):
+        logits = plain._sync(ctx2, 1).clone()
+        logits[3] = float("-inf")  # the "other" row is never proposed
+        nxt = int(logits.argmax())
+        expect.append(vocab_ids[nxt])
+        ctx2.append(nxt)
+    assert tokens == expect
+    sampled = drafter.propose(ctx, 3, SamplingParams(temperature=1.0), torch.Generator().manual_seed(0))
+    assert sampled.draw_q.shape == (3, 8)
+    assert torch.allclose(sampled.draw_q.sum(-1), torch.ones(3))
+    assert sampled.draw_q[:, [0, 2, 3, 5, 7]].sum() == 0  # no mass outside its vocabulary

@@ -13,11 +13,11 @@ TINY = ModelConfig(vocab_size=8, hidden_size=32, intermediate_size=64, num_layer
                    num_kv_heads=2, head_dim=8, max_position_embeddings=64, rope_theta=10000.0)
 
 
-def tiny_model(seed: int, logit_scale: float = 1.0, max_positions: int = TINY.max_position_embeddings
-               ) -> Transformer:
+def tiny_model(seed: int, logit_scale: float = 1.0, max_positions: int = TINY.max_position_embeddings,
+               vocab_size: int = TINY.vocab_size) -> Transformer:
     """Random weights from `seed`; `logit_scale` sharpens or flattens its distributions."""
     torch.manual_seed(seed)
-    model = Transformer(replace(TINY, max_position_embeddings=max_positions))
+    model = Transformer(replace(TINY, max_position_embeddings=max_positions, vocab_size=vocab_size))
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.3)
