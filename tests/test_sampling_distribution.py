@@ -1,9 +1,10 @@
 """Speculative sampling keeps the target's distribution.
 
-On a tiny random Llama-shaped model the exact distribution of the first two
-generated tokens is computable; we compare it with many seeded runs of the
-real decoding loop (chi-square), and show the same test catches a verifier
-biased by 10% on one token.
+On a tiny random Llama-shaped model the exact distribution of the second and
+third generated tokens (the first ones a draft covers; the first token comes
+from the prompt's own pass) is computable; we compare it with many seeded runs
+of the real decoding loop (chi-square), check that those runs really drafted,
+and show the same test catches a verifier biased by 10% on one token.
 """
 
 from __future__ import annotations
@@ -37,28 +38,40 @@ def draft_model():
     return tiny_model(seed=1, logit_scale=0.5)
 
 
+def _next_probs(target, seq: list[int], params: SamplingParams) -> torch.Tensor:
+    cache = target.new_cache(len(seq))
+    logits = target(torch.tensor([seq]), torch.arange(len(seq))[None], cache,
+                    attention_mask(0, causal_ancestors(len(seq))), logits_from=len(seq) - 1)[0, -1]
+    return probabilities(logits, params)
+
+
 def exact_joint(target, params: SamplingParams) -> torch.Tensor:
-    """P(first token = a, second token = b) under the target alone, [V, V]."""
+    """P(second token = b, third token = c) under the target alone, [V, V].
+
+    The first token comes from the prompt's own pass; the second and third are
+    the first positions a draft covers, so these are the ones to test."""
     v = TINY.vocab_size
     joint = torch.zeros(v, v)
+    first = _next_probs(target, PROMPT, params)
     for a in range(v):
-        seq = PROMPT + [a]
-        cache = target.new_cache(len(seq))
-        logits = target(torch.tensor([seq]), torch.arange(len(seq))[None], cache,
-                        attention_mask(0, causal_ancestors(len(seq))))[0]
-        p = probabilities(logits, params)
-        joint[a] = p[-2, a] * p[-1]
+        second = _next_probs(target, PROMPT + [a], params)
+        for b in range(v):
+            joint[b] += first[a] * second[b] * _next_probs(target, PROMPT + [a, b], params)
     return joint
 
 
 def sampled_joint(target, make_drafter, params: SamplingParams, draft_length: int) -> torch.Tensor:
     v = TINY.vocab_size
     counts = torch.zeros(v, v)
+    drafted = 0
     for seed in range(SAMPLES):
-        p = SamplingParams(max_tokens=2, temperature=params.temperature, top_p=params.top_p,
+        # room for a whole draft in the first round after the prompt's token
+        p = SamplingParams(max_tokens=draft_length + 2, temperature=params.temperature, top_p=params.top_p,
                            top_k=params.top_k, seed=seed)
-        out = decoding.generate(target, PROMPT, p, make_drafter(), draft_length).token_ids
-        counts[out[0], out[1]] += 1
+        result = decoding.generate(target, PROMPT, p, make_drafter(), draft_length)
+        counts[result.token_ids[1], result.token_ids[2]] += 1
+        drafted += result.draft_tokens
+    assert drafted >= SAMPLES, f"only {drafted} draft tokens in {SAMPLES} runs: speculation was barely tested"
     return counts
 
 
@@ -83,6 +96,10 @@ CASES = {
     "suffix_tree": (lambda d, index=SuffixIndex(depth=4, max_draft=4): SuffixDrafter(index, TINY.vocab_size),
                     SamplingParams(temperature=1.0), 3),
     "prompt_lookup": (lambda d: PromptLookupDrafter(TINY.vocab_size), SamplingParams(temperature=1.0), 2),
+    # a small drafter with a trimmed vocabulary: 5 of the target's 8 tokens, plus its "other" row
+    "trimmed_vocab": (lambda d, m=tiny_model(seed=2, logit_scale=0.5, vocab_size=6): ModelDrafter(
+        m, max_len=64, draft_top_k=4, vocab_ids=[0, 2, 3, 5, 7], target_vocab_size=TINY.vocab_size),
+        SamplingParams(temperature=1.0), 3),
 }
 
 
@@ -97,7 +114,7 @@ def test_speculative_sampling_matches_target_distribution(target, draft_model, c
 
 def test_biased_verifier_is_caught(target, draft_model, monkeypatch):
     """A verifier that works against the target distribution with its most likely
-    first token made 10% more likely: the same statistics must reject it, or the
+    second token made 10% more likely: the same statistics must reject it, or the
     tests above prove nothing."""
     params = SamplingParams(temperature=1.0)
     expected = exact_joint(target, params)
