@@ -108,6 +108,11 @@ class _ServiceActor:
     def shutdown(self) -> None:
         self.registration.stop()
         self.server.stop(grace=1.0)
+        for hook in getattr(self, "close_hooks", ()):
+            try:
+                hook()
+            except Exception:  # shutting down: the store may be gone already
+                pass
 
 
 @ray.remote(num_cpus=0, max_restarts=-1)
@@ -153,6 +158,7 @@ class RouterActor(_ServiceActor):
 
     def __init__(self, cfg_dict: dict, redis_url: str | None):
         from router.coordinator import Coordinator
+        from router.expertise import ExpertiseRouter
         from router.servicer import RouterConfig, RouterServicer, serve
         from speculative import loading
 
@@ -168,8 +174,12 @@ class RouterActor(_ServiceActor):
         context = min(model_cfg.max_position_embeddings, cfg.max_len - cfg.draft_length - 4)
         config = RouterConfig(context_length=context,
                               eos_token_ids=tokenizer.eos_token_ids or model_cfg.eos_token_ids,
-                              default_drafter=cfg.default_drafter, draft_length=cfg.draft_length,
-                              max_prompt_tokens=cfg.max_prompt_tokens)
-        self.server, port = serve(RouterServicer(tokenizer, coordinator, config), host=cfg.host, port=cfg.port)
+                              default_drafter=cfg.default_drafter, routed_drafters=tuple(cfg.drafter_kinds),
+                              draft_length=cfg.draft_length, max_prompt_tokens=cfg.max_prompt_tokens)
+        # expertise statistics live in the shared store: every router replica learns from all traffic
+        self.expertise = ExpertiseRouter(store, refresh_s=cfg.routing_refresh_s)
+        servicer = RouterServicer(tokenizer, coordinator, config, self.expertise)
+        self.server, port = serve(servicer, host=cfg.host, port=cfg.port)
+        self.close_hooks = [self.expertise.close]
         host = ray.util.get_node_ip_address() if cfg.host in ("0.0.0.0", "::") else cfg.host
         self.registration = _Registration(store, self.kind, f"{host}:{port}", cfg)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from drafter_service.registry import DRAFTER_NAMES
+from drafter_service.registry import DRAFTER_NAMES, is_drafter
 
 
 class ServeConfig(BaseModel):
@@ -20,8 +20,11 @@ class ServeConfig(BaseModel):
     port: int = Field(50051, ge=0, le=65535, description="router port (0 = any free port)")
     verifiers: int = Field(1, ge=1)
     drafter_pools: int = Field(1, ge=0)
-    drafter_kinds: list[str] = ["pld", "layerskip", "suffix"]
-    default_drafter: str = "pld"
+    drafter_kinds: list[str] = Field(
+        ["pld", "suffix", "small-general", "small-math", "small-extraction", "small-language"],
+        description="drafters the pools host; with default_drafter 'auto' the router picks among them")
+    default_drafter: str = Field("auto", description="drafter of requests that name none; 'auto' = expertise routing")
+    routing_refresh_s: float = Field(5.0, ge=0, description="how often a router syncs drafter statistics")
     draft_length: int = Field(5, ge=0, le=64)
     max_batch: int = Field(8, ge=1, description="requests one verifier holds and batches")
     max_len: int = Field(4096, ge=16, description="KV slots per request in a verifier")
@@ -37,7 +40,7 @@ class ServeConfig(BaseModel):
     @field_validator("drafter_kinds")
     @classmethod
     def _known_kinds(cls, kinds: list[str]) -> list[str]:
-        unknown = [k for k in kinds if k not in DRAFTER_NAMES or k == "none"]
+        unknown = [k for k in kinds if k == "none" or not is_drafter(k)]
         if unknown:
             raise ValueError(f"unknown drafter kinds {unknown}; choose from {list(DRAFTER_NAMES[1:])}")
         return kinds
@@ -45,7 +48,7 @@ class ServeConfig(BaseModel):
     @field_validator("default_drafter")
     @classmethod
     def _known_default(cls, name: str) -> str:
-        if name not in DRAFTER_NAMES:
+        if name != "auto" and not is_drafter(name):
             raise ValueError(f"unknown drafter {name!r}")
         return name
 

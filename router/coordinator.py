@@ -82,6 +82,7 @@ class Job:
     draft_length: int
     eos_token_ids: Sequence[int]
     deadline: float | None = None  # time.monotonic() value
+    domain: str | None = None  # the request's domain, when the router knows it
     is_cancelled: Callable[[], bool] = lambda: False
 
 

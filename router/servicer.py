@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from drafter_service.registry import DRAFTER_NAMES
+from drafter_service.registry import check_drafter
 from protos import specserve_pb2 as pb
 from protos import specserve_pb2_grpc as pb_grpc
 from protos.server import start_server
@@ -17,6 +17,7 @@ from speculative.tokenizer import Tokenizer
 
 from .coordinator import Cancelled, Coordinator, DeadlineExceeded, Job, NoService, RoundStats
 from .domains import DOMAINS
+from .expertise import ExpertiseRouter
 from .text import StreamingText
 
 ROLES = {"system", "user", "assistant"}
@@ -26,7 +27,8 @@ ROLES = {"system", "user", "assistant"}
 class RouterConfig:
     context_length: int
     eos_token_ids: list[int]
-    default_drafter: str = "pld"
+    default_drafter: str = "pld"  # "auto": expertise routing over `routed_drafters`
+    routed_drafters: tuple[str, ...] = ()
     draft_length: int = 5
     max_prompt_tokens: int = 4096
     default_max_tokens: int = 128
@@ -34,8 +36,18 @@ class RouterConfig:
 
 
 class RouterServicer(pb_grpc.SpecserveServicer):
-    def __init__(self, tokenizer: Tokenizer, coordinator: Coordinator, config: RouterConfig):
-        self.tokenizer, self.coordinator, self.config = tokenizer, coordinator, config
+    """Validates requests, picks their drafter, runs them through the coordinator.
+
+    With an `expertise` router, a request that names no drafter (and a default
+    of "auto") gets the drafter with the best measured acceptance on its domain
+    (the client's hint, else the prompt classifier's guess), and every request's
+    acceptance is recorded for its (drafter, domain)."""
+
+    def __init__(self, tokenizer: Tokenizer, coordinator: Coordinator, config: RouterConfig,
+                 expertise: ExpertiseRouter | None = None):
+        self.tokenizer, self.coordinator, self.config, self.expertise = tokenizer, coordinator, config, expertise
+        if config.default_drafter == "auto" and (expertise is None or not config.routed_drafters):
+            raise ValueError("default_drafter 'auto' needs an expertise router and routed_drafters")
 
     # -- validation -----------------------------------------------------------
     def _job(self, req: pb.GenerateRequest, context: grpc.ServicerContext) -> Job:
@@ -62,14 +74,19 @@ class RouterServicer(pb_grpc.SpecserveServicer):
         params.validate(len(ids), cfg.context_length)
         if req.domain_hint and req.domain_hint not in DOMAINS:
             raise InvalidArgument("domain_hint", f"unknown domain {req.domain_hint!r}; known: {', '.join(DOMAINS)}")
+        domain = None
+        if self.expertise is not None:
+            domain = self.expertise.domain(_user_text(req), req.domain_hint or None)
         drafter = req.drafter or cfg.default_drafter
-        if drafter not in DRAFTER_NAMES:
-            raise InvalidArgument("drafter", f"unknown drafter {drafter!r}; choose from {', '.join(DRAFTER_NAMES)}")
+        if drafter == "auto":
+            drafter = self.expertise.choose(domain, cfg.routed_drafters, k=1)[0]
+        check_drafter(drafter)
         if len(req.stop) > cfg.max_stop_strings or any(not s for s in req.stop):
             raise InvalidArgument("stop", f"at most {cfg.max_stop_strings} non-empty strings")
         remaining = context.time_remaining()
         return Job(request_id=req.request_id or uuid.uuid4().hex, prompt_ids=ids, params=params,
                    drafter_kind=drafter, draft_length=cfg.draft_length, eos_token_ids=cfg.eos_token_ids,
+                   domain=domain,
                    deadline=None if remaining is None else time.monotonic() + remaining,
                    is_cancelled=lambda: not context.is_active())
 
@@ -103,6 +120,9 @@ class RouterServicer(pb_grpc.SpecserveServicer):
             context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         except grpc.RpcError as e:
             context.abort(grpc.StatusCode.INTERNAL, f"downstream {e.code().name}: {e.details()}")
+        finally:
+            if self.expertise is not None and job.domain is not None and stats.draft_tokens:
+                self.expertise.record(job.drafter_kind, job.domain, stats.draft_tokens, stats.accepted_draft_tokens)
 
     @staticmethod
     def _usage(job: Job, stats: RoundStats, completion: int) -> pb.Usage:
@@ -132,6 +152,14 @@ class RouterServicer(pb_grpc.SpecserveServicer):
                 chunk.finish_reason = finish
                 chunk.usage.CopyFrom(self._usage(job, stats, total))
             yield chunk
+
+
+def _user_text(req: pb.GenerateRequest) -> str:
+    """What the domain classifier reads: the prompt, or the last user message."""
+    if req.prompt:
+        return req.prompt
+    users = [m.content for m in req.messages if m.role == "user"]
+    return users[-1] if users else req.messages[-1].content
 
 
 def serve(servicer: RouterServicer, host: str = "0.0.0.0", port: int = 50051, max_workers: int = 32

@@ -27,7 +27,7 @@ redis_url = redis_server_fixture(scope="module")
 PROMPTS = [p for _, p in dev_prompts(10)]
 MAX_TOKENS = 24
 CONFIG = ServeConfig(port=0, verifiers=1, drafter_pools=2, drafter_kinds=["pld"], max_batch=8,
-                     max_len=2048, heartbeat_s=0.5, service_ttl_s=3.0, verifier_threads=1)
+                     max_len=2048, heartbeat_s=0.5, service_ttl_s=3.0, verifier_threads=1, routing_refresh_s=0.5)
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +88,20 @@ def test_services_registered_in_redis(cluster, redis_url):
     assert len(store.list_services("verifier")) == 1
     assert len(store.list_services("drafter")) == 2
     assert [s.address for s in store.list_services("router")] == [cluster.address]
+
+
+def test_acceptance_is_recorded_per_drafter_and_domain_in_the_store(stub, redis_url):
+    """Routed requests feed the shared (drafter, domain) statistics every router reads."""
+    store = open_state_store(redis_url)
+    before = store.acceptance_stats().get(("pld", "coding"), (0, 0))
+    stub.Generate(pb.GenerateRequest(prompt="def add(a, b):\n    return a + b\n\ndef add(a, b):", domain_hint="coding",
+                                     sampling=pb.SamplingParams(max_tokens=MAX_TOKENS)), timeout=120)
+    deadline = time.monotonic() + 20
+    while store.acceptance_stats().get(("pld", "coding"), (0, 0)) == before and time.monotonic() < deadline:
+        time.sleep(0.6)  # the router writes its statistics on its next refresh, at the next request
+        stub.Generate(request(PROMPTS[0], max_tokens=1), timeout=120)
+    proposed, accepted = store.acceptance_stats()[("pld", "coding")]
+    assert proposed > before[0] and 0 <= accepted - before[1] <= proposed - before[0]
 
 
 def test_concurrent_streams_are_correct_and_batched(cluster, stub, reference):
