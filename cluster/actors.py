@@ -170,12 +170,16 @@ class RouterActor(_ServiceActor):
             return lambda: [s.address for s in store.list_services(kind)]
 
         coordinator = Coordinator(verifiers=live("verifier"), drafters=live("drafter"))
-        # a request must fit the verifier's KV slots as well as the model's context
-        context = min(model_cfg.max_position_embeddings, cfg.max_len - cfg.draft_length - 4)
+        # a request, and the largest tree a round can send, must fit the verifier's KV slots
+        # as well as the model's context
+        largest_tree = max(cfg.draft_length, cfg.tree_budget) if cfg.fused_drafters > 1 else cfg.draft_length
+        context = min(model_cfg.max_position_embeddings, cfg.max_len - largest_tree - 4)
         config = RouterConfig(context_length=context,
                               eos_token_ids=tokenizer.eos_token_ids or model_cfg.eos_token_ids,
+                              vocab_size=model_cfg.vocab_size,
                               default_drafter=cfg.default_drafter, routed_drafters=tuple(cfg.drafter_kinds),
-                              draft_length=cfg.draft_length, max_prompt_tokens=cfg.max_prompt_tokens)
+                              fused_drafters=cfg.fused_drafters, draft_length=cfg.draft_length,
+                              tree_budget=cfg.tree_budget, max_prompt_tokens=cfg.max_prompt_tokens)
         # expertise statistics live in the shared store: every router replica learns from all traffic
         self.expertise = ExpertiseRouter(store, refresh_s=cfg.routing_refresh_s)
         servicer = RouterServicer(tokenizer, coordinator, config, self.expertise)

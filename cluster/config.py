@@ -5,7 +5,7 @@ from __future__ import annotations
 import tomllib
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from drafter_service.registry import DRAFTER_NAMES, is_drafter
 
@@ -25,7 +25,10 @@ class ServeConfig(BaseModel):
         description="drafters the pools host; with default_drafter 'auto' the router picks among them")
     default_drafter: str = Field("auto", description="drafter of requests that name none; 'auto' = expertise routing")
     routing_refresh_s: float = Field(5.0, ge=0, description="how often a router syncs drafter statistics")
-    draft_length: int = Field(5, ge=0, le=64)
+    fused_drafters: int = Field(1, ge=1, le=8, description="drafters per routed request, their trees fused into "
+                                                           "one (1 = a single drafter, no fusion)")
+    draft_length: int = Field(5, ge=0, le=64, description="most tokens each drafter drafts per round")
+    tree_budget: int = Field(8, ge=1, le=128, description="most nodes of a fused tree (fused_drafters > 1)")
     max_batch: int = Field(8, ge=1, description="requests one verifier holds and batches")
     max_len: int = Field(4096, ge=16, description="KV slots per request in a verifier")
     max_batch_tokens: int = Field(256, ge=1)
@@ -51,6 +54,15 @@ class ServeConfig(BaseModel):
         if name != "auto" and not is_drafter(name):
             raise ValueError(f"unknown drafter {name!r}")
         return name
+
+    @field_validator("max_batch_tokens")
+    @classmethod
+    def _fused_tree_fits(cls, tokens: int, info: ValidationInfo) -> int:
+        # a tree and its root go through the verifier in one batch of at most max_batch_tokens
+        # (fused_drafters and tree_budget come earlier, so they are validated by now)
+        if info.data.get("fused_drafters", 1) > 1 and info.data.get("tree_budget", 0) >= tokens:
+            raise ValueError(f"must be more than tree_budget ({info.data['tree_budget']}) when fusing drafters")
+        return tokens
 
 
 def load_config(path: str | Path | None) -> ServeConfig:

@@ -3,9 +3,11 @@
 A drafter node hosts one pool. Each request keeps its own drafter (with its
 KV cache, for model drafters), its verified context, its sampling parameters
 and its own random stream, so seeded runs draft exactly what the
-single-process loop drafts. State is soft: a request idle too long is
-dropped, and a caller whose view of the context differs from the pool's is
-told the state is lost and prefills again. No gRPC here; see servicer.py.
+single-process loop drafts. Several drafters of one request (fused by the
+router) are separate requests here, each under its own id and stream. State
+is soft: a request idle too long is dropped, and a caller whose view of the
+context differs from the pool's is told the state is lost and prefills
+again. No gRPC here; see servicer.py.
 """
 
 from __future__ import annotations
@@ -47,8 +49,10 @@ class DrafterPool:
         self._requests: dict[str, _Request] = {}
         self._lock = threading.Lock()  # guards the dict only; drafting holds a request's own lock
 
-    def prefill(self, request_id: str, kind: str, token_ids: Sequence[int], params: SamplingParams) -> None:
-        """Start (or restart) drafting for a request whose verified tokens are `token_ids`."""
+    def prefill(self, request_id: str, kind: str, token_ids: Sequence[int], params: SamplingParams,
+                stream: int = 1) -> None:
+        """Start (or restart) drafting for a request whose verified tokens are `token_ids`,
+        drawing from random stream `stream` of its seed (1 is the single-process loop's drafter)."""
         if not request_id:
             raise InvalidArgument("request_id", "must not be empty")
         if kind not in self.kinds:
@@ -56,9 +60,10 @@ class DrafterPool:
         if not token_ids:
             raise InvalidArgument("token_ids", "must not be empty")
         self._check_vocabulary("token_ids", token_ids)
+        if stream < 1:
+            raise InvalidArgument("stream", f"must be >= 1 (stream 0 is the verifier's), got {stream}")
         params.validate()
-        # Same stream as the single-process loop's drafter, so seeded runs match it.
-        generator = make_generator(params.seed, self.target.device, stream=1)
+        generator = make_generator(params.seed, self.target.device, stream=stream)
         state = _Request(make_drafter(kind, self.target, draft_top_k=self.draft_top_k), list(token_ids),
                          params, generator, self.clock())
         with state.lock:

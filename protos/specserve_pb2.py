@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16protos/specserve.proto\x12\x0cspecserve.v1\"s\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"0\n\nSparseDist\x12\x0f\n\x03ids\x18\x01 \x03(\x05\x42\x02\x10\x01\x12\x11\n\x05probs\x18\x02 \x03(\x02\x42\x02\x10\x01\"\x8e\x01\n\tDraftTree\x12\x12\n\x06tokens\x18\x01 \x03(\x05\x42\x02\x10\x01\x12\x13\n\x07parents\x18\x02 \x03(\x05\x42\x02\x10\x01\x12\x16\n\ndraw_nodes\x18\x03 \x03(\x05\x42\x02\x10\x01\x12(\n\x06\x64raw_q\x18\x04 \x03(\x0b\x32\x18.specserve.v1.SparseDist\x12\x16\n\nconfidence\x18\x05 \x03(\x02\x42\x02\x10\x01\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xc6\x01\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12+\n\x08messages\x18\x02 \x03(\x0b\x32\x19.specserve.v1.ChatMessage\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.specserve.v1.SamplingParams\x12\x0c\n\x04stop\x18\x04 \x03(\t\x12\x13\n\x0b\x64omain_hint\x18\x05 \x01(\t\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x0f\n\x07\x64rafter\x18\x07 \x01(\t\"\xbc\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x1d\n\x15target_forward_passes\x18\x03 \x01(\x05\x12\x14\n\x0c\x64raft_tokens\x18\x04 \x01(\x05\x12\x1d\n\x15\x61\x63\x63\x65pted_draft_tokens\x18\x05 \x01(\x05\x12\x1c\n\x14mean_accepted_tokens\x18\x06 \x01(\x02\x12\x0f\n\x07\x64rafter\x18\x07 \x01(\t\"\x86\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\ttoken_ids\x18\x03 \x03(\x05\x42\x02\x10\x01\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.specserve.v1.Usage\"\x83\x01\n\rGenerateChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\ttoken_ids\x18\x03 \x03(\x05\x42\x02\x10\x01\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.specserve.v1.Usage\"\x83\x01\n\x15\x44rafterPrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07\x64rafter\x18\x02 \x01(\t\x12\x15\n\ttoken_ids\x18\x03 \x03(\x05\x42\x02\x10\x01\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.specserve.v1.SamplingParams\"h\n\x0eProposeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x02 \x01(\x05\x12\x16\n\nnew_tokens\x18\x03 \x03(\x05\x42\x02\x10\x01\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\"]\n\x0fProposeResponse\x12%\n\x04tree\x18\x01 \x01(\x0b\x32\x17.specserve.v1.DraftTree\x12\x12\n\nstate_lost\x18\x02 \x01(\x08\x12\x0f\n\x07seconds\x18\x03 \x01(\x02\"$\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x05\n\x03\x41\x63k\"\x84\x01\n\x16VerifierPrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\ttoken_ids\x18\x02 \x03(\x05\x42\x02\x10\x01\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.specserve.v1.SamplingParams\x12\x0f\n\x07max_len\x18\x04 \x01(\x05\"-\n\x17VerifierPrefillResponse\x12\x12\n\nnext_token\x18\x01 \x01(\x05\"b\n\rVerifyRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12%\n\x04tree\x18\x02 \x01(\x0b\x32\x17.specserve.v1.DraftTree\x12\x16\n\x0e\x63ontext_length\x18\x03 \x01(\x05\"]\n\x0eVerifyResponse\x12\x14\n\x08\x61\x63\x63\x65pted\x18\x01 \x03(\x05\x42\x02\x10\x01\x12\r\n\x05\x62onus\x18\x02 \x01(\x05\x12\x12\n\nstate_lost\x18\x03 \x01(\x08\x12\x12\n\nbatch_size\x18\x04 \x01(\x05\"\x16\n\x14VerifierStatsRequest\"\x91\x02\n\x15VerifierStatsResponse\x12\x16\n\x0e\x66orward_passes\x18\x01 \x01(\x03\x12\x19\n\x11verified_requests\x18\x02 \x01(\x03\x12\x16\n\x0emax_batch_size\x18\x03 \x01(\x05\x12Y\n\x14\x62\x61tch_size_histogram\x18\x04 \x03(\x0b\x32;.specserve.v1.VerifierStatsResponse.BatchSizeHistogramEntry\x12\x17\n\x0f\x61\x63tive_requests\x18\x05 \x01(\x05\x1a\x39\n\x17\x42\x61tchSizeHistogramEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x32\xa6\x01\n\tSpecserve\x12I\n\x08Generate\x12\x1d.specserve.v1.GenerateRequest\x1a\x1e.specserve.v1.GenerateResponse\x12N\n\x0eGenerateStream\x12\x1d.specserve.v1.GenerateRequest\x1a\x1b.specserve.v1.GenerateChunk0\x01\x32\xdc\x01\n\x07\x44rafter\x12\x41\n\x07Prefill\x12#.specserve.v1.DrafterPrefillRequest\x1a\x11.specserve.v1.Ack\x12\x46\n\x07Propose\x12\x1c.specserve.v1.ProposeRequest\x1a\x1d.specserve.v1.ProposeResponse\x12\x46\n\x07Release\x12\x1c.specserve.v1.ReleaseRequest\x1a\x1d.specserve.v1.ReleaseResponse2\xc1\x02\n\x08Verifier\x12V\n\x07Prefill\x12$.specserve.v1.VerifierPrefillRequest\x1a%.specserve.v1.VerifierPrefillResponse\x12\x43\n\x06Verify\x12\x1b.specserve.v1.VerifyRequest\x1a\x1c.specserve.v1.VerifyResponse\x12\x46\n\x07Release\x12\x1c.specserve.v1.ReleaseRequest\x1a\x1d.specserve.v1.ReleaseResponse\x12P\n\x05Stats\x12\".specserve.v1.VerifierStatsRequest\x1a#.specserve.v1.VerifierStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16protos/specserve.proto\x12\x0cspecserve.v1\"s\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"0\n\nSparseDist\x12\x0f\n\x03ids\x18\x01 \x03(\x05\x42\x02\x10\x01\x12\x11\n\x05probs\x18\x02 \x03(\x02\x42\x02\x10\x01\"\x8e\x01\n\tDraftTree\x12\x12\n\x06tokens\x18\x01 \x03(\x05\x42\x02\x10\x01\x12\x13\n\x07parents\x18\x02 \x03(\x05\x42\x02\x10\x01\x12\x16\n\ndraw_nodes\x18\x03 \x03(\x05\x42\x02\x10\x01\x12(\n\x06\x64raw_q\x18\x04 \x03(\x0b\x32\x18.specserve.v1.SparseDist\x12\x16\n\nconfidence\x18\x05 \x03(\x02\x42\x02\x10\x01\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xc6\x01\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12+\n\x08messages\x18\x02 \x03(\x0b\x32\x19.specserve.v1.ChatMessage\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.specserve.v1.SamplingParams\x12\x0c\n\x04stop\x18\x04 \x03(\t\x12\x13\n\x0b\x64omain_hint\x18\x05 \x01(\t\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x0f\n\x07\x64rafter\x18\x07 \x01(\t\"\xbc\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x1d\n\x15target_forward_passes\x18\x03 \x01(\x05\x12\x14\n\x0c\x64raft_tokens\x18\x04 \x01(\x05\x12\x1d\n\x15\x61\x63\x63\x65pted_draft_tokens\x18\x05 \x01(\x05\x12\x1c\n\x14mean_accepted_tokens\x18\x06 \x01(\x02\x12\x0f\n\x07\x64rafter\x18\x07 \x01(\t\"\x86\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\ttoken_ids\x18\x03 \x03(\x05\x42\x02\x10\x01\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.specserve.v1.Usage\"\x83\x01\n\rGenerateChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\ttoken_ids\x18\x03 \x03(\x05\x42\x02\x10\x01\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.specserve.v1.Usage\"\x93\x01\n\x15\x44rafterPrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07\x64rafter\x18\x02 \x01(\t\x12\x15\n\ttoken_ids\x18\x03 \x03(\x05\x42\x02\x10\x01\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.specserve.v1.SamplingParams\x12\x0e\n\x06stream\x18\x05 \x01(\x05\"h\n\x0eProposeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x02 \x01(\x05\x12\x16\n\nnew_tokens\x18\x03 \x03(\x05\x42\x02\x10\x01\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\"]\n\x0fProposeResponse\x12%\n\x04tree\x18\x01 \x01(\x0b\x32\x17.specserve.v1.DraftTree\x12\x12\n\nstate_lost\x18\x02 \x01(\x08\x12\x0f\n\x07seconds\x18\x03 \x01(\x02\"$\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x05\n\x03\x41\x63k\"\x84\x01\n\x16VerifierPrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\ttoken_ids\x18\x02 \x03(\x05\x42\x02\x10\x01\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.specserve.v1.SamplingParams\x12\x0f\n\x07max_len\x18\x04 \x01(\x05\"-\n\x17VerifierPrefillResponse\x12\x12\n\nnext_token\x18\x01 \x01(\x05\"b\n\rVerifyRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12%\n\x04tree\x18\x02 \x01(\x0b\x32\x17.specserve.v1.DraftTree\x12\x16\n\x0e\x63ontext_length\x18\x03 \x01(\x05\"]\n\x0eVerifyResponse\x12\x14\n\x08\x61\x63\x63\x65pted\x18\x01 \x03(\x05\x42\x02\x10\x01\x12\r\n\x05\x62onus\x18\x02 \x01(\x05\x12\x12\n\nstate_lost\x18\x03 \x01(\x08\x12\x12\n\nbatch_size\x18\x04 \x01(\x05\"\x16\n\x14VerifierStatsRequest\"\x91\x02\n\x15VerifierStatsResponse\x12\x16\n\x0e\x66orward_passes\x18\x01 \x01(\x03\x12\x19\n\x11verified_requests\x18\x02 \x01(\x03\x12\x16\n\x0emax_batch_size\x18\x03 \x01(\x05\x12Y\n\x14\x62\x61tch_size_histogram\x18\x04 \x03(\x0b\x32;.specserve.v1.VerifierStatsResponse.BatchSizeHistogramEntry\x12\x17\n\x0f\x61\x63tive_requests\x18\x05 \x01(\x05\x1a\x39\n\x17\x42\x61tchSizeHistogramEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x32\xa6\x01\n\tSpecserve\x12I\n\x08Generate\x12\x1d.specserve.v1.GenerateRequest\x1a\x1e.specserve.v1.GenerateResponse\x12N\n\x0eGenerateStream\x12\x1d.specserve.v1.GenerateRequest\x1a\x1b.specserve.v1.GenerateChunk0\x01\x32\xdc\x01\n\x07\x44rafter\x12\x41\n\x07Prefill\x12#.specserve.v1.DrafterPrefillRequest\x1a\x11.specserve.v1.Ack\x12\x46\n\x07Propose\x12\x1c.specserve.v1.ProposeRequest\x1a\x1d.specserve.v1.ProposeResponse\x12\x46\n\x07Release\x12\x1c.specserve.v1.ReleaseRequest\x1a\x1d.specserve.v1.ReleaseResponse2\xc1\x02\n\x08Verifier\x12V\n\x07Prefill\x12$.specserve.v1.VerifierPrefillRequest\x1a%.specserve.v1.VerifierPrefillResponse\x12\x43\n\x06Verify\x12\x1b.specserve.v1.VerifyRequest\x1a\x1c.specserve.v1.VerifyResponse\x12\x46\n\x07Release\x12\x1c.specserve.v1.ReleaseRequest\x1a\x1d.specserve.v1.ReleaseResponse\x12P\n\x05Stats\x12\".specserve.v1.VerifierStatsRequest\x1a#.specserve.v1.VerifierStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -74,35 +74,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATECHUNK']._serialized_start=928
   _globals['_GENERATECHUNK']._serialized_end=1059
   _globals['_DRAFTERPREFILLREQUEST']._serialized_start=1062
-  _globals['_DRAFTERPREFILLREQUEST']._serialized_end=1193
-  _globals['_PROPOSEREQUEST']._serialized_start=1195
-  _globals['_PROPOSEREQUEST']._serialized_end=1299
-  _globals['_PROPOSERESPONSE']._serialized_start=1301
-  _globals['_PROPOSERESPONSE']._serialized_end=1394
-  _globals['_RELEASEREQUEST']._serialized_start=1396
-  _globals['_RELEASEREQUEST']._serialized_end=1432
-  _globals['_RELEASERESPONSE']._serialized_start=1434
-  _globals['_RELEASERESPONSE']._serialized_end=1469
-  _globals['_ACK']._serialized_start=1471
-  _globals['_ACK']._serialized_end=1476
-  _globals['_VERIFIERPREFILLREQUEST']._serialized_start=1479
-  _globals['_VERIFIERPREFILLREQUEST']._serialized_end=1611
-  _globals['_VERIFIERPREFILLRESPONSE']._serialized_start=1613
-  _globals['_VERIFIERPREFILLRESPONSE']._serialized_end=1658
-  _globals['_VERIFYREQUEST']._serialized_start=1660
-  _globals['_VERIFYREQUEST']._serialized_end=1758
-  _globals['_VERIFYRESPONSE']._serialized_start=1760
-  _globals['_VERIFYRESPONSE']._serialized_end=1853
-  _globals['_VERIFIERSTATSREQUEST']._serialized_start=1855
-  _globals['_VERIFIERSTATSREQUEST']._serialized_end=1877
-  _globals['_VERIFIERSTATSRESPONSE']._serialized_start=1880
-  _globals['_VERIFIERSTATSRESPONSE']._serialized_end=2153
-  _globals['_VERIFIERSTATSRESPONSE_BATCHSIZEHISTOGRAMENTRY']._serialized_start=2096
-  _globals['_VERIFIERSTATSRESPONSE_BATCHSIZEHISTOGRAMENTRY']._serialized_end=2153
-  _globals['_SPECSERVE']._serialized_start=2156
-  _globals['_SPECSERVE']._serialized_end=2322
-  _globals['_DRAFTER']._serialized_start=2325
-  _globals['_DRAFTER']._serialized_end=2545
-  _globals['_VERIFIER']._serialized_start=2548
-  _globals['_VERIFIER']._serialized_end=2869
+  _globals['_DRAFTERPREFILLREQUEST']._serialized_end=1209
+  _globals['_PROPOSEREQUEST']._serialized_start=1211
+  _globals['_PROPOSEREQUEST']._serialized_end=1315
+  _globals['_PROPOSERESPONSE']._serialized_start=1317
+  _globals['_PROPOSERESPONSE']._serialized_end=1410
+  _globals['_RELEASEREQUEST']._serialized_start=1412
+  _globals['_RELEASEREQUEST']._serialized_end=1448
+  _globals['_RELEASERESPONSE']._serialized_start=1450
+  _globals['_RELEASERESPONSE']._serialized_end=1485
+  _globals['_ACK']._serialized_start=1487
+  _globals['_ACK']._serialized_end=1492
+  _globals['_VERIFIERPREFILLREQUEST']._serialized_start=1495
+  _globals['_VERIFIERPREFILLREQUEST']._serialized_end=1627
+  _globals['_VERIFIERPREFILLRESPONSE']._serialized_start=1629
+  _globals['_VERIFIERPREFILLRESPONSE']._serialized_end=1674
+  _globals['_VERIFYREQUEST']._serialized_start=1676
+  _globals['_VERIFYREQUEST']._serialized_end=1774
+  _globals['_VERIFYRESPONSE']._serialized_start=1776
+  _globals['_VERIFYRESPONSE']._serialized_end=1869
+  _globals['_VERIFIERSTATSREQUEST']._serialized_start=1871
+  _globals['_VERIFIERSTATSREQUEST']._serialized_end=1893
+  _globals['_VERIFIERSTATSRESPONSE']._serialized_start=1896
+  _globals['_VERIFIERSTATSRESPONSE']._serialized_end=2169
+  _globals['_VERIFIERSTATSRESPONSE_BATCHSIZEHISTOGRAMENTRY']._serialized_start=2112
+  _globals['_VERIFIERSTATSRESPONSE_BATCHSIZEHISTOGRAMENTRY']._serialized_end=2169
+  _globals['_SPECSERVE']._serialized_start=2172
+  _globals['_SPECSERVE']._serialized_end=2338
+  _globals['_DRAFTER']._serialized_start=2341
+  _globals['_DRAFTER']._serialized_end=2561
+  _globals['_VERIFIER']._serialized_start=2564
+  _globals['_VERIFIER']._serialized_end=2885
 # @@protoc_insertion_point(module_scope)

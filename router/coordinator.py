@@ -1,18 +1,34 @@
 """Drive one request through draft/verify rounds over gRPC (sequential rounds).
 
 The verifier owns the request's KV cache and the pending (last verified)
-token; the drafter keeps its own context, which the coordinator keeps in
-step by sending only the tokens verified since the last round. Failures
-degrade, never corrupt: a drafter that dies or lost its state is replaced
-(another pool, or no drafting at all), and a verifier that lost the request
-is prefilled again with every verified token. Both keep the output exactly
-the target's, because only the verifier decides tokens.
+token; each drafter keeps its own context, which the coordinator keeps in
+step by sending only the tokens verified since the last round.
+
+A request has one drafter or several. One drafter's tree goes to the
+verifier as it is. Several drafters are all asked each round (at the same
+time, from a small thread pool), and their trees are fused into one
+(`speculative.fusion.fuse`: shared prefixes merged, nodes weighted by each
+drafter's reliability on the request's domain, at most `tree_budget` nodes)
+that the verifier checks in one pass. Each of them is a request of its own
+in its pool, with its own id (`request_id/kind`) and its own random stream
+(drafter i draws from stream 1 + i): fused sampling is exact only when the
+drafters draw independently (docs/DESIGN-NOTES.md, invariant 5). Every
+drafter's own proposed and accepted tokens are counted, so that routing
+learns which drafter earned the accepted tokens.
+
+Failures degrade, never corrupt: a drafter that dies or lost its state is
+replaced (another pool, or no drafting at all: an empty tree, also inside a
+fusion), and a verifier that lost the request is prefilled again with every
+verified token. Both keep the output exactly the target's, because only the
+verifier decides tokens.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
@@ -20,7 +36,8 @@ import grpc
 
 from protos import specserve_pb2 as pb
 from protos import specserve_pb2_grpc as pb_grpc
-from protos.convert import params_to_pb
+from protos.convert import params_to_pb, tree_from_pb, tree_to_pb
+from speculative.fusion import fuse
 from speculative.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -35,29 +52,40 @@ class Channels:
 
     def __init__(self):
         self._channels: dict[str, grpc.Channel] = {}
+        self._lock = threading.Lock()  # requests, and the drafters of one request, share the channels
 
     def get(self, address: str) -> grpc.Channel:
-        if address not in self._channels:
-            self._channels[address] = grpc.insecure_channel(address)
-        return self._channels[address]
+        with self._lock:
+            if address not in self._channels:
+                self._channels[address] = grpc.insecure_channel(address)
+            return self._channels[address]
 
     def drop(self, address: str) -> None:
-        ch = self._channels.pop(address, None)
-        if ch is not None:
-            ch.close()
+        """Forget the address's channel, so that the next `get` dials afresh. Not closed:
+        other requests, or other drafters of the same one, may still have calls on it
+        (closing would cancel them); it is freed when its last stub goes."""
+        with self._lock:
+            self._channels.pop(address, None)
 
     def close(self) -> None:
-        for ch in self._channels.values():
+        with self._lock:
+            channels, self._channels = list(self._channels.values()), {}
+        for ch in channels:
             ch.close()
-        self._channels.clear()
+
+
+@dataclass
+class DrafterStats:
+    proposed: int = 0  # nodes of the drafter's own trees
+    accepted: int = 0  # per round: how much of the accepted path its own tree held
 
 
 @dataclass
 class RoundStats:
     target_forward_passes: int = 0
-    draft_tokens: int = 0
+    draft_tokens: int = 0  # nodes of the trees verified (fused ones, with several drafters)
     accepted_draft_tokens: int = 0
-    drafter: str = ""
+    per_drafter: dict[str, DrafterStats] = field(default_factory=dict)  # by drafter kind
     batch_sizes: list[int] = field(default_factory=list)
 
 
@@ -78,12 +106,21 @@ class Job:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
-    drafter_kind: str  # "none" for plain decoding
-    draft_length: int
+    # (kind, reliability on the request's domain in [0, 1]) of each drafter, best first;
+    # (("none", 1.0),) for plain decoding. Reliability weighs a drafter's nodes in fusion.
+    drafters: tuple[tuple[str, float], ...]
+    draft_length: int  # most tokens a drafter drafts per round
+    tree_budget: int  # most nodes of a fused tree (several drafters)
+    vocab_size: int  # the target's: fusion reads the drafters' trees back from the wire
     eos_token_ids: Sequence[int]
     deadline: float | None = None  # time.monotonic() value
     domain: str | None = None  # the request's domain, when the router knows it
     is_cancelled: Callable[[], bool] = lambda: False
+
+    @property
+    def max_tree_nodes(self) -> int:
+        """The most nodes a round's tree can have: one drafter's draft, or a fused tree."""
+        return self.tree_budget if len(self.drafters) > 1 else self.draft_length
 
 
 class Coordinator:
@@ -112,7 +149,7 @@ class Coordinator:
     def run(self, job: Job, stats: RoundStats) -> Iterator[list[int]]:
         """Yield each round's newly verified tokens, counting into `stats`."""
         verified: list[int] = []  # generated tokens; the last one is pending at the verifier
-        verifier, drafter = _VerifySide(self, job), _DraftSide(self, job)
+        verifier, drafting = _VerifySide(self, job), _Drafting(self, job)
         try:
             while not self._finished(job, verified):
                 if job.is_cancelled():
@@ -123,20 +160,22 @@ class Coordinator:
                     new = [verifier.prefill(job.prompt_ids + verified)]
                 else:
                     budget = min(job.draft_length, job.params.max_tokens - len(verified) - 1)
-                    tree = drafter.propose(job.prompt_ids + verified, budget) if budget > 0 else pb.DraftTree()
+                    tree, proposals = (drafting.propose(job.prompt_ids + verified, budget) if budget > 0
+                                       else (pb.DraftTree(), []))
                     resp = verifier.verify(tree, len(job.prompt_ids) + len(verified))
                     if resp is None:
                         continue
                     new = list(resp.accepted) + [resp.bonus]
                     stats.draft_tokens += len(tree.tokens)
                     stats.accepted_draft_tokens += len(resp.accepted)
+                    drafting.count(proposals, resp.accepted, stats)
                     stats.batch_sizes.append(resp.batch_size)
                 stats.target_forward_passes += 1
                 new = self._clip(job, verified, new)
                 verified.extend(new)
                 yield new
         finally:
-            drafter.release()
+            drafting.release()
             verifier.release()
 
     @staticmethod
@@ -158,15 +197,15 @@ class _Side:
 
     kind = ""
 
-    def __init__(self, coord: Coordinator, job: Job):
+    def __init__(self, coord: Coordinator, job: Job, request_id: str | None = None):
         self.coord, self.job = coord, job
+        self.request_id = request_id or job.request_id  # the request's id at the service
         self.address: str | None = None
         self.stub = None
         self.failed: set[str] = set()
 
     def _fail(self, address: str, err: grpc.RpcError) -> None:
-        log.warning("%s %s failed for %s (%s); trying another", self.kind, address, self.job.request_id,
-                    err.code())
+        log.warning("%s %s failed for %s (%s); trying another", self.kind, address, self.request_id, err.code())
         self.failed.add(address)
         self.coord.channels.drop(address)
         if self.address == address:
@@ -174,7 +213,7 @@ class _Side:
 
     def release(self) -> None:
         if self.stub is not None:
-            self.coord.release(self.stub, self.job.request_id)
+            self.coord.release(self.stub, self.request_id)
 
 
 class _VerifySide(_Side):
@@ -183,8 +222,8 @@ class _VerifySide(_Side):
     kind = "verifier"
 
     def prefill(self, tokens: list[int]) -> int:
-        reserve = len(tokens) + self.job.params.max_tokens + self.job.draft_length + 4
-        req = pb.VerifierPrefillRequest(request_id=self.job.request_id, token_ids=tokens,
+        reserve = len(tokens) + self.job.params.max_tokens + self.job.max_tree_nodes + 4
+        req = pb.VerifierPrefillRequest(request_id=self.request_id, token_ids=tokens,
                                         sampling=params_to_pb(self.job.params), max_len=reserve)
         for address in self.coord.verifiers():
             if address in self.failed:
@@ -194,7 +233,7 @@ class _VerifySide(_Side):
                 resp = stub.Prefill(req, timeout=self.coord.timeout(self.job))
             except grpc.RpcError as e:
                 # the verifier may have taken a row before the call failed: give it back
-                self.coord.release(stub, self.job.request_id)
+                self.coord.release(stub, self.request_id)
                 if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                     raise DeadlineExceeded() from e
                 if e.code() not in RETRYABLE:
@@ -208,7 +247,7 @@ class _VerifySide(_Side):
     def verify(self, tree: pb.DraftTree, context_length: int) -> pb.VerifyResponse | None:
         """The verdict, or None when the request must be prefilled again."""
         try:
-            resp = self.stub.Verify(pb.VerifyRequest(request_id=self.job.request_id, tree=tree,
+            resp = self.stub.Verify(pb.VerifyRequest(request_id=self.request_id, tree=tree,
                                                      context_length=context_length),
                                     timeout=self.coord.timeout(self.job))
         except grpc.RpcError as e:
@@ -222,16 +261,64 @@ class _VerifySide(_Side):
         return resp
 
 
+class _Drafting:
+    """Every drafter of one request; the trees of several are fused into one."""
+
+    def __init__(self, coord: Coordinator, job: Job):
+        self.job = job
+        several = len(job.drafters) > 1
+        # drafters of one request may share a pool: each needs its own id there
+        self.sides = [_DraftSide(coord, job, kind, stream=1 + i,
+                                 request_id=f"{job.request_id}/{kind}" if several else job.request_id)
+                      for i, (kind, _) in enumerate(job.drafters)]
+        self._threads = ThreadPoolExecutor(len(self.sides), thread_name_prefix="draft") if several else None
+
+    def propose(self, context: list[int], budget: int) -> tuple[pb.DraftTree, list[pb.DraftTree]]:
+        """The tree to verify, and each drafter's own tree (empty for one that cannot draft)."""
+        if self._threads is None:
+            tree = self.sides[0].propose(context, budget)
+            return tree, [tree]
+        trees = list(self._threads.map(lambda side: side.propose(context, budget), self.sides))
+        proposals = [(tree_from_pb(tree, self.job.vocab_size), reliability)
+                     for tree, (_, reliability) in zip(trees, self.job.drafters)]
+        # a sampled fused tree keeps its draws in fuse's order: the verifier tests them in it
+        return tree_to_pb(fuse(proposals, self.job.tree_budget, self.job.params.greedy)), trees
+
+    def count(self, trees: list[pb.DraftTree], accepted: Sequence[int], stats: RoundStats) -> None:
+        """Credit each drafter with its own tree's nodes and its share of the accepted path."""
+        for side, tree in zip(self.sides, trees):
+            own = stats.per_drafter.setdefault(side.drafter, DrafterStats())
+            own.proposed += len(tree.tokens)
+            own.accepted += _path_prefix(tree, accepted)
+
+    def release(self) -> None:
+        if self._threads is not None:
+            self._threads.shutdown()  # wait: a drafter still connecting must not prefill after its release
+        for side in self.sides:
+            side.release()
+
+
+def _path_prefix(tree: pb.DraftTree, tokens: Sequence[int]) -> int:
+    """How many of `tokens`, from the first, follow a path of `tree` down from its root."""
+    child = {(parent, token): node for node, (token, parent) in enumerate(zip(tree.tokens, tree.parents))}
+    node = -1
+    for n, token in enumerate(tokens):
+        node = child.get((node, token))
+        if node is None:
+            return n
+    return len(tokens)
+
 
 class _DraftSide(_Side):
-    """The drafter pool serving one request, replaced when it fails."""
+    """The drafter pool serving one drafter of a request, replaced when it fails."""
 
     kind = "drafter"
 
-    def __init__(self, coord: Coordinator, job: Job):
-        super().__init__(coord, job)
+    def __init__(self, coord: Coordinator, job: Job, drafter: str, stream: int, request_id: str):
+        super().__init__(coord, job, request_id)
+        self.drafter, self.stream = drafter, stream
         self.synced = 0  # context length the drafter holds
-        self.disabled = job.drafter_kind == "none"
+        self.disabled = drafter == "none"
 
     def _connect(self, context: list[int]) -> bool:
         """Prefill a pool with `context`; False when none is left."""
@@ -241,8 +328,8 @@ class _DraftSide(_Side):
             stub = pb_grpc.DrafterStub(self.coord.channels.get(address))
             try:
                 stub.Prefill(pb.DrafterPrefillRequest(
-                    request_id=self.job.request_id, drafter=self.job.drafter_kind, token_ids=context,
-                    sampling=params_to_pb(self.job.params)), timeout=self.coord.timeout(self.job))
+                    request_id=self.request_id, drafter=self.drafter, token_ids=context,
+                    sampling=params_to_pb(self.job.params), stream=self.stream), timeout=self.coord.timeout(self.job))
             except grpc.RpcError as e:
                 if e.code() not in RETRYABLE:
                     raise
@@ -251,7 +338,6 @@ class _DraftSide(_Side):
             self.address, self.stub, self.synced = address, stub, len(context)
             return True
         return False
-
 
     def propose(self, context: list[int], budget: int) -> pb.DraftTree:
         """A draft tree for `context`, or an empty one (plain decoding) if no drafter can help."""
@@ -263,7 +349,7 @@ class _DraftSide(_Side):
                 return pb.DraftTree()
             try:
                 resp = self.stub.Propose(pb.ProposeRequest(
-                    request_id=self.job.request_id, context_length=self.synced,
+                    request_id=self.request_id, context_length=self.synced,
                     new_tokens=context[self.synced:], max_tokens=budget), timeout=self.coord.timeout(self.job))
             except grpc.RpcError as e:
                 if e.code() not in RETRYABLE:

@@ -27,27 +27,34 @@ ROLES = {"system", "user", "assistant"}
 class RouterConfig:
     context_length: int
     eos_token_ids: list[int]
+    vocab_size: int  # the target's
     default_drafter: str = "pld"  # "auto": expertise routing over `routed_drafters`
     routed_drafters: tuple[str, ...] = ()
+    fused_drafters: int = 1  # drafters a routed ("auto") request gets, their trees fused
     draft_length: int = 5
+    tree_budget: int = 8  # most nodes of a fused tree
     max_prompt_tokens: int = 4096
     default_max_tokens: int = 128
     max_stop_strings: int = 8
 
 
 class RouterServicer(pb_grpc.SpecserveServicer):
-    """Validates requests, picks their drafter, runs them through the coordinator.
+    """Validates requests, picks their drafters, runs them through the coordinator.
 
     With an `expertise` router, a request that names no drafter (and a default
-    of "auto") gets the drafter with the best measured acceptance on its domain
-    (the client's hint, else the prompt classifier's guess), and every request's
-    acceptance is recorded for its (drafter, domain)."""
+    of "auto") gets the `fused_drafters` drafters with the best measured
+    acceptance on its domain (the client's hint, else the prompt classifier's
+    guess), weighted in fusion by their reliability there; after every request
+    each of its drafters' acceptance is recorded for its (drafter, domain). A
+    request that names a drafter gets that one alone."""
 
     def __init__(self, tokenizer: Tokenizer, coordinator: Coordinator, config: RouterConfig,
                  expertise: ExpertiseRouter | None = None):
         self.tokenizer, self.coordinator, self.config, self.expertise = tokenizer, coordinator, config, expertise
         if config.default_drafter == "auto" and (expertise is None or not config.routed_drafters):
             raise ValueError("default_drafter 'auto' needs an expertise router and routed_drafters")
+        if config.fused_drafters < 1 or config.tree_budget < 1:
+            raise ValueError("fused_drafters and tree_budget must be at least 1")
 
     # -- validation -----------------------------------------------------------
     def _job(self, req: pb.GenerateRequest, context: grpc.ServicerContext) -> Job:
@@ -74,21 +81,27 @@ class RouterServicer(pb_grpc.SpecserveServicer):
         params.validate(len(ids), cfg.context_length)
         if req.domain_hint and req.domain_hint not in DOMAINS:
             raise InvalidArgument("domain_hint", f"unknown domain {req.domain_hint!r}; known: {', '.join(DOMAINS)}")
-        domain = None
-        if self.expertise is not None:
-            domain = self.expertise.domain(_user_text(req), req.domain_hint or None)
-        drafter = req.drafter or cfg.default_drafter
-        if drafter == "auto":
-            drafter = self.expertise.choose(domain, cfg.routed_drafters, k=1)[0]
-        check_drafter(drafter)
+        domain, drafters = self._drafters(req)
         if len(req.stop) > cfg.max_stop_strings or any(not s for s in req.stop):
             raise InvalidArgument("stop", f"at most {cfg.max_stop_strings} non-empty strings")
         remaining = context.time_remaining()
         return Job(request_id=req.request_id or uuid.uuid4().hex, prompt_ids=ids, params=params,
-                   drafter_kind=drafter, draft_length=cfg.draft_length, eos_token_ids=cfg.eos_token_ids,
-                   domain=domain,
+                   drafters=drafters, draft_length=cfg.draft_length, tree_budget=cfg.tree_budget,
+                   vocab_size=cfg.vocab_size, eos_token_ids=cfg.eos_token_ids, domain=domain,
                    deadline=None if remaining is None else time.monotonic() + remaining,
                    is_cancelled=lambda: not context.is_active())
+
+    def _drafters(self, req: pb.GenerateRequest) -> tuple[str | None, tuple[tuple[str, float], ...]]:
+        """The request's domain (None without an expertise router) and its (drafter, reliability) pairs."""
+        drafter = req.drafter or self.config.default_drafter
+        hint = req.domain_hint or None
+        if drafter == "auto" and self.expertise is not None:  # else check_drafter refuses "auto"
+            route = self.expertise.route(_user_text(req), self.config.routed_drafters,
+                                         k=self.config.fused_drafters, hint=hint)
+            return route.domain, tuple((d, route.reliability[d]) for d in route.drafters)
+        check_drafter(drafter)
+        domain = None if self.expertise is None else self.expertise.domain(_user_text(req), hint)
+        return domain, ((drafter, 1.0),)  # alone: its reliability weighs nothing
 
     # -- running ------------------------------------------------------------------
     def _chunks(self, req: pb.GenerateRequest, context: grpc.ServicerContext):
@@ -97,7 +110,7 @@ class RouterServicer(pb_grpc.SpecserveServicer):
             job = self._job(req, context)
         except InvalidArgument as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        stats = RoundStats(drafter=job.drafter_kind)
+        stats = RoundStats()
         text = StreamingText(self.tokenizer.decode, req.stop)
         count = 0
         try:
@@ -121,8 +134,10 @@ class RouterServicer(pb_grpc.SpecserveServicer):
         except grpc.RpcError as e:
             context.abort(grpc.StatusCode.INTERNAL, f"downstream {e.code().name}: {e.details()}")
         finally:
-            if self.expertise is not None and job.domain is not None and stats.draft_tokens:
-                self.expertise.record(job.drafter_kind, job.domain, stats.draft_tokens, stats.accepted_draft_tokens)
+            if self.expertise is not None and job.domain is not None:
+                for drafter, own in stats.per_drafter.items():
+                    if own.proposed:
+                        self.expertise.record(drafter, job.domain, own.proposed, own.accepted)
 
     @staticmethod
     def _usage(job: Job, stats: RoundStats, completion: int) -> pb.Usage:
@@ -130,7 +145,7 @@ class RouterServicer(pb_grpc.SpecserveServicer):
         return pb.Usage(prompt_tokens=len(job.prompt_ids), completion_tokens=completion,
                         target_forward_passes=stats.target_forward_passes, draft_tokens=stats.draft_tokens,
                         accepted_draft_tokens=stats.accepted_draft_tokens,
-                        mean_accepted_tokens=completion / passes, drafter=stats.drafter)
+                        mean_accepted_tokens=completion / passes, drafter="+".join(d for d, _ in job.drafters))
 
     def Generate(self, request, context):
         tokens, text, reason, job, stats = [], [], "length", None, None

@@ -26,7 +26,9 @@ redis_url = redis_server_fixture(scope="module")
 
 PROMPTS = [p for _, p in dev_prompts(10)]
 MAX_TOKENS = 24
-CONFIG = ServeConfig(port=0, verifiers=1, drafter_pools=2, drafter_kinds=["pld"], max_batch=8,
+# requests that name no drafter fuse pld and suffix (expertise routing, confidence fusion)
+CONFIG = ServeConfig(port=0, verifiers=1, drafter_pools=2, drafter_kinds=["pld", "suffix"], fused_drafters=2,
+                     max_batch=8,
                      max_len=2048, heartbeat_s=0.5, service_ttl_s=3.0, verifier_threads=1, routing_refresh_s=0.5)
 
 
@@ -55,8 +57,8 @@ def reference(smollm2):
     return [engine.run(Request(p, True, params, "pld", CONFIG.draft_length)).token_ids for p in PROMPTS]
 
 
-def request(prompt: str, **sampling) -> pb.GenerateRequest:
-    return pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content=prompt)],
+def request(prompt: str, drafter: str = "", **sampling) -> pb.GenerateRequest:
+    return pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content=prompt)], drafter=drafter,
                               sampling=pb.SamplingParams(max_tokens=sampling.pop("max_tokens", MAX_TOKENS),
                                                          **sampling))
 
@@ -65,7 +67,8 @@ def test_unary_and_streaming_equal_single_process(stub, reference):
     for prompt, want in zip(PROMPTS, reference):
         unary = stub.Generate(request(prompt), timeout=120)
         assert list(unary.token_ids) == want
-        assert unary.usage.completion_tokens == len(want) and unary.usage.drafter == "pld"
+        assert unary.usage.completion_tokens == len(want)
+        assert sorted(unary.usage.drafter.split("+")) == ["pld", "suffix"]  # fused
         chunks = list(stub.GenerateStream(request(prompt), timeout=120))
         assert [t for c in chunks for t in c.token_ids] == want
         assert "".join(c.text for c in chunks) == unary.text
@@ -79,7 +82,7 @@ def test_seeded_sampling_equals_single_process(stub, smollm2):
     for i, prompt in enumerate(PROMPTS[:3]):
         params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, top_p=0.95, seed=100 + i)
         want = engine.run(Request(prompt, True, params, "pld", CONFIG.draft_length)).token_ids
-        got = stub.Generate(request(prompt, temperature=0.8, top_p=0.95, seed=100 + i), timeout=120)
+        got = stub.Generate(request(prompt, drafter="pld", temperature=0.8, top_p=0.95, seed=100 + i), timeout=120)
         assert list(got.token_ids) == want, f"prompt {i}"
 
 
