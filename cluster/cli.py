@@ -7,7 +7,7 @@ import json
 import sys
 import time
 
-from drafter_service.registry import DRAFTER_NAMES, check_drafter
+from drafter_service.registry import DRAFTER_NAMES, check_drafter, is_drafter
 from speculative.loading import DTYPES
 from speculative.sampling import InvalidArgument, SamplingParams
 
@@ -210,8 +210,11 @@ def cmd_serve(args) -> int:
 def cmd_bench(args) -> int:
     from bench.harness import HF_MODES, SERVED, run_bench
 
-    local = HF_MODES | {"ar"} | set(DRAFTER_NAMES) - {"none"}
-    unknown = [m for m in args.modes if m not in local and m.removeprefix(SERVED) not in local - HF_MODES]
+    def known(mode: str) -> bool:  # hf-*, ar, or a drafter (also served-<drafter>)
+        local = mode.removeprefix(SERVED)
+        return mode in HF_MODES | {"ar"} or (local not in HF_MODES and local != "none" and is_drafter(local))
+
+    unknown = [m for m in args.modes if not known(m)]
     if unknown:
         raise InvalidArgument("modes", f"unknown mode(s) {', '.join(unknown)}")
     if any(m.startswith(SERVED) for m in args.modes) and not args.server:

@@ -13,6 +13,7 @@ from typing import Sequence
 import torch
 
 from speculative.model import Transformer, attention_mask, causal_ancestors
+from speculative.fusion import fuse
 from speculative.ngram import lookup_continuation
 from speculative.sampling import SamplingParams, probabilities, sample
 from speculative.suffix import SuffixIndex, SuffixStream
@@ -185,3 +186,26 @@ class MultiSampleDrafter:
             chain = self.base.propose(context, max_tokens, params, generator)
             tree.add_chain(chain.tokens, chain.draw_q, confidence=chain.confidence)
         return tree
+
+
+class FusedDrafter:
+    """Several drafters' proposals fused into one tree per round
+    (`speculative.fusion.fuse`), in one process: what the router does across
+    pools, for the CLI, the benchmarks and the tests. Each member draws from
+    its own random stream, seeded each round from the request's (fused
+    sampling is exact only if members draw independently), and drafts up to
+    `member_tokens` (default: the round's budget)."""
+
+    def __init__(self, members: Sequence[tuple[object, float]], member_tokens: int | None = None):
+        self.members, self.member_tokens = list(members), member_tokens  # (drafter, reliability in [0, 1])
+        self.name = "+".join(getattr(d, "name", "drafter") for d, _ in self.members)
+
+    def propose(self, context: Sequence[int], max_tokens: int, params: SamplingParams,
+                generator: torch.Generator) -> DraftTree:
+        tokens = min(max_tokens, self.member_tokens or max_tokens)
+        proposals = []
+        for drafter, reliability in self.members:
+            own = None if params.greedy else torch.Generator().manual_seed(
+                int(torch.randint(2**62, (), generator=generator)))
+            proposals.append((drafter.propose(context, tokens, params, own), reliability))
+        return fuse(proposals, max_tokens, params.greedy)

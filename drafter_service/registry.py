@@ -2,8 +2,9 @@
 
 Names: the model-free kinds (`pld`, `suffix`), the target's own layers
 (`layerskip`), the small drafters shipped for the default target
-(`small-*`, docs/DRAFTERS.md), or the path of any drafter directory written
-by `specserve train-drafter`.
+(`small-*`, docs/DRAFTERS.md), the path of any drafter directory written
+by `specserve train-drafter`, or several of these joined by `+`, fused into
+one tree per round.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from speculative.sampling import InvalidArgument
 from speculative.suffix import SuffixIndex
 
 from .checkpoint import is_drafter_dir, load_drafter
-from .drafters import ModelDrafter, PromptLookupDrafter, SuffixDrafter, layer_skip_layers
+from .drafters import FusedDrafter, ModelDrafter, PromptLookupDrafter, SuffixDrafter, layer_skip_layers
 
 # Layer-skip default: the target's first layers and its last, with its head.
 # Argmax agreement with the full SmolLM2-135M, teacher-forced on 8 dev prompts:
@@ -47,6 +48,8 @@ def drafter_path(name: str) -> Path | None:
 
 
 def is_drafter(name: str) -> bool:
+    if "+" in name:  # fused: every member a drafter
+        return all(part not in ("", "none") and is_drafter(part) for part in name.split("+"))
     return name in DRAFTER_NAMES or drafter_path(name) is not None
 
 
@@ -54,7 +57,7 @@ def check_drafter(name: str) -> None:
     """Raise InvalidArgument('drafter') unless `name` names a drafter."""
     if not is_drafter(name):
         raise InvalidArgument("drafter", f"unknown drafter {name!r}; choose from {', '.join(DRAFTER_NAMES)} "
-                                         "or give a directory written by specserve train-drafter")
+                                         "or a directory written by specserve train-drafter, or several joined by '+' (fused)")
 
 
 def make_drafter(name: str, target: Transformer, draft_top_k: int | None = None):
@@ -63,6 +66,8 @@ def make_drafter(name: str, target: Transformer, draft_top_k: int | None = None)
     `draft_top_k` makes a model drafter sample from its top-k renormalised
     distribution, so its q is exactly sparse (k pairs on the wire)."""
     check_drafter(name)
+    if "+" in name:  # no statistics in one process: every member trusted alike
+        return FusedDrafter([(make_drafter(part, target, draft_top_k), 1.0) for part in name.split("+")])
     if name == "none":
         return None
     if name == "pld":

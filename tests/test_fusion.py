@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import speculative.decoding as decoding
-from drafter_service.drafters import ModelDrafter, MultiSampleDrafter, PromptLookupDrafter
+from drafter_service.drafters import FusedDrafter, ModelDrafter, MultiSampleDrafter, PromptLookupDrafter
 from speculative.batching import VerifyItem, verify_batch
 from speculative.fusion import draw_order, fuse
 from speculative.model import attention_mask, causal_ancestors
@@ -368,23 +368,6 @@ def test_drafters_sharing_a_random_stream_break_exactness():
 
 # ---- tiny models through the real verifier ---------------------------------------------------
 
-class FusingDrafter:
-    """Stands in for the router: several drafters, each on its own random
-    stream (seeded from the request's) and drafting up to `member_tokens`,
-    fused into one tree of `max_tokens` nodes per round."""
-
-    def __init__(self, members, member_tokens: int | None = None):
-        self.members, self.member_tokens = members, member_tokens  # members: (drafter, reliability)
-
-    def propose(self, context, max_tokens, params, generator):
-        proposals = []
-        for drafter, reliability in self.members:
-            own = torch.Generator().manual_seed(int(torch.randint(2**62, (), generator=generator)))
-            tokens = min(max_tokens, self.member_tokens or max_tokens)
-            proposals.append((drafter.propose(context, tokens, params, own), reliability))
-        return fuse(proposals, max_tokens, params.greedy)
-
-
 @pytest.fixture(scope="module")
 def target():
     torch.set_num_threads(1)
@@ -428,7 +411,7 @@ def test_fused_sampling_matches_target_distribution(target, members):
     params = SamplingParams(temperature=1.0)
     expected = exact_joint(target, params)
     conditional = expected / expected.sum(1, keepdim=True)
-    counts = first_two_sampled(target, FusingDrafter(members, member_tokens=2), params, conditional)
+    counts = first_two_sampled(target, FusedDrafter(members, member_tokens=2), params, conditional)
     pvalue = chi_square_p(counts, expected)
     print(f"fused sampling: p={pvalue:.3g}")
     assert pvalue > ALPHA, f"fused sampling differs from the target's distribution (p={pvalue:.2e})"
@@ -446,6 +429,6 @@ def test_fused_greedy_equals_target_greedy(target, members, prompt):
     params = SamplingParams(max_tokens=24)
     plain = decoding.generate(target, prompt, params).token_ids
     # the target itself among the drafters, so that fused trees really get accepted
-    fused = decoding.generate(target, prompt, params, FusingDrafter(members + [(ModelDrafter(target), 0.9)]), 4)
+    fused = decoding.generate(target, prompt, params, FusedDrafter(members + [(ModelDrafter(target), 0.9)]), 4)
     assert fused.token_ids == plain
     assert fused.accepted_draft_tokens > 0
