@@ -15,6 +15,9 @@ Sized for a CPU:
 3. Training: forward KL to the teacher's top-k, restricted to the kept
    vocabulary, on answer and text positions (prompt positions count
    `prompt_weight`); AdamW with a cosine schedule over the time budget.
+   Every checkpoint interval the top-1 agreement with the target on held-out
+   answers is measured, and the best state is what gets written (early
+   stopping: a few hundred prompts are quickly overfitted).
 
 Everything is cached in OUT/work: rerunning the same command resumes from
 the last checkpoint (written every `checkpoint_s`) instead of starting over.
@@ -62,7 +65,7 @@ class TrainConfig:
     tokens_per_step: int = 4096
     checkpoint_s: float = 60.0
     seed: int = 0
-    eval_fraction: float = 0.05
+    eval_fraction: float = 0.1       # held-out sequences: progress report and early stopping
     extra: dict = field(default_factory=dict)
 
     def validate(self) -> None:
@@ -253,9 +256,8 @@ def train(cfg: TrainConfig, log=print) -> Path:
     items = prepare_data(cfg, target, tokenizer, log)
     if not items:
         raise ValueError("--corpus: no training text found")
-    random.Random(cfg.seed).shuffle(items)
-    n_eval = max(1, int(len(items) * cfg.eval_fraction)) if len(items) > 1 else 0
-    eval_items, train_items = items[:n_eval], items[n_eval:] or items
+    eval_items = [it for it in items if _held_out(it, cfg.eval_fraction)]
+    train_items = [it for it in items if not _held_out(it, cfg.eval_fraction)] or items
 
     ckpt_path = work / "checkpoint.pt"
     state = torch.load(ckpt_path, weights_only=False) if ckpt_path.exists() else None
@@ -281,7 +283,7 @@ def train(cfg: TrainConfig, log=print) -> Path:
     unk = None if vocab_ids is None else len(vocab_ids)
     batches = [Batch(it, to_student, unk, cfg.prompt_weight) for it in train_items]
     evals = [Batch(it, to_student, unk, cfg.prompt_weight) for it in eval_items]
-    opt = torch.optim.AdamW(student.parameters(), lr=cfg.lr, weight_decay=0.0)
+    opt = torch.optim.AdamW(student.parameters(), lr=cfg.lr, weight_decay=0.01)
     step, elapsed = 0, 0.0
     if state is not None:
         opt.load_state_dict(state["optimizer"])
@@ -290,6 +292,9 @@ def train(cfg: TrainConfig, log=print) -> Path:
     budget = cfg.minutes * 60
     before = evaluate(student, evals) if state is None else state["agreement_before"]
     log(f"top-1 agreement with the target on held-out answers before training: {before:.3f}")
+    # early stopping: a few hundred prompts are easy to overfit, so the drafter
+    # written is the one that agreed best with the target on held-out answers
+    best = state["best"] if state is not None else {"agreement": before, "step": step, "model": _copy(student)}
     last_ckpt = time.monotonic()
     bar = tqdm(total=round(budget), initial=min(round(elapsed), round(budget)), desc="distilling", unit="s")
     while elapsed < budget:
@@ -312,15 +317,20 @@ def train(cfg: TrainConfig, log=print) -> Path:
         bar.update(min(round(elapsed), round(budget)) - bar.n)
         bar.set_postfix(loss=f"{loss_sum / max(weight, 1e-9):.3f}", agree=f"{agree / max(answer, 1):.3f}", step=step)
         if time.monotonic() - last_ckpt > cfg.checkpoint_s or elapsed >= budget:
-            _save_checkpoint(ckpt_path, cfg, student, opt, vocab_ids, step, elapsed, before)
+            held_out = evaluate(student, evals)
+            if held_out > best["agreement"]:
+                best = {"agreement": held_out, "step": step, "model": _copy(student)}
+            bar.write(f"step {step}: held-out agreement {held_out:.3f} (best {best['agreement']:.3f} at step {best['step']})")
+            _save_checkpoint(ckpt_path, cfg, student, opt, vocab_ids, step, elapsed, before, best)
             last_ckpt = time.monotonic()
     bar.close()
+    student.load_state_dict(best["model"])
     student.eval()
-    after = evaluate(student, evals)
-    log(f"top-1 agreement after {elapsed / 60:.1f} min, {step} steps: {after:.3f}")
+    after = best["agreement"]
+    log(f"top-1 agreement after {elapsed / 60:.1f} min, {step} steps: {after:.3f} (kept step {best['step']})")
     info = {"target": {"source": cfg.target or loading.DEFAULT_MODEL, "vocab_size": target_vocab},
             "training": {**{k: v for k, v in asdict(cfg).items() if k not in ("out", "extra")},
-                         "steps": step, "minutes_trained": round(elapsed / 60, 2),
+                         "steps": step, "kept_step": best["step"], "minutes_trained": round(elapsed / 60, 2),
                          "sequences": len(train_items), "eval_sequences": len(eval_items),
                          "train_positions": int(sum(len(it["tokens"]) for it in train_items)),
                          "top1_agreement_before": round(before, 4), "top1_agreement_after": round(after, 4),
@@ -352,9 +362,21 @@ def _resume_key(cfg: TrainConfig) -> dict:
     return {k: v for k, v in asdict(cfg).items() if k not in ("minutes", "out", "extra", "checkpoint_s")}
 
 
-def _save_checkpoint(path: Path, cfg, student, opt, vocab_ids, step, elapsed, before) -> None:
+def _held_out(item: dict, fraction: float) -> bool:
+    """Whether a sequence is held out, decided by its prompt alone: the same
+    prompts are held out in every run, so a drafter specialised from another
+    is judged on prompts neither was trained on."""
+    key = item["tokens"][:item["answer_from"]] if item["answer_from"] else item["tokens"]  # prompt, or text
+    return int.from_bytes(hashlib.sha256(key.numpy().tobytes()).digest()[:8], "big") / 2**64 < fraction
+
+
+def _copy(model: Transformer) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _save_checkpoint(path: Path, cfg, student, opt, vocab_ids, step, elapsed, before, best) -> None:
     tmp = path.with_suffix(".tmp")
     torch.save({"config": _resume_key(cfg), "model_config": asdict(student.config), "model": student.state_dict(),
                 "optimizer": opt.state_dict(), "vocab_ids": vocab_ids, "step": step, "elapsed": elapsed,
-                "agreement_before": before}, tmp)
+                "agreement_before": before, "best": best}, tmp)
     tmp.replace(path)  # a crash mid-write never leaves a torn checkpoint
