@@ -20,25 +20,23 @@ import torch
 from tqdm import tqdm
 
 from cluster.local import LocalEngine, Request
+from drafter_service.registry import SHIPPED_DRAFTERS
+from router.domains import BENCH_GROUPS, BENCH_PROMPTS_PER_GROUP, bench_group, read_questions
 from speculative.sampling import SamplingParams
 
-MT_BENCH = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
-CATEGORIES = ["translation", "summarization", "qa", "math_reasoning", "rag", "mt_bench"]
+CATEGORIES = list(BENCH_GROUPS)
 HF_MODES = {"hf-ar", "hf-pld"}
+MODEL_DRAFTERS = ("layerskip",) + SHIPPED_DRAFTERS  # drafters that run a network per draft token
 SERVED = "served-"  # served-<mode>: the same drafter through a running server (--server)
 
 
-def bench_category(category: str) -> str:
-    return "mt_bench" if category in MT_BENCH else category
-
-
 def load_questions(path: str, limit_per_category: int) -> list[dict]:
+    if limit_per_category > BENCH_PROMPTS_PER_GROUP:
+        raise ValueError(f"--limit-per-category must be at most {BENCH_PROMPTS_PER_GROUP}: later dev questions "
+                         "are training data for the classifier and the shipped drafters")
     picked: dict[str, list[dict]] = defaultdict(list)
-    for line in Path(path).read_text().splitlines():
-        if not line.strip():
-            continue
-        q = json.loads(line)
-        cat = bench_category(q["category"])
+    for q in read_questions(path):
+        cat = bench_group(q["category"])
         if len(picked[cat]) < limit_per_category:
             picked[cat].append({**q, "bench_category": cat})
     return [q for cat in CATEGORIES for q in picked.get(cat, [])]
@@ -106,6 +104,27 @@ def forward_ms(engine: LocalEngine, sizes=(1, 4, 8, 16), prefix: int = 128, repe
     return out
 
 
+def draft_token_ms(engine: LocalEngine, drafters: list[str], target_ms: float, prefix: int = 128,
+                   tokens: int = 5, repeats: int = 10) -> dict[str, dict[str, float]]:
+    """Median time of one draft token of each model drafter after a cached prefix,
+    and its ratio to one target forward of one token."""
+    from drafter_service.registry import make_drafter
+
+    context = [int(t) for t in torch.arange(prefix) * 7 % 1000 + 100]
+    out = {}
+    for name in drafters:
+        drafter = make_drafter(name, engine.model)
+        drafter.propose(context, tokens, SamplingParams(), None)  # prefill the drafter's cache
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            drafter.propose(context, tokens, SamplingParams(), None)  # re-feeds the last token, drafts `tokens`
+            times.append((time.perf_counter() - start) / tokens)
+        ms = statistics.median(times) * 1000
+        out[name] = {"ms": round(ms, 2), "ratio_to_target_forward": round(ms / target_ms, 3)}
+    return out
+
+
 def load_seconds(model: str | None) -> dict[str, float]:
     """Cold load (GGUF conversion into an empty cache) and cached load."""
     import os
@@ -145,15 +164,16 @@ def run_bench(args) -> dict:
     hf = HFRunner(loading.resolve_source(args.model)) if HF_MODES & set(args.modes) else None
     served = ServedRunner(args.server) if any(m.startswith(SERVED) for m in args.modes) else None
     params = SamplingParams(max_tokens=args.max_tokens)
-    # per (mode, category): tokens, seconds, target passes; and output agreement with hf-ar
-    sums: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0, 0])
+    # per (mode, category): tokens, seconds, target passes, draft tokens, accepted draft tokens;
+    # and output agreement with hf-ar
+    sums: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0, 0, 0, 0])
     same_as_hf: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     bar = tqdm(total=len(questions) * len(args.modes) * args.repeats, desc="bench", unit="gen")
     for q in questions:
         ids = engine.prompt_ids(q["turns"][0], chat=True)
         reference = None
         for mode in args.modes:
-            times, passes, tokens = [], None, None
+            times, passes, tokens, drafts = [], None, None, None
             for _ in range(args.repeats):
                 if mode in HF_MODES:
                     tokens, seconds = hf.run(ids, args.max_tokens, mode)
@@ -163,6 +183,7 @@ def run_bench(args) -> dict:
                     drafter = "none" if mode == "ar" else mode
                     r = engine.run(Request(q["turns"][0], True, params, drafter, args.draft_length))
                     tokens, seconds, passes = r.token_ids, r.seconds, r.target_forward_passes
+                    drafts = (r.draft_tokens, r.accepted_draft_tokens)
                 times.append(seconds)
                 bar.update()
             if mode == "hf-ar":
@@ -175,6 +196,7 @@ def run_bench(args) -> dict:
                 s[0] += len(tokens)
                 s[1] += statistics.median(times)
                 s[2] = None if passes is None or s[2] is None else s[2] + passes
+                s[3:] = [None, None] if drafts is None or s[3] is None else [s[3] + drafts[0], s[4] + drafts[1]]
     bar.close()
 
     rows = []
@@ -184,15 +206,16 @@ def run_bench(args) -> dict:
         for mode in args.modes:
             if (mode, cat) not in sums:
                 continue
-            tokens, seconds, passes = sums[(mode, cat)]
+            tokens, seconds, passes, drafted, accepted = sums[(mode, cat)]
             tps = tokens / seconds if seconds else 0.0
             rows.append({
                 "mode": mode, "category": cat, "tokens_per_s": round(tps, 3),
                 "mean_accepted_tokens": round(tokens / passes, 3) if passes else None,
+                "acceptance_rate": round(accepted / drafted, 3) if drafted else None,
                 "speedup_vs_hf_ar": round(tps / base_tps, 3) if base_tps else None,
                 "generated_tokens": int(tokens),
             })
-    overall = {mode: v for (mode, cat), v in sums.items() if cat == "overall"}
+    overall = {mode: v[:3] for (mode, cat), v in sums.items() if cat == "overall"}
     overhead = {}
     for mode in args.modes:
         local = mode.removeprefix(SERVED)
@@ -211,6 +234,8 @@ def run_bench(args) -> dict:
     if args.micro:
         report["forward_ms"] = forward_ms(engine)
         report["load_seconds"] = load_seconds(args.model)
+        report["draft_token_ms"] = draft_token_ms(engine, [m for m in args.modes if m in MODEL_DRAFTERS],
+                                                  report["forward_ms"]["1"])
     Path(args.out).write_text(json.dumps(report, indent=2))
     Path(args.out).with_suffix(".md").write_text(to_markdown(report))
     print_table(report)
@@ -245,7 +270,25 @@ def _footnotes(report: dict) -> list[str]:
     if "forward_ms" in report:
         notes.append(f"One target forward (ms) by new tokens: {report['forward_ms']}")
         notes.append(f"Model load (s): {report['load_seconds']}")
+    for name, d in report.get("draft_token_ms", {}).items():
+        notes.append(f"One draft token of {name}: {d['ms']} ms, {d['ratio_to_target_forward']:.1%} of a target forward")
     return notes
+
+
+def _acceptance_table(report: dict) -> list[str]:
+    """Per category and drafting mode: "mean accepted tokens per pass / acceptance rate"."""
+    rows = [r for r in report["results"] if r.get("acceptance_rate") is not None]
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    if not modes:
+        return []
+    by = {(r["mode"], r["category"]): r for r in rows}
+    lines = ["", "Mean accepted tokens per target pass / acceptance rate of draft tokens:", "",
+             "| category | " + " | ".join(modes) + " |", "| --- |" + " ---: |" * len(modes)]
+    for cat in dict.fromkeys(r["category"] for r in rows):
+        cells = [f"{by[(m, cat)]['mean_accepted_tokens']:.2f} / {by[(m, cat)]['acceptance_rate']:.0%}"
+                 if (m, cat) in by else "" for m in modes]
+        lines.append(f"| {cat} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def to_markdown(report: dict) -> str:
@@ -255,6 +298,7 @@ def to_markdown(report: dict) -> str:
              "Tokens/s (speedup vs hf-ar) [mean accepted tokens per target pass]:", "",
              "| category | " + " | ".join(modes) + " |", "| --- |" + " ---: |" * len(modes)]
     lines += [f"| {cat} | " + " | ".join(cells) + " |" for cat, cells in rows]
+    lines += _acceptance_table(report)
     return "\n".join(lines + [""] + _footnotes(report)) + "\n"
 
 
