@@ -4,7 +4,7 @@ On a tiny random Llama-shaped model the exact distribution of the second and
 third generated tokens (the first ones a draft covers; the first token comes
 from the prompt's own pass) is computable; we compare it with many seeded runs
 of the real decoding loop (chi-square), check that those runs really drafted,
-and show the same test catches a verifier biased by 10% on one token.
+and show the same test catches a verifier biased by 20% on one token.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from speculative.suffix import SuffixIndex
 from tiny import TINY, tiny_model
 
 PROMPT = [1, 2, 3, 1, 2]  # repeats, so prompt lookup has something to propose
-SAMPLES = 20_000
+SAMPLES = 8_000
 ALPHA = 1e-3
 
 
@@ -70,15 +70,16 @@ def exact_drafted_joint(target, params: SamplingParams) -> torch.Tensor:
 def sampled_joint(target, make_drafter, params: SamplingParams, draft_length: int) -> torch.Tensor:
     v = TINY.vocab_size
     counts = torch.zeros(v, v)
-    drafted = 0
+    drafted = 0  # runs whose first round drafted
     for seed in range(SAMPLES):
         # room for a whole draft in the first round after the prompt's token
         p = SamplingParams(max_tokens=draft_length + 2, temperature=params.temperature, top_p=params.top_p,
                            top_k=params.top_k, seed=seed)
         result = decoding.generate(target, PROMPT, p, make_drafter(), draft_length)
         counts[result.token_ids[1], result.token_ids[2]] += 1
-        drafted += result.draft_tokens
-    assert drafted >= SAMPLES, f"only {drafted} draft tokens in {SAMPLES} runs: speculation was barely tested"
+        drafted += result.draft_tokens > 0
+    # prompt lookup drafts only after a match; the others always do
+    assert drafted >= SAMPLES // 5, f"only {drafted} of {SAMPLES} runs drafted: speculation was barely tested"
     return counts
 
 
@@ -121,7 +122,7 @@ def test_speculative_sampling_matches_target_distribution(target, draft_model, c
 
 def test_biased_verifier_is_caught(target, draft_model, monkeypatch):
     """A verifier that works against the target distribution with its most likely
-    second token made 10% more likely: the same statistics must reject it, or the
+    second token made 20% more likely: the same statistics must reject it, or the
     tests above prove nothing."""
     params = SamplingParams(temperature=1.0)
     expected = exact_drafted_joint(target, params)
@@ -129,7 +130,7 @@ def test_biased_verifier_is_caught(target, draft_model, monkeypatch):
 
     def biased_probabilities(logits, params):
         p = probabilities(logits, params).clone()
-        p[..., token] *= 1.10
+        p[..., token] *= 1.20
         return p / p.sum(-1, keepdim=True)
 
     # the verifier's copies only: the drafter keeps drawing from the true q
