@@ -20,6 +20,7 @@ import torch
 from tqdm import tqdm
 
 from cluster.local import LocalEngine, Request
+from drafter_service import registry
 from drafter_service.registry import SHIPPED_DRAFTERS
 from router.domains import BENCH_GROUPS, BENCH_PROMPTS_PER_GROUP, bench_group, read_questions
 from speculative.sampling import SamplingParams
@@ -168,6 +169,7 @@ def run_bench(args) -> dict:
     # and output agreement with hf-ar
     sums: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0, 0, 0, 0])
     same_as_hf: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    suffix_indexes: dict[str, dict] = defaultdict(dict)
     bar = tqdm(total=len(questions) * len(args.modes) * args.repeats, desc="bench", unit="gen")
     for q in questions:
         ids = engine.prompt_ids(q["turns"][0], chat=True)
@@ -181,6 +183,9 @@ def run_bench(args) -> dict:
                     tokens, seconds, passes = served.run(q["turns"][0], args.max_tokens, mode)
                 else:
                     drafter = "none" if mode == "ar" else mode
+                    # each mode has its own suffix index: one fed by another mode's run of this very
+                    # question would draft its answer from memory
+                    registry._suffix_indexes = suffix_indexes[mode]
                     r = engine.run(Request(q["turns"][0], True, params, drafter, args.draft_length))
                     tokens, seconds, passes = r.token_ids, r.seconds, r.target_forward_passes
                     drafts = (r.draft_tokens, r.accepted_draft_tokens)
