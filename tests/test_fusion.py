@@ -27,7 +27,7 @@ from speculative.model import attention_mask, causal_ancestors
 from speculative.sampling import SamplingParams, make_generator, sample
 from speculative.tree import DraftTree
 from speculative.verification import residual
-from test_sampling_distribution import ALPHA, PROMPT, chi_square_p, exact_joint
+from test_sampling_distribution import ALPHA, PROMPT, chi_square_p, exact_joint, target  # noqa: F401 (fixture)
 from tiny import TINY, tiny_model
 
 
@@ -367,12 +367,6 @@ def test_drafters_sharing_a_random_stream_break_exactness():
 
 
 # ---- tiny models through the real verifier ---------------------------------------------------
-
-@pytest.fixture(scope="module")
-def target():
-    torch.set_num_threads(1)
-    return tiny_model(seed=0, logit_scale=0.5)
-
 
 @pytest.fixture(scope="module")
 def members():
