@@ -21,6 +21,7 @@ from .expertise import ExpertiseRouter
 from .text import StreamingText
 
 ROLES = {"system", "user", "assistant"}
+NO_DEADLINE_S = 1e7  # time_remaining() above this means the client set no deadline
 
 
 @dataclass
@@ -85,6 +86,8 @@ class RouterServicer(pb_grpc.SpecserveServicer):
         if len(req.stop) > cfg.max_stop_strings or any(not s for s in req.stop):
             raise InvalidArgument("stop", f"at most {cfg.max_stop_strings} non-empty strings")
         remaining = context.time_remaining()
+        if remaining is not None and remaining > NO_DEADLINE_S:
+            remaining = None  # a call without a deadline reports a huge one; passed downstream it overflows
         return Job(request_id=req.request_id or uuid.uuid4().hex, prompt_ids=ids, params=params,
                    drafters=drafters, draft_length=cfg.draft_length, tree_budget=cfg.tree_budget,
                    vocab_size=cfg.vocab_size, eos_token_ids=cfg.eos_token_ids, domain=domain,

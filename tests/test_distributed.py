@@ -144,6 +144,10 @@ def test_bad_input_names_the_field_and_server_keeps_serving(stub, kwargs, field)
     assert len(ok.token_ids) == 2
 
 
+def test_a_call_without_deadline_is_served(stub, reference):
+    assert list(stub.Generate(request(PROMPTS[0])).token_ids) == reference[0]
+
+
 def test_deadline_is_honoured(stub):
     with pytest.raises(grpc.RpcError) as err:
         stub.Generate(request(PROMPTS[0], max_tokens=400), timeout=0.5)
