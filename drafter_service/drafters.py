@@ -43,7 +43,7 @@ class PromptLookupDrafter:
         self.vocab_size, self.max_ngram, self.min_ngram = vocab_size, max_ngram, min_ngram
 
     def propose(self, context: Sequence[int], max_tokens: int, params: SamplingParams,
-                generator: torch.Generator) -> DraftTree:
+                generator: torch.Generator, verified: int | None = None) -> DraftTree:
         tokens = lookup_continuation(context, max_tokens, self.max_ngram, self.min_ngram)
         return DraftTree.chain(tokens, None if params.greedy else _one_hot(tokens, self.vocab_size))
 
@@ -59,15 +59,16 @@ class SuffixDrafter:
     def __init__(self, index: SuffixIndex, vocab_size: int):
         self.index, self.vocab_size = index, vocab_size
         self.stream = SuffixStream()
-        self.fed: list[int] = []  # the context fed so far (its length and last token say if it still holds)
+        self.fed: list[int] = []  # the verified context fed so far (its length and last token say if it holds)
 
     def propose(self, context: Sequence[int], max_tokens: int, params: SamplingParams,
-                generator: torch.Generator) -> DraftTree:
+                generator: torch.Generator, verified: int | None = None) -> DraftTree:
+        known = list(context[:len(context) if verified is None else verified])  # a guess ahead is not fed
         n = len(self.fed)
-        if len(context) < n or (n and context[n - 1] != self.fed[-1]):  # not our request's context: start over
+        if len(known) < n or (n and known[n - 1] != self.fed[-1]):  # not our request's context: start over
             self.stream, self.fed, n = SuffixStream(), [], 0
-        self.index.feed(self.stream, context[n:])
-        self.fed = list(context)
+        self.index.feed(self.stream, known[n:])
+        self.fed = known
         tree = self.index.propose(context, max_tokens)
         if not params.greedy and len(tree):
             tree.draw_q = _one_hot([tree.tokens[node] for node in tree.draw_nodes], self.vocab_size)
@@ -98,6 +99,8 @@ class ModelDrafter:
             self.to_draft = torch.full((self.target_vocab_size,), len(self.vocab_ids), dtype=torch.long)
             self.to_draft[self.vocab_ids] = torch.arange(len(self.vocab_ids))
         self.max_len = max_len or model.config.max_position_embeddings
+        # SpecDec++-style stop: no more tokens after one drawn with less confidence than this
+        self.stop_below = 0.0
         self.cache = None
         self.cached: list[int] = []  # tokens whose keys and values the cache holds
 
@@ -134,7 +137,7 @@ class ModelDrafter:
         return logits
 
     def propose(self, context: Sequence[int], max_tokens: int, params: SamplingParams,
-                generator: torch.Generator) -> DraftTree:
+                generator: torch.Generator, verified: int | None = None) -> DraftTree:
         if len(context) + max_tokens > self.max_len:
             max_tokens = self.max_len - len(context)
         logits = self._sync(context, max_tokens)
@@ -153,6 +156,10 @@ class ModelDrafter:
             if self.vocab_ids is not None:
                 tok = int(self.vocab_ids[tok])
             tokens.append(tok)
+            # The token just drawn stays (dropping it for its own value would bias sampling);
+            # whether to draw another depends on it, which verification allows.
+            if confidence[-1] < self.stop_below:
+                break
             if i + 1 < max_tokens:
                 logits = self._feed([tok], len(self.cached))
         return DraftTree.chain(tokens, torch.stack(qs) if qs else None, confidence)
@@ -180,10 +187,10 @@ class MultiSampleDrafter:
         self.name = f"{getattr(base, 'name', 'drafter')}x{branches}"
 
     def propose(self, context: Sequence[int], max_tokens: int, params: SamplingParams,
-                generator: torch.Generator) -> DraftTree:
+                generator: torch.Generator, verified: int | None = None) -> DraftTree:
         tree = DraftTree()
         for _ in range(self.branches):
-            chain = self.base.propose(context, max_tokens, params, generator)
+            chain = self.base.propose(context, max_tokens, params, generator, verified)
             tree.add_chain(chain.tokens, chain.draw_q, confidence=chain.confidence)
         return tree
 
@@ -201,11 +208,11 @@ class FusedDrafter:
         self.name = "+".join(getattr(d, "name", "drafter") for d, _ in self.members)
 
     def propose(self, context: Sequence[int], max_tokens: int, params: SamplingParams,
-                generator: torch.Generator) -> DraftTree:
+                generator: torch.Generator, verified: int | None = None) -> DraftTree:
         tokens = min(max_tokens, self.member_tokens or max_tokens)
         proposals = []
         for drafter, reliability in self.members:
             own = None if params.greedy else torch.Generator().manual_seed(
                 int(torch.randint(2**62, (), generator=generator)))
-            proposals.append((drafter.propose(context, tokens, params, own), reliability))
+            proposals.append((drafter.propose(context, tokens, params, own, verified), reliability))
         return fuse(proposals, max_tokens, params.greedy)

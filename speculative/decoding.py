@@ -18,6 +18,7 @@ import torch
 from .model import Transformer, attention_mask, causal_ancestors
 from .sampling import InvalidArgument, SamplingParams, make_generator, probabilities, sample
 from .batching import VerifyItem, verify_batch
+from .pipeline import likeliest_path, reuse_ahead
 from .tree import DraftTree
 
 
@@ -26,11 +27,14 @@ class Drafter(Protocol):
 
     A drafter keeps whatever state it likes per request (a KV cache, say) and
     must bring it in line with `context` itself: tokens it guessed that the
-    verifier rejected are simply absent from the next context.
+    verifier rejected are simply absent from the next context. When drafting
+    ahead (pipelining), only the first `verified` tokens of `context` are
+    verified (None: all); a drafter that learns from the text (a shared
+    suffix index) must learn from those only.
     """
 
     def propose(self, context: Sequence[int], max_tokens: int, params: SamplingParams,
-                generator: torch.Generator) -> DraftTree: ...
+                generator: torch.Generator, verified: int | None = None) -> DraftTree: ...
 
 
 @dataclass
@@ -43,6 +47,7 @@ class GenerationResult:
     accepted_draft_tokens: int = 0
     seconds: float = 0.0
     accepted_per_round: list[int] = field(default_factory=list)
+    reused_drafts: int = 0  # rounds whose tree was drafted ahead (pipelined)
 
     @property
     def mean_accepted_tokens(self) -> float:
@@ -56,10 +61,14 @@ class GenerationResult:
 
 def generate(target: Transformer, prompt_ids: Sequence[int], params: SamplingParams,
              drafter: Drafter | None = None, draft_length: int = 5, eos_token_ids: Sequence[int] = (),
-             on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
+             on_tokens: Callable[[list[int]], None] | None = None, pipelined: bool = False) -> GenerationResult:
     """Generate up to `params.max_tokens` tokens after `prompt_ids`.
 
     `on_tokens` is called with each batch of newly verified tokens (streaming).
+    `pipelined` drafts each next round ahead, before the verdict, and reuses
+    it when the verdict allows (`speculative.pipeline`): in one process this
+    overlaps nothing, it runs the same algorithm the router's pipelined
+    coordinator runs across processes, so that tests can check it exactly.
     """
     if not prompt_ids:
         raise InvalidArgument("prompt", "must not be empty")
@@ -102,17 +111,26 @@ def generate(target: Transformer, prompt_ids: Sequence[int], params: SamplingPar
         return done
 
     done = emit(out)
+    ready: DraftTree | None = None  # this round's tree, drafted ahead last round
     while not done:
         context = list(prompt_ids) + result.token_ids
         budget = min(draft_length, params.max_tokens - len(result.token_ids) - 1)
-        tree = DraftTree()
+        tree, ahead, guess = DraftTree(), None, []
         if drafter is not None and budget > 0:
-            tree = drafter.propose(context, budget, params, drafter_rng).truncated(budget)
+            tree = (ready if ready else drafter.propose(context, budget, params, drafter_rng)).truncated(budget)
+            if pipelined:
+                guess = [tree.tokens[node] for node in likeliest_path(tree)]
+                room = min(draft_length, params.max_tokens - len(result.token_ids) - len(guess) - 2)
+                if room > 0:
+                    ahead = drafter.propose(context + guess, room, params, drafter_rng, verified=len(context))
         [(path, bonus)] = verify_batch(target, cache, [VerifyItem(0, context[-1], tree, params, verifier_rng)])
+        accepted = [tree.tokens[node] for node in path]
+        ready = reuse_ahead(ahead, guess, accepted, bonus) if ahead is not None else None
         result.target_forward_passes += 1
         result.draft_tokens += len(tree)
         result.accepted_draft_tokens += len(path)
         result.accepted_per_round.append(len(path))
-        done = emit([tree.tokens[node] for node in path] + [bonus])
+        result.reused_drafts += ready is not None and len(ready) > 0
+        done = emit(accepted + [bonus])
     result.seconds = time.perf_counter() - started
     return result

@@ -67,19 +67,40 @@ def exact_drafted_joint(target, params: SamplingParams) -> torch.Tensor:
     return joint
 
 
-def sampled_joint(target, make_drafter, params: SamplingParams, draft_length: int) -> torch.Tensor:
+def exact_pair(target, params: SamplingParams, first: int) -> torch.Tensor:
+    """P(token `first` = a, token `first` + 1 = b) under the target alone, [V, V] (token 0
+    comes from the prompt's pass), by enumerating every prefix before them."""
+    v = TINY.vocab_size
+    joint = torch.zeros(v, v)
+    prefixes = [([], torch.tensor(1.0))]
+    for _ in range(first):
+        prefixes = [(seq + [t], w * p[t]) for seq, w in prefixes
+                    for p in [_next_probs(target, PROMPT + seq, params)] for t in range(v)]
+    for seq, w in prefixes:
+        pa = _next_probs(target, PROMPT + seq, params)
+        for a in range(v):
+            joint[a] += w * pa[a] * _next_probs(target, PROMPT + seq + [a], params)
+    return joint
+
+
+def sampled_joint(target, make_drafter, params: SamplingParams, draft_length: int,
+                  pipelined: bool = False, first: int = 1) -> torch.Tensor:
     v = TINY.vocab_size
     counts = torch.zeros(v, v)
-    drafted = 0  # runs whose first round drafted
+    drafted = reused = 0  # runs whose first round drafted; pipelined runs that reused a draft made ahead
+    # room for a whole draft in the first round after the prompt's token (and, pipelined, one ahead of it)
+    max_tokens = draft_length + 2 if not pipelined else 2 * draft_length + 3
     for seed in range(SAMPLES):
-        # room for a whole draft in the first round after the prompt's token
-        p = SamplingParams(max_tokens=draft_length + 2, temperature=params.temperature, top_p=params.top_p,
+        p = SamplingParams(max_tokens=max_tokens, temperature=params.temperature, top_p=params.top_p,
                            top_k=params.top_k, seed=seed)
-        result = decoding.generate(target, PROMPT, p, make_drafter(), draft_length)
-        counts[result.token_ids[1], result.token_ids[2]] += 1
+        result = decoding.generate(target, PROMPT, p, make_drafter(), draft_length, pipelined=pipelined)
+        counts[result.token_ids[first], result.token_ids[first + 1]] += 1
         drafted += result.draft_tokens > 0
+        reused += result.reused_drafts > 0
     # prompt lookup drafts only after a match; the others always do
     assert drafted >= SAMPLES // 5, f"only {drafted} of {SAMPLES} runs drafted: speculation was barely tested"
+    if pipelined:
+        assert reused >= SAMPLES // 20, f"only {reused} of {SAMPLES} runs reused a draft made ahead"
     return counts
 
 
@@ -116,6 +137,25 @@ def test_speculative_sampling_matches_target_distribution(target, draft_model, c
     make, params, k = CASES[case]
     expected = exact_drafted_joint(target, params)
     counts = sampled_joint(target, lambda: make(draft_model), params, k)
+    pvalue = chi_square_p(counts, expected)
+    assert pvalue > ALPHA, f"{case}: sampled distribution differs from the target's (p={pvalue:.2e})"
+
+
+# Pipelined (post-verify): a 2-token draft, and a 2-token draft of the round after drafted ahead
+# of the verdict; when the verdict keeps it, its second token covers token 4. Tokens 3 (the
+# bonus that decides the reuse) and 4 are tested. The target drafting for itself is accepted
+# often, so many runs reuse; the other drafter exercises rejections.
+PIPELINED = {
+    "pipelined_self": lambda target, draft: ModelDrafter(target, max_len=64),
+    "pipelined_other": lambda target, draft: ModelDrafter(draft, max_len=64),
+}
+
+
+@pytest.mark.parametrize("case", list(PIPELINED))
+def test_pipelined_sampling_matches_target_distribution(target, draft_model, case):
+    params = SamplingParams(temperature=1.0)
+    expected = exact_pair(target, params, first=3)
+    counts = sampled_joint(target, lambda: PIPELINED[case](target, draft_model), params, 2, pipelined=True, first=3)
     pvalue = chi_square_p(counts, expected)
     assert pvalue > ALPHA, f"{case}: sampled distribution differs from the target's (p={pvalue:.2e})"
 
