@@ -51,7 +51,7 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "messages", "sampling", "stop", "domain_hint", "request_id", "drafter")
+    __slots__ = ("prompt", "messages", "sampling", "stop", "domain_hint", "request_id", "drafter", "pipelined")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -59,6 +59,7 @@ class GenerateRequest(_message.Message):
     DOMAIN_HINT_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
+    PIPELINED_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     sampling: SamplingParams
@@ -66,7 +67,8 @@ class GenerateRequest(_message.Message):
     domain_hint: str
     request_id: str
     drafter: str
-    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., domain_hint: _Optional[str] = ..., request_id: _Optional[str] = ..., drafter: _Optional[str] = ...) -> None: ...
+    pipelined: bool
+    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., domain_hint: _Optional[str] = ..., request_id: _Optional[str] = ..., drafter: _Optional[str] = ..., pipelined: _Optional[bool] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "target_forward_passes", "draft_tokens", "accepted_draft_tokens", "mean_accepted_tokens", "drafter")
@@ -129,16 +131,20 @@ class DrafterPrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., drafter: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stream: _Optional[int] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("request_id", "context_length", "new_tokens", "max_tokens")
+    __slots__ = ("request_id", "context_length", "new_tokens", "max_tokens", "speculative_tokens", "min_confidence")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MIN_CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     context_length: int
     new_tokens: _containers.RepeatedScalarFieldContainer[int]
     max_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., context_length: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ...) -> None: ...
+    speculative_tokens: _containers.RepeatedScalarFieldContainer[int]
+    min_confidence: float
+    def __init__(self, request_id: _Optional[str] = ..., context_length: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., speculative_tokens: _Optional[_Iterable[int]] = ..., min_confidence: _Optional[float] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
     __slots__ = ("tree", "state_lost", "seconds")
@@ -195,23 +201,25 @@ class VerifyRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., tree: _Optional[_Union[DraftTree, _Mapping]] = ..., context_length: _Optional[int] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("accepted", "bonus", "state_lost", "batch_size")
+    __slots__ = ("accepted", "bonus", "state_lost", "batch_size", "queued")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     BONUS_FIELD_NUMBER: _ClassVar[int]
     STATE_LOST_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
     accepted: _containers.RepeatedScalarFieldContainer[int]
     bonus: int
     state_lost: bool
     batch_size: int
-    def __init__(self, accepted: _Optional[_Iterable[int]] = ..., bonus: _Optional[int] = ..., state_lost: _Optional[bool] = ..., batch_size: _Optional[int] = ...) -> None: ...
+    queued: int
+    def __init__(self, accepted: _Optional[_Iterable[int]] = ..., bonus: _Optional[int] = ..., state_lost: _Optional[bool] = ..., batch_size: _Optional[int] = ..., queued: _Optional[int] = ...) -> None: ...
 
 class VerifierStatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class VerifierStatsResponse(_message.Message):
-    __slots__ = ("forward_passes", "verified_requests", "max_batch_size", "batch_size_histogram", "active_requests")
+    __slots__ = ("forward_passes", "verified_requests", "max_batch_size", "batch_size_histogram", "active_requests", "busy_seconds", "uptime_seconds")
     class BatchSizeHistogramEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -224,9 +232,13 @@ class VerifierStatsResponse(_message.Message):
     MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_HISTOGRAM_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    BUSY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
     forward_passes: int
     verified_requests: int
     max_batch_size: int
     batch_size_histogram: _containers.ScalarMap[int, int]
     active_requests: int
-    def __init__(self, forward_passes: _Optional[int] = ..., verified_requests: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., batch_size_histogram: _Optional[_Mapping[int, int]] = ..., active_requests: _Optional[int] = ...) -> None: ...
+    busy_seconds: float
+    uptime_seconds: float
+    def __init__(self, forward_passes: _Optional[int] = ..., verified_requests: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., batch_size_histogram: _Optional[_Mapping[int, int]] = ..., active_requests: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., uptime_seconds: _Optional[float] = ...) -> None: ...

@@ -10,6 +10,7 @@ lost state, resuming from a checkpoint on a new verifier, health and reflection.
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import replace
@@ -151,6 +152,22 @@ def test_concurrent_requests_share_passes_and_match_single_runs(tiny):
     assert stats.max_batch_size > 1 and any(size > 1 for size in stats.batch_size_histogram)
     assert stats.forward_passes == n + sum(stats.batch_size_histogram.values())  # prefills + verification passes
     assert max(max(r.batch_sizes) for r in remotes) == stats.max_batch_size
+    assert 0 < stats.busy_seconds < stats.uptime_seconds  # idle fraction: 1 - busy / uptime
+
+
+def test_queued_verification_goes_earliest_deadline_first_within_the_token_budget(tiny):
+    from verifier_service.engine import _Verify
+
+    engine = VerifierEngine(tiny, max_batch=3, max_len=64, max_batch_tokens=8)
+    engine.close()  # no worker: the test looks at what the next pass would take
+    chain = lambda n: DraftTree.chain([1] * n)  # noqa: E731
+    late, big, soon, none_set, other = (_Verify("a", chain(1), deadline=9.0), _Verify("b", chain(5), deadline=2.0),
+                                        _Verify("c", chain(2), deadline=1.0), _Verify("d", chain(1)),
+                                        _Verify("a", chain(1), deadline=0.5))
+    engine._queue.extend([late, big, soon, none_set, other])
+    # c (deadline 1) first; b (6 tokens) does not fit after c's 3, a's first call (2) does and
+    # its second (deadline 0.5) waits for it; d has no deadline: last
+    assert engine._batchable() == [soon, late, none_set]
 
 
 def test_seeded_sampling_over_grpc_equals_the_single_process_loop(tiny):
@@ -226,6 +243,10 @@ def test_new_verifier_resumes_from_the_checkpoint(tiny):
         remote.stub = stub
         assert remote.run() == want
         assert stub.Release(pb.ReleaseRequest(request_id="r")).released
+        # checkpoints are written (and deleted) in the background, off the verify path
+        deadline = time.monotonic() + 5
+        while store.load_checkpoint("r") is not None and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert store.load_checkpoint("r") is None
         assert stub.Verify(pb.VerifyRequest(request_id="r")).state_lost
 

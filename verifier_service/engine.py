@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import itertools
 import logging
+import math
 import threading
 import time
 from collections import Counter, deque
@@ -116,6 +118,7 @@ class VerifyOutcome:
     accepted: list[int]  # accepted draft tokens, root to leaf
     bonus: int           # the target's own next token
     batch_size: int      # requests that shared the forward pass
+    queued: int = 0      # verify items still waiting when the pass began (the load a caller adapts to)
 
 
 @dataclass
@@ -141,6 +144,7 @@ class _Verify:
     request_id: str
     tree: DraftTree
     context_length: int | None = None
+    deadline: float = math.inf  # time.monotonic(); the earliest deadline is verified first
     future: Future = field(default_factory=Future)
 
 
@@ -177,6 +181,8 @@ class VerifierEngine:
         self._stats_lock = threading.Lock()
         self._forward_passes = self._verified_requests = 0
         self._batch_sizes: Counter[int] = Counter()
+        self._waiting = 0  # verify items left queued by the last batch taken
+        self._busy_s, self._started = 0.0, time.monotonic()  # time in forward passes: 1 - busy/uptime is idle
         self._worker = threading.Thread(target=self._run, name="verifier-engine", daemon=True)
         self._worker.start()
 
@@ -206,18 +212,21 @@ class VerifierEngine:
                                   f"verifier's {self.max_len} KV slots per request")
         return self._submit(_Prefill(request_id, tokens, params))
 
-    def verify(self, request_id: str, tree: DraftTree, context_length: int | None = None) -> VerifyOutcome:
+    def verify(self, request_id: str, tree: DraftTree, context_length: int | None = None,
+               deadline: float | None = None) -> VerifyOutcome:
         """Verify `tree` (well-formed, as protos.convert.tree_from_pb checks) below the pending token.
 
         Raises UnknownRequest when the request has neither a row nor a checkpoint,
-        or when it holds other than `context_length` tokens (if given).
+        or when it holds other than `context_length` tokens (if given). Queued
+        work is verified earliest `deadline` (time.monotonic()) first.
         """
         if 1 + len(tree) > self.max_batch_tokens:
             raise InvalidArgument("tree", f"{len(tree)} nodes exceed the verifier's budget of "
                                   f"{self.max_batch_tokens - 1} per request")
         if tree.draw_q is not None:
             tree = dataclasses.replace(tree, draw_q=tree.draw_q.to(self.model.device))
-        return self._submit(_Verify(request_id, tree, context_length))
+        return self._submit(_Verify(request_id, tree, context_length,
+                                    math.inf if deadline is None else deadline))
 
     def release(self, request_id: str) -> bool:
         """Free the request's row and delete its checkpoint; False if no row held it."""
@@ -228,7 +237,8 @@ class VerifierEngine:
         with self._stats_lock:
             return {"forward_passes": self._forward_passes, "verified_requests": self._verified_requests,
                     "max_batch_size": max(self._batch_sizes, default=0),
-                    "batch_size_histogram": dict(self._batch_sizes), "active_requests": len(self._requests)}
+                    "batch_size_histogram": dict(self._batch_sizes), "active_requests": len(self._requests),
+                    "busy_seconds": self._busy_s, "uptime_seconds": time.monotonic() - self._started}
 
     def close(self) -> None:
         """Stop the worker; work still queued fails; checkpoints on their way are written."""
@@ -276,29 +286,33 @@ class VerifierEngine:
                 return None
             if not self._queue:
                 return []
-            first = self._queue.popleft()
+            first = self._queue[0]
             if not isinstance(first, _Verify):
-                return [first]
+                return [self._queue.popleft()]
             # Wait a moment for other requests' rounds, but not for more requests than there are.
-            deadline = time.monotonic() + self.batch_wait_s
-            while (len(batch := self._batchable(first)) < min(self.max_batch, len(self._requests))
-                   and (left := deadline - time.monotonic()) > 0):
+            until = time.monotonic() + self.batch_wait_s
+            while (len(batch := self._batchable()) < min(self.max_batch, len(self._requests))
+                   and (left := until - time.monotonic()) > 0):
                 self._cond.wait(left)
-            for work in batch[1:]:
+            for work in batch:
                 self._queue.remove(work)
+            self._waiting = sum(isinstance(w, _Verify) for w in self._queue)
             return batch
 
-    def _batchable(self, first: _Verify) -> list[_Verify]:
-        """`first` and the queued verify items that can share its pass, in queue order:
-        one item per request, at most max_batch items and max_batch_tokens tokens (roots included)."""
-        batch, ids, tokens = [first], {first.request_id}, 1 + len(first.tree)
-        for work in self._queue:
+    def _batchable(self) -> list[_Verify]:
+        """The queued verify items of the next pass, up to the first other work: each
+        request's first one, earliest deadline first (queue order among equals), at most
+        max_batch items and max_batch_tokens tokens (roots included); a tree that does not
+        fit leaves room for smaller ones behind it."""
+        firsts: dict[str, _Verify] = {}
+        for work in itertools.takewhile(lambda w: isinstance(w, _Verify), self._queue):
+            firsts.setdefault(work.request_id, work)
+        batch, tokens = [], 0
+        for work in sorted(firsts.values(), key=lambda w: w.deadline):  # stable: queue order among equals
             if len(batch) == self.max_batch:
                 break
-            if (isinstance(work, _Verify) and work.request_id not in ids
-                    and tokens + 1 + len(work.tree) <= self.max_batch_tokens):
+            if not batch or tokens + 1 + len(work.tree) <= self.max_batch_tokens:
                 batch.append(work)
-                ids.add(work.request_id)
                 tokens += 1 + len(work.tree)
         return batch
 
@@ -306,7 +320,9 @@ class VerifierEngine:
         self._drop(work.request_id)
         params = work.params
         generator = make_generator(params.seed, self.model.device, stream=0)
+        started = time.monotonic()
         row, logits = self._fill_free_row(work.tokens)
+        self._busy_s += time.monotonic() - started
         # the first token exactly as speculative.decoding.generate chooses it
         first = int(logits.argmax()) if params.greedy else sample(probabilities(logits, params), generator)
         state = _Request(row, params, generator, work.tokens + [first], self.clock())
@@ -331,7 +347,9 @@ class VerifierEngine:
         items = [VerifyItem(state.row, state.tokens[-1], work.tree, state.params, state.generator)
                  for work, state in ready]
         try:
+            started = time.monotonic()
             results = verify_batch(self.model, self._cache, items)
+            self._busy_s += time.monotonic() - started
         except Exception as exc:
             # The pass may have left rows half-written and random streams advanced: drop its
             # requests (they resume from their checkpoints or are prefilled again) and cut
@@ -347,7 +365,7 @@ class VerifierEngine:
             state.tokens += accepted + [bonus]
             state.last_used = self.clock()
             self._checkpoint(work.request_id, state)
-            work.future.set_result(VerifyOutcome(accepted, bonus, len(ready)))
+            work.future.set_result(VerifyOutcome(accepted, bonus, len(ready), self._waiting))
 
     def _check_tree(self, tree: DraftTree, state: _Request) -> None:
         """What a well-formed tree still needs: room in the row, and when sampling, its draws' q."""

@@ -3,6 +3,7 @@ health checking and server reflection so generic tools can probe it."""
 
 from __future__ import annotations
 
+import time
 from typing import Callable, TypeVar
 
 import grpc
@@ -59,11 +60,14 @@ class VerifierServicer(pb_grpc.VerifierServicer):
     def Verify(self, request: pb.VerifyRequest, context: grpc.ServicerContext) -> pb.VerifyResponse:
         def verify() -> pb.VerifyResponse:
             try:
+                remaining = context.time_remaining()  # None, or huge, without a deadline
+                deadline = time.monotonic() + remaining if remaining is not None and remaining < 1e7 else None
                 out = self.engine.verify(request.request_id, _parse_tree(request.tree, self.engine.vocab_size),
-                                         request.context_length or None)
+                                         request.context_length or None, deadline)
             except UnknownRequest:
                 return pb.VerifyResponse(state_lost=True)
-            return pb.VerifyResponse(accepted=out.accepted, bonus=out.bonus, batch_size=out.batch_size)
+            return pb.VerifyResponse(accepted=out.accepted, bonus=out.bonus, batch_size=out.batch_size,
+                                     queued=out.queued)
 
         return _checked(context, verify)
 
