@@ -159,6 +159,7 @@ class RouterActor(_ServiceActor):
     def __init__(self, cfg_dict: dict, redis_url: str | None):
         from router.coordinator import Coordinator
         from router.expertise import ExpertiseRouter
+        from router.metrics import RouterMetrics
         from router.servicer import RouterConfig, RouterServicer, serve
         from speculative import loading
 
@@ -179,10 +180,15 @@ class RouterActor(_ServiceActor):
                               vocab_size=model_cfg.vocab_size,
                               default_drafter=cfg.default_drafter, routed_drafters=tuple(cfg.drafter_kinds),
                               fused_drafters=cfg.fused_drafters, draft_length=cfg.draft_length,
-                              tree_budget=cfg.tree_budget, max_prompt_tokens=cfg.max_prompt_tokens)
+                              tree_budget=cfg.tree_budget, max_prompt_tokens=cfg.max_prompt_tokens,
+                              pipelined=cfg.pipelined, adaptive=cfg.adaptive, stop_confidence=cfg.stop_confidence,
+                              verify_token_cost=cfg.verify_token_cost)
         # expertise statistics live in the shared store: every router replica learns from all traffic
         self.expertise = ExpertiseRouter(store, refresh_s=cfg.routing_refresh_s)
-        servicer = RouterServicer(tokenizer, coordinator, config, self.expertise)
+        metrics = RouterMetrics()
+        if cfg.metrics_port is not None:
+            metrics.serve(cfg.metrics_port, cfg.host)
+        servicer = RouterServicer(tokenizer, coordinator, config, self.expertise, metrics)
         self.server, port = serve(servicer, host=cfg.host, port=cfg.port)
         self.close_hooks = [self.expertise.close]
         host = ray.util.get_node_ip_address() if cfg.host in ("0.0.0.0", "::") else cfg.host

@@ -29,6 +29,16 @@ class ServeConfig(BaseModel):
                                                            "one (1 = a single drafter, no fusion)")
     draft_length: int = Field(5, ge=0, le=64, description="most tokens each drafter drafts per round")
     tree_budget: int = Field(8, ge=1, le=128, description="most nodes of a fused tree (fused_drafters > 1)")
+    pipelined: bool = Field(False, description="draft each next round while the verifier checks this one "
+                                               "(PEARL post-verify); a request may override it")
+    adaptive: bool = Field(True, description="draft length per request (its acceptance) and per verifier "
+                                             "load (goodput); off: always draft_length")
+    stop_confidence: float = Field(0.0, ge=0, le=1, description="a model drafter ends its draft after a token "
+                                                                "it drafted with less confidence (SpecDec++)")
+    verify_token_cost: float = Field(0.06, gt=0, description="one more verified token as a share of a one-token "
+                                                             "target pass: the goodput model's cost")
+    metrics_port: int | None = Field(None, ge=0, le=65535, description="serve Prometheus /metrics of the router "
+                                                                       "on this port")
     max_batch: int = Field(8, ge=1, description="requests one verifier holds and batches")
     max_len: int = Field(4096, ge=16, description="KV slots per request in a verifier")
     max_batch_tokens: int = Field(256, ge=1)

@@ -75,14 +75,19 @@ class DrafterPool:
             self._draft(state, 0)
 
     def propose(self, request_id: str, context_length: int, new_tokens: Sequence[int],
-                max_tokens: int) -> DraftTree | None:
-        """Append the newly verified tokens and draft up to `max_tokens` past them.
+                max_tokens: int, speculative: Sequence[int] = (), min_confidence: float = 0.0) -> DraftTree | None:
+        """Append the newly verified tokens and draft up to `max_tokens` past them, or past
+        `speculative` tokens after them (drafting ahead of a verdict; they stay unverified).
+        A model drafter stops after a token it drew with less than `min_confidence`.
 
         None means the state is lost (unknown or evicted request, or a context
         that is not `context_length` tokens long): the caller prefills again."""
         if max_tokens < 0:
             raise InvalidArgument("max_tokens", f"must be >= 0, got {max_tokens}")
+        if not 0.0 <= min_confidence <= 1.0:
+            raise InvalidArgument("min_confidence", f"must be in [0, 1], got {min_confidence}")
         self._check_vocabulary("new_tokens", new_tokens)
+        self._check_vocabulary("speculative_tokens", speculative)
         with self._lock:
             self._evict_idle_locked()
             state = self._requests.get(request_id)
@@ -93,7 +98,7 @@ class DrafterPool:
             if len(state.context) != context_length:
                 return None
             state.context.extend(new_tokens)
-            return self._draft(state, max_tokens)
+            return self._draft(state, max_tokens, list(speculative), min_confidence)
 
     def release(self, request_id: str) -> bool:
         with self._lock:
@@ -115,13 +120,18 @@ class DrafterPool:
             del self._requests[rid]
         return len(idle)
 
-    def _draft(self, state: _Request, max_tokens: int) -> DraftTree:
+    def _draft(self, state: _Request, max_tokens: int, speculative: list[int] = (),
+               min_confidence: float = 0.0) -> DraftTree:
         # Nothing past the target's context can be verified, and a model
         # drafter's KV cache holds no more.
-        room = self.target.config.max_position_embeddings - len(state.context)
+        context = state.context + list(speculative)
+        room = self.target.config.max_position_embeddings - len(context)
         if room < 0:
             return DraftTree()
-        return state.drafter.propose(state.context, min(max_tokens, room), state.params, state.generator)
+        if hasattr(state.drafter, "stop_below"):
+            state.drafter.stop_below = min_confidence
+        return state.drafter.propose(context, min(max_tokens, room), state.params, state.generator,
+                                     verified=len(state.context))
 
     def _check_vocabulary(self, name: str, tokens: Sequence[int]) -> None:
         vocab = self.target.config.vocab_size

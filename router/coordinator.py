@@ -16,6 +16,17 @@ drafters draw independently (docs/DESIGN-NOTES.md, invariant 5). Every
 drafter's own proposed and accepted tokens are counted, so that routing
 learns which drafter earned the accepted tokens.
 
+Pipelined (`Job.pipelined`, PEARL's post-verify across processes): while the
+verifier checks a round's tree, the drafters already draft the next round
+past the tree's likeliest path (`speculative.pipeline`); when the verdict
+keeps that path, the next round's tree is ready at once, else the work is
+dropped and the round drafts as usual. With adaptive speculation
+(`router.adaptive`) the draft length follows each request's acceptance and the
+verifier's load; a length of 1 when acceptance is poor is pre-verify: the
+first draft token goes to the verifier while the rest is drafted ahead. Every
+draft and verify call is timed into the request's trace, which shows the
+overlap and gives each side's idle fraction.
+
 Failures degrade, never corrupt: a drafter that dies or lost its state is
 replaced (another pool, or no drafting at all: an empty tree, also inside a
 fusion), and a verifier that lost the request is prefilled again with every
@@ -26,9 +37,11 @@ verifier decides tokens.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
@@ -38,7 +51,11 @@ from protos import specserve_pb2 as pb
 from protos import specserve_pb2_grpc as pb_grpc
 from protos.convert import params_to_pb, tree_from_pb, tree_to_pb
 from speculative.fusion import fuse
+from speculative.pipeline import likeliest_path, reuse_ahead
 from speculative.sampling import SamplingParams
+from speculative.tree import DraftTree
+
+from .adaptive import SpeculationControl
 
 log = logging.getLogger(__name__)
 
@@ -81,12 +98,36 @@ class DrafterStats:
 
 
 @dataclass
+class Span:
+    """One timed call of a request: 'draft' (the round waits for it), 'ahead' (drafting
+    the next round while this one is verified), 'verify' or 'prefill'."""
+    what: str
+    round: int
+    start: float  # time.monotonic()
+    end: float
+
+
+@dataclass
 class RoundStats:
     target_forward_passes: int = 0
     draft_tokens: int = 0  # nodes of the trees verified (fused ones, with several drafters)
     accepted_draft_tokens: int = 0
     per_drafter: dict[str, DrafterStats] = field(default_factory=dict)  # by drafter kind
     batch_sizes: list[int] = field(default_factory=list)
+    reused_drafts: int = 0  # rounds whose tree was drafted ahead, during the previous verification
+    draft_lengths: list[int] = field(default_factory=list)  # chosen per round (adaptive speculation)
+    trace: list[Span] = field(default_factory=list)
+    started: float = field(default_factory=time.monotonic)
+    finished: float | None = None
+
+    def busy_seconds(self, *whats: str) -> float:
+        return sum(s.end - s.start for s in self.trace if s.what in whats)
+
+    def idle_fractions(self) -> dict[str, float]:
+        """Share of the request's wall time each side was not working on it."""
+        wall = max((self.finished or time.monotonic()) - self.started, 1e-9)
+        return {"drafter": max(0.0, 1 - self.busy_seconds("draft", "ahead") / wall),
+                "verifier": max(0.0, 1 - self.busy_seconds("verify", "prefill") / wall)}
 
 
 class DeadlineExceeded(Exception):
@@ -116,6 +157,9 @@ class Job:
     deadline: float | None = None  # time.monotonic() value
     domain: str | None = None  # the request's domain, when the router knows it
     is_cancelled: Callable[[], bool] = lambda: False
+    pipelined: bool = False  # draft each next round while this one is verified
+    speculation: SpeculationControl | None = None  # adaptive draft length; None: always draft_length
+    stop_confidence: float = 0.0  # model drafters stop after a token drafted with less confidence
 
     @property
     def max_tree_nodes(self) -> int:
@@ -150,33 +194,79 @@ class Coordinator:
         """Yield each round's newly verified tokens, counting into `stats`."""
         verified: list[int] = []  # generated tokens; the last one is pending at the verifier
         verifier, drafting = _VerifySide(self, job), _Drafting(self, job)
+        control = job.speculation
+        ready: list[DraftTree] | None = None  # each drafter's tree for this round, drafted ahead
+        rnd, load = 0, 1  # round; requests sharing the verifier's last pass (with those queued)
         try:
             while not self._finished(job, verified):
                 if job.is_cancelled():
                     raise Cancelled()
+                rnd += 1
+                context = job.prompt_ids + verified
                 if not verified or verifier.stub is None:
                     # first round, or the verifier lost the request: prefill every verified token;
                     # the answer is the next token, exactly as a round would give it
-                    new = [verifier.prefill(job.prompt_ids + verified)]
+                    with self._span(stats, "prefill", rnd):
+                        new = [verifier.prefill(context)]
+                    ready = None
                 else:
-                    budget = min(job.draft_length, job.params.max_tokens - len(verified) - 1)
-                    tree, proposals = (drafting.propose(job.prompt_ids + verified, budget) if budget > 0
-                                       else (pb.DraftTree(), []))
-                    resp = verifier.verify(tree, len(job.prompt_ids) + len(verified))
+                    room, draft_s = job.params.max_tokens - len(verified) - 1, 0.0
+                    length = job.draft_length if control is None else control.length(load)
+                    budget = min(length, room)
+                    stats.draft_lengths.append(max(budget, 0))
+                    if budget <= 0:
+                        proposals = []
+                    elif ready is not None:
+                        proposals, ready = ready, None
+                        stats.reused_drafts += 1
+                    else:
+                        with self._span(stats, "draft", rnd):
+                            proposals = drafting.propose(context, budget)
+                        draft_s = stats.trace[-1].end - stats.trace[-1].start
+                    tree = drafting.merge(proposals, budget)
+                    guess = [tree.tokens[n] for n in likeliest_path(tree)]
+                    ahead = room - len(guess) - 1  # room left past a whole accepted guess and its bonus
+                    if job.pipelined and len(tree) and ahead > 0:
+                        call = verifier.verify_async(tree, len(context))
+                        with self._span(stats, "ahead", rnd):
+                            drafted_ahead = drafting.propose(context, min(length, ahead), speculative=guess)
+                        resp = verifier.result(call)
+                        stats.trace.append(Span("verify", rnd, call.started, call.ended))
+                        if resp is not None:
+                            ready = drafting.reuse(drafted_ahead, guess, list(resp.accepted), resp.bonus)
+                    else:
+                        with self._span(stats, "verify", rnd):
+                            resp = verifier.verify(tree, len(context))
+                        if control is not None and draft_s and len(tree):
+                            control.observe(draft_s / len(tree), stats.trace[-1].end - stats.trace[-1].start)
                     if resp is None:
+                        ready = None
                         continue
                     new = list(resp.accepted) + [resp.bonus]
-                    stats.draft_tokens += len(tree.tokens)
+                    stats.draft_tokens += len(tree)
                     stats.accepted_draft_tokens += len(resp.accepted)
                     drafting.count(proposals, resp.accepted, stats)
                     stats.batch_sizes.append(resp.batch_size)
+                    load = max(1, resp.batch_size + resp.queued)
+                    if control is not None:
+                        control.record(len(guess), _common_prefix(guess, resp.accepted))
                 stats.target_forward_passes += 1
                 new = self._clip(job, verified, new)
                 verified.extend(new)
                 yield new
         finally:
+            stats.finished = time.monotonic()
             drafting.release()
             verifier.release()
+
+    @staticmethod
+    @contextmanager
+    def _span(stats: RoundStats, what: str, rnd: int):
+        start = time.monotonic()
+        try:
+            yield
+        finally:
+            stats.trace.append(Span(what, rnd, start, time.monotonic()))
 
     @staticmethod
     def _finished(job: Job, verified: list[int]) -> bool:
@@ -244,12 +334,24 @@ class _VerifySide(_Side):
             return resp.next_token
         raise NoService("no verifier is available")
 
-    def verify(self, tree: pb.DraftTree, context_length: int) -> pb.VerifyResponse | None:
+    def verify(self, tree: DraftTree, context_length: int) -> pb.VerifyResponse | None:
+        """The verdict, or None when the request must be prefilled again."""
+        return self.result(self.verify_async(tree, context_length))
+
+    def verify_async(self, tree: DraftTree, context_length: int) -> "_Call":
+        """Send the tree; `result` waits for the verdict."""
+        started = time.monotonic()
+        future = self.stub.Verify.future(pb.VerifyRequest(request_id=self.request_id, tree=tree_to_pb(tree),
+                                                          context_length=context_length),
+                                         timeout=self.coord.timeout(self.job))
+        call = _Call(future, started)
+        future.add_done_callback(call.done)
+        return call
+
+    def result(self, call: "_Call") -> pb.VerifyResponse | None:
         """The verdict, or None when the request must be prefilled again."""
         try:
-            resp = self.stub.Verify(pb.VerifyRequest(request_id=self.request_id, tree=tree,
-                                                     context_length=context_length),
-                                    timeout=self.coord.timeout(self.job))
+            resp = call.future.result()
         except grpc.RpcError as e:
             if e.code() not in RETRYABLE or e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise
@@ -259,6 +361,17 @@ class _VerifySide(_Side):
             self.stub = None
             return None
         return resp
+
+
+@dataclass
+class _Call:
+    """A verify call in flight, timed from send to answer."""
+    future: grpc.Future
+    started: float
+    ended: float = 0.0
+
+    def done(self, _future) -> None:
+        self.ended = time.monotonic()
 
 
 class _Drafting:
@@ -273,18 +386,35 @@ class _Drafting:
                       for i, (kind, _) in enumerate(job.drafters)]
         self._threads = ThreadPoolExecutor(len(self.sides), thread_name_prefix="draft") if several else None
 
-    def propose(self, context: list[int], budget: int) -> tuple[pb.DraftTree, list[pb.DraftTree]]:
-        """The tree to verify, and each drafter's own tree (empty for one that cannot draft)."""
-        if self._threads is None:
-            tree = self.sides[0].propose(context, budget)
-            return tree, [tree]
-        trees = list(self._threads.map(lambda side: side.propose(context, budget), self.sides))
-        proposals = [(tree_from_pb(tree, self.job.vocab_size), reliability)
-                     for tree, (_, reliability) in zip(trees, self.job.drafters)]
-        # a sampled fused tree keeps its draws in fuse's order: the verifier tests them in it
-        return tree_to_pb(fuse(proposals, self.job.tree_budget, self.job.params.greedy)), trees
+    def propose(self, context: list[int], budget: int, speculative: list[int] = ()) -> list[DraftTree]:
+        """Each drafter's own tree (empty for one that cannot draft), after `context` and,
+        drafting ahead, the unverified `speculative` tokens."""
+        def one(side: _DraftSide) -> DraftTree:
+            return tree_from_pb(side.propose(context, budget, speculative), self.job.vocab_size)
 
-    def count(self, trees: list[pb.DraftTree], accepted: Sequence[int], stats: RoundStats) -> None:
+        if self._threads is None:
+            return [one(self.sides[0])]
+        return list(self._threads.map(one, self.sides))
+
+    def merge(self, proposals: list[DraftTree], budget: int) -> DraftTree:
+        """The tree to verify: one drafter's, cut to `budget`; several fused, in a tree
+        budget shrunk as the adaptive length shrinks `budget` below draft_length."""
+        if not proposals:
+            return DraftTree()
+        if self._threads is None:
+            return proposals[0].truncated(budget)
+        nodes = math.ceil(self.job.tree_budget * budget / max(self.job.draft_length, 1))
+        # a sampled fused tree keeps its draws in fuse's order: the verifier tests them in it
+        return fuse([(tree.truncated(budget), reliability) for tree, (_, reliability)
+                     in zip(proposals, self.job.drafters)], max(nodes, 1), self.job.params.greedy)
+
+    def reuse(self, ahead: list[DraftTree], guess: list[int], accepted: list[int],
+              bonus: int) -> list[DraftTree] | None:
+        """The next round's trees out of those drafted ahead, or None: draft afresh."""
+        kept = [reuse_ahead(tree, guess, accepted, bonus) or DraftTree() for tree in ahead]
+        return kept if any(len(tree) for tree in kept) else None
+
+    def count(self, trees: list[DraftTree], accepted: Sequence[int], stats: RoundStats) -> None:
         """Credit each drafter with its own tree's nodes and its share of the accepted path."""
         for side, tree in zip(self.sides, trees):
             own = stats.per_drafter.setdefault(side.drafter, DrafterStats())
@@ -298,7 +428,14 @@ class _Drafting:
             side.release()
 
 
-def _path_prefix(tree: pb.DraftTree, tokens: Sequence[int]) -> int:
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def _path_prefix(tree: DraftTree, tokens: Sequence[int]) -> int:
     """How many of `tokens`, from the first, follow a path of `tree` down from its root."""
     child = {(parent, token): node for node, (token, parent) in enumerate(zip(tree.tokens, tree.parents))}
     node = -1
@@ -339,8 +476,9 @@ class _DraftSide(_Side):
             return True
         return False
 
-    def propose(self, context: list[int], budget: int) -> pb.DraftTree:
-        """A draft tree for `context`, or an empty one (plain decoding) if no drafter can help."""
+    def propose(self, context: list[int], budget: int, speculative: list[int] = ()) -> pb.DraftTree:
+        """A draft tree for `context` (and past `speculative`, drafting ahead), or an empty
+        one (plain decoding) if no drafter can help."""
         for _ in range(3):
             if self.disabled:
                 return pb.DraftTree()
@@ -349,8 +487,9 @@ class _DraftSide(_Side):
                 return pb.DraftTree()
             try:
                 resp = self.stub.Propose(pb.ProposeRequest(
-                    request_id=self.request_id, context_length=self.synced,
-                    new_tokens=context[self.synced:], max_tokens=budget), timeout=self.coord.timeout(self.job))
+                    request_id=self.request_id, context_length=self.synced, new_tokens=context[self.synced:],
+                    max_tokens=budget, speculative_tokens=speculative, min_confidence=self.job.stop_confidence),
+                    timeout=self.coord.timeout(self.job))
             except grpc.RpcError as e:
                 if e.code() not in RETRYABLE:
                     raise

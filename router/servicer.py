@@ -17,7 +17,9 @@ from speculative.tokenizer import Tokenizer
 
 from .coordinator import Cancelled, Coordinator, DeadlineExceeded, Job, NoService, RoundStats
 from .domains import DOMAINS
+from .adaptive import SpeculationControl
 from .expertise import ExpertiseRouter
+from .metrics import RouterMetrics
 from .text import StreamingText
 
 ROLES = {"system", "user", "assistant"}
@@ -37,6 +39,10 @@ class RouterConfig:
     max_prompt_tokens: int = 4096
     default_max_tokens: int = 128
     max_stop_strings: int = 8
+    pipelined: bool = False  # draft the next round while this one is verified (a request may override)
+    adaptive: bool = False  # draft length per request and load (router.adaptive); else always draft_length
+    stop_confidence: float = 0.0  # model drafters end a draft after a token drafted with less confidence
+    verify_token_cost: float = 0.06  # one more verified token, as a share of a one-token target pass
 
 
 class RouterServicer(pb_grpc.SpecserveServicer):
@@ -50,8 +56,9 @@ class RouterServicer(pb_grpc.SpecserveServicer):
     request that names a drafter gets that one alone."""
 
     def __init__(self, tokenizer: Tokenizer, coordinator: Coordinator, config: RouterConfig,
-                 expertise: ExpertiseRouter | None = None):
+                 expertise: ExpertiseRouter | None = None, metrics: RouterMetrics | None = None):
         self.tokenizer, self.coordinator, self.config, self.expertise = tokenizer, coordinator, config, expertise
+        self.metrics = metrics or RouterMetrics()
         if config.default_drafter == "auto" and (expertise is None or not config.routed_drafters):
             raise ValueError("default_drafter 'auto' needs an expertise router and routed_drafters")
         if config.fused_drafters < 1 or config.tree_budget < 1:
@@ -88,11 +95,19 @@ class RouterServicer(pb_grpc.SpecserveServicer):
         remaining = context.time_remaining()
         if remaining is not None and remaining > NO_DEADLINE_S:
             remaining = None  # a call without a deadline reports a huge one; passed downstream it overflows
+        pipelined = req.pipelined if req.HasField("pipelined") else cfg.pipelined
+        speculation = None
+        if cfg.adaptive:
+            # a routed drafter's reliability on the domain is the best first guess of its acceptance
+            prior = drafters[0][1] if req.drafter == "" and cfg.default_drafter == "auto" else 0.5
+            speculation = SpeculationControl(cfg.draft_length, prior=prior, pipelined=pipelined,
+                                             verify_token_cost=cfg.verify_token_cost)
         return Job(request_id=req.request_id or uuid.uuid4().hex, prompt_ids=ids, params=params,
                    drafters=drafters, draft_length=cfg.draft_length, tree_budget=cfg.tree_budget,
                    vocab_size=cfg.vocab_size, eos_token_ids=cfg.eos_token_ids, domain=domain,
                    deadline=None if remaining is None else time.monotonic() + remaining,
-                   is_cancelled=lambda: not context.is_active())
+                   is_cancelled=lambda: not context.is_active(), pipelined=pipelined,
+                   speculation=speculation, stop_confidence=cfg.stop_confidence)
 
     def _drafters(self, req: pb.GenerateRequest) -> tuple[str | None, tuple[tuple[str, float], ...]]:
         """The request's domain (None without an expertise router) and its (drafter, reliability) pairs."""
@@ -137,6 +152,7 @@ class RouterServicer(pb_grpc.SpecserveServicer):
         except grpc.RpcError as e:
             context.abort(grpc.StatusCode.INTERNAL, f"downstream {e.code().name}: {e.details()}")
         finally:
+            self.metrics.observe(stats, "+".join(d for d, _ in job.drafters), count)
             if self.expertise is not None and job.domain is not None:
                 for drafter, own in stats.per_drafter.items():
                     if own.proposed:

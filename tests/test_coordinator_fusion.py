@@ -65,8 +65,8 @@ class RecordingPool(DrafterPool):
         self.streams[request_id] = stream
         super().prefill(request_id, kind, token_ids, params, stream)
 
-    def propose(self, request_id, *args):
-        tree = super().propose(request_id, *args)
+    def propose(self, request_id, *args, **kwargs):
+        tree = super().propose(request_id, *args, **kwargs)
         if tree is not None:
             self.proposals[request_id].append(tree)
         return tree
@@ -79,9 +79,9 @@ class RecordingEngine(VerifierEngine):
         super().__init__(*args, **kwargs)
         self.trees: dict[str, list[DraftTree]] = defaultdict(list)
 
-    def verify(self, request_id, tree, context_length=None):
+    def verify(self, request_id, tree, *args):
         self.trees[request_id].append(tree)
-        return super().verify(request_id, tree, context_length)
+        return super().verify(request_id, tree, *args)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,84 @@
+"""Adaptive speculation: how many tokens to draft next round, per request and load.
+
+Each round the draft length k is the one with the best *goodput*: expected
+tokens gained per unit of time (SmartSpec). With a per-token acceptance rate
+a, a chain of k draft tokens gains (1 - a^(k+1)) / (1 - a) tokens per target
+pass. The pass costs more with every token the verifier scores, and it
+scores every request's tree together: with B requests in the batch, one more
+draft token per request costs about `verify_token_cost` x B of a one-token
+pass. Drafted in sequence (not pipelined), each draft token also costs the
+drafter's time, `draft_token_cost` of a pass, measured as the request goes.
+
+    control = SpeculationControl(max_length=5, prior=0.6)
+    k = control.length(batch=3)          # before a round
+    control.record(offered=k, accepted=2) # after it
+
+`a` is learned from the request's own rounds (how many offered tokens were
+accepted before the first rejection), starting from `prior` (the drafter's
+reliability on the domain) as `prior_rounds` rounds' worth of evidence.
+When goodput says "do not speculate", every `probe_every`-th round still
+drafts one token, so a request whose text turns predictable gets drafts again.
+
+The confidence stop (SpecDec++) is the drafter's side of the same idea:
+`stop_confidence` goes with every Propose, and a model drafter ends its draft
+after a token it drew with less confidence than that.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+def expected_tokens(acceptance: float, k: int) -> float:
+    """Tokens a pass gains with a k-token chain whose tokens are each accepted with `acceptance`."""
+    if acceptance >= 1.0:
+        return k + 1.0
+    return (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
+
+
+@dataclass
+class SpeculationControl:
+    max_length: int
+    prior: float = 0.5  # acceptance rate before any round (the drafter's reliability)
+    pipelined: bool = False  # drafting overlaps verification, so it costs no round time
+    verify_token_cost: float = 0.06  # one more scored token, as a fraction of a one-token pass
+    draft_token_cost: float = 0.0  # one draft token, as a fraction of a pass (measured: `observe`)
+    prior_rounds: float = 2.0
+    decay: float = 0.9  # weight of older rounds' evidence
+    probe_every: int = 8
+    _accepted: float = field(init=False, default=0.0)  # decayed accepted tokens
+    _rejections: float = field(init=False, default=0.0)  # decayed rounds that ended in a rejection
+    _rounds: int = field(init=False, default=0)
+
+    def __post_init__(self):
+        self._accepted = self.prior * self.prior_rounds
+        self._rejections = (1.0 - self.prior) * self.prior_rounds
+
+    @property
+    def acceptance(self) -> float:
+        """Per-token acceptance: accepted / (accepted + rejections), the geometric model's estimate."""
+        total = self._accepted + self._rejections
+        return self._accepted / total if total else self.prior
+
+    def length(self, batch: int = 1) -> int:
+        """Draft tokens for the next round when `batch` requests share the verifier."""
+        self._rounds += 1
+        a = self.acceptance
+        per_token = self.verify_token_cost * max(batch, 1) + (0.0 if self.pipelined else self.draft_token_cost)
+        best = max(range(self.max_length + 1), key=lambda k: (expected_tokens(a, k) / (1.0 + per_token * k), -k))
+        if best == 0 and self.max_length > 0 and self._rounds % self.probe_every == 0:
+            return 1
+        return best
+
+    def record(self, offered: int, accepted: int) -> None:
+        """A round's verdict: `accepted` of the `offered` tokens on the drafter's likeliest path."""
+        if offered <= 0:
+            return
+        self._accepted = self._accepted * self.decay + accepted
+        self._rejections = self._rejections * self.decay + (1.0 if accepted < offered else 0.0)
+
+    def observe(self, draft_seconds_per_token: float, pass_seconds: float) -> None:
+        """Learn the drafter's cost relative to a target pass (a running mean)."""
+        if draft_seconds_per_token > 0 and pass_seconds > 0:
+            ratio = draft_seconds_per_token / pass_seconds
+            self.draft_token_cost = ratio if self.draft_token_cost == 0 else 0.8 * self.draft_token_cost + 0.2 * ratio

@@ -1,0 +1,64 @@
+"""Prometheus metrics of the router: how requests went, and how busy each side was.
+
+Idle fractions are what batch scheduling and pipelining are judged by: the
+share of the requests' wall time the drafters, and the verifier, were not
+working on them. The counters give them over any window (PromQL:
+1 - rate(specserve_busy_seconds_total[5m]) / rate(specserve_request_seconds_total[5m]));
+the gauges give them since the router started.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+
+from .coordinator import RoundStats
+
+
+class RouterMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("specserve_requests", "Finished requests", ["drafter"], registry=r)
+        self.tokens = Counter("specserve_generated_tokens", "Generated tokens", registry=r)
+        self.passes = Counter("specserve_target_passes", "Target forward passes (rounds)", registry=r)
+        self.drafted = Counter("specserve_draft_tokens", "Draft tree nodes sent to the verifier", registry=r)
+        self.accepted = Counter("specserve_accepted_draft_tokens", "Draft tokens the verifier accepted", registry=r)
+        self.reused = Counter("specserve_reused_drafts", "Rounds whose tree was drafted ahead (pipelining)",
+                              registry=r)
+        self.wall = Counter("specserve_request_seconds", "Wall time of requests", registry=r)
+        self.busy = Counter("specserve_busy_seconds", "Time a side worked on requests", ["side"], registry=r)
+        self.idle = Gauge("specserve_idle_fraction", "Share of request wall time a side was idle, since start",
+                          ["side"], registry=r)
+        self._lock = threading.Lock()
+        self._wall = 0.0
+        self._busy = {"drafter": 0.0, "verifier": 0.0}
+        for side in self._busy:
+            self.idle.labels(side).set_function(lambda side=side: self.idle_fraction(side))
+
+    def observe(self, stats: RoundStats, drafter: str, tokens: int) -> None:
+        wall = max((stats.finished or time.monotonic()) - stats.started, 0.0)  # a stop string ends it early
+        busy = {"drafter": stats.busy_seconds("draft", "ahead"), "verifier": stats.busy_seconds("verify", "prefill")}
+        self.requests.labels(drafter).inc()
+        self.tokens.inc(tokens)
+        self.passes.inc(stats.target_forward_passes)
+        self.drafted.inc(stats.draft_tokens)
+        self.accepted.inc(stats.accepted_draft_tokens)
+        self.reused.inc(stats.reused_drafts)
+        self.wall.inc(wall)
+        for side, seconds in busy.items():
+            self.busy.labels(side).inc(seconds)
+        with self._lock:
+            self._wall += wall
+            for side, seconds in busy.items():
+                self._busy[side] += seconds
+
+    def idle_fraction(self, side: str) -> float:
+        with self._lock:
+            return max(0.0, 1.0 - self._busy[side] / self._wall) if self._wall else 0.0
+
+    def serve(self, port: int, host: str = "0.0.0.0") -> None:
+        """Expose /metrics over HTTP (Prometheus scrapes it)."""
+        start_http_server(port, addr=host, registry=self.registry)

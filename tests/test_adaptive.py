@@ -1,0 +1,61 @@
+"""Adaptive speculation (router.adaptive): the draft length follows acceptance and load."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from router.adaptive import SpeculationControl, expected_tokens
+
+
+def test_expected_tokens_of_a_chain():
+    assert expected_tokens(0.0, 5) == 1.0
+    assert expected_tokens(1.0, 5) == 6.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+
+
+def learned(acceptance: float, rounds: int = 30, **kwargs) -> SpeculationControl:
+    """A control that saw `rounds` rounds of 5 offered tokens, each accepted with
+    probability `acceptance` until the first rejection."""
+    rng = random.Random(0)
+    control = SpeculationControl(max_length=5, prior=0.5, **kwargs)
+    for _ in range(rounds):
+        accepted = 0
+        while accepted < 5 and rng.random() < acceptance:
+            accepted += 1
+        control.record(5, accepted)
+    return control
+
+
+def test_length_grows_with_acceptance_and_shrinks_with_load():
+    good, poor = learned(0.9), learned(0.1)
+    assert good.acceptance > 0.7 and poor.acceptance < 0.3
+    assert good.length(batch=1) == 5
+    assert poor.length(batch=1) <= 1
+    assert good.length(batch=8) < good.length(batch=1)  # a saturated verifier pays for every token of every row
+    assert SpeculationControl(max_length=5, prior=0.9).length(batch=64) <= 1
+
+
+def test_sequential_drafting_cost_shortens_drafts_pipelined_does_not():
+    seq = SpeculationControl(max_length=5, prior=0.7)
+    piped = SpeculationControl(max_length=5, prior=0.7, pipelined=True)
+    for control in (seq, piped):
+        for _ in range(5):
+            control.observe(draft_seconds_per_token=0.02, pass_seconds=0.05)  # a draft token: 40% of a pass
+    assert seq.draft_token_cost == pytest.approx(0.4)
+    assert seq.length() < piped.length()
+
+
+def test_no_speculation_still_probes_now_and_then():
+    control = SpeculationControl(max_length=5, prior=0.0, probe_every=4)
+    lengths = [control.length() for _ in range(8)]
+    assert lengths.count(0) == 6 and lengths.count(1) == 2
+
+
+def test_acceptance_recovers_when_the_text_turns_predictable():
+    control = learned(0.0, rounds=10)
+    assert control.length() == 0 or control.acceptance < 0.1
+    for _ in range(6):
+        control.record(1, 1)
+    assert control.acceptance > 0.5 and control.length() >= 2

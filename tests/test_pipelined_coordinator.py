@@ -1,0 +1,148 @@
+"""The pipelined coordinator across processes' worth of gRPC, without Ray: a
+drafter pool and a verifier on loopback, the coordinator in process, tiny models.
+
+Greedy output equals the target's own decoding; sampled output equals the
+single-process pipelined loop (whose exact distribution
+test_sampling_distribution.py checks); and the trace shows each round's next
+draft being made while the round is verified.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from prometheus_client import generate_latest
+
+from drafter_service.pool import DrafterPool
+from drafter_service.registry import make_drafter
+from drafter_service.servicer import serve as serve_drafters
+from router.coordinator import Coordinator, Job, RoundStats
+from router.metrics import RouterMetrics
+from speculative.decoding import generate
+from speculative.sampling import SamplingParams
+from tiny import TINY, tiny_model
+from verifier_service.engine import VerifierEngine
+from verifier_service.servicer import serve as serve_verifier
+
+V = TINY.vocab_size
+PROMPTS = [[1, 2, 3, 1, 2], [5, 6, 7, 5], [0, 3, 3, 3, 3]]
+DRAFT_LENGTH, MAX_TOKENS = 3, 24
+
+
+class SlowPool(DrafterPool):
+    """Drafting that takes `delay` seconds a call, as a real drafter network would."""
+    delay = 0.0
+
+    def propose(self, *args, **kwargs):
+        time.sleep(self.delay)
+        return super().propose(*args, **kwargs)
+
+
+class SlowEngine(VerifierEngine):
+    """A target pass that takes `delay` seconds more, as a large target would."""
+    delay = 0.0
+
+    def _verify(self, batch):
+        time.sleep(self.delay)
+        return super()._verify(batch)
+
+
+@pytest.fixture(scope="module")
+def target():
+    torch.set_num_threads(1)
+    return tiny_model(0, logit_scale=2.0)
+
+
+@pytest.fixture(scope="module")
+def services(target):
+    # the pool's model is the target itself: its layer-skip drafter (both layers) always
+    # drafts the target's own greedy tokens, so drafts made ahead are often kept
+    pool = SlowPool(target, kinds=["layerskip", "pld", "suffix"])
+    engine = SlowEngine(target, max_batch=4, max_len=64)
+    (pool_server, pool_port), (verifier_server, verifier_port) = serve_drafters(pool), serve_verifier(engine)
+    coordinator = Coordinator(verifiers=lambda: [f"127.0.0.1:{verifier_port}"],
+                              drafters=lambda: [f"127.0.0.1:{pool_port}"])
+    yield coordinator, pool, engine
+    coordinator.channels.close()
+    pool_server.stop(None)
+    verifier_server.stop(None)
+    engine.close()
+
+
+def job(rid: str, prompt: list[int], params: SamplingParams, drafters, pipelined: bool = True) -> Job:
+    return Job(request_id=rid, prompt_ids=prompt, params=params, drafters=drafters, draft_length=DRAFT_LENGTH,
+               tree_budget=6, vocab_size=V, eos_token_ids=(), pipelined=pipelined)
+
+
+def served(coordinator: Coordinator, j: Job) -> tuple[list[int], RoundStats]:
+    stats = RoundStats()
+    return [t for new in coordinator.run(j, stats) for t in new], stats
+
+
+@pytest.mark.parametrize("drafters", [(("layerskip", 1.0),), (("layerskip", 0.7), ("pld", 0.6), ("suffix", 0.5))],
+                         ids=["single", "fused"])
+def test_pipelined_greedy_equals_the_targets_own_decoding(target, services, drafters):
+    coordinator, pool, engine = services
+    reused = 0
+    for i, prompt in enumerate(PROMPTS):
+        params = SamplingParams(max_tokens=MAX_TOKENS)
+        tokens, stats = served(coordinator, job(f"g{len(drafters)}-{i}", prompt, params, drafters))
+        assert tokens == generate(target, prompt, params).token_ids, prompt
+        reused += stats.reused_drafts
+    assert reused > 0, "no round used a draft made ahead: pipelining was not exercised"
+    assert pool.active_requests() == 0 and engine.stats()["active_requests"] == 0
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_pipelined_sampling_equals_the_single_process_pipelined_loop(target, services, seed):
+    coordinator, _, _ = services
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, top_k=6, seed=seed)
+    tokens, stats = served(coordinator, job(f"s{seed}", PROMPTS[0], params, (("layerskip", 1.0),)))
+    local = make_drafter("layerskip", target, draft_top_k=32)
+    want = generate(target, PROMPTS[0], params, local, DRAFT_LENGTH, pipelined=True)
+    assert tokens == want.token_ids
+    assert stats.reused_drafts == want.reused_drafts > 0
+
+
+def test_drafting_the_next_round_overlaps_verifying_this_one(target, services):
+    """Drafting and verifying each take 50 ms a call. Pipelined, a round's draft-ahead
+    span lies inside its verify span; sequential, no spans overlap and a round costs both."""
+    coordinator, pool, engine = services
+    pool.delay = engine.delay = 0.05
+    try:
+        params = SamplingParams(max_tokens=16)
+        _, piped = served(coordinator, job("p", PROMPTS[2], params, (("layerskip", 1.0),)))
+        _, seq = served(coordinator, job("q", PROMPTS[2], params, (("layerskip", 1.0),), pipelined=False))
+    finally:
+        pool.delay = engine.delay = 0.0
+
+    verify = {s.round: s for s in piped.trace if s.what == "verify"}
+    ahead = [s for s in piped.trace if s.what == "ahead"]
+    assert len(ahead) >= 2
+    for a in ahead:
+        v = verify[a.round]
+        overlap = min(a.end, v.end) - max(a.start, v.start)
+        assert overlap > 0.03, f"round {a.round}: drafting ahead overlapped verification by {overlap:.3f}s"
+    # pipelined, the sides work at the same time: their busy shares add up to more than the wall time
+    idle = piped.idle_fractions()
+    assert idle["drafter"] + idle["verifier"] < 1.0, idle
+
+    spans = sorted((s for s in seq.trace if s.what != "prefill"), key=lambda s: s.start)
+    assert all(b.start >= a.end for a, b in zip(spans, spans[1:])), "sequential rounds overlapped"
+    assert not any(s.what == "ahead" for s in seq.trace)
+    seq_idle = seq.idle_fractions()
+    assert seq_idle["drafter"] + seq_idle["verifier"] >= 0.99 - 1e-3, seq_idle
+
+
+def test_router_metrics_export_each_sides_idle_fraction(target, services):
+    coordinator, _, _ = services
+    metrics = RouterMetrics()
+    _, stats = served(coordinator, job("m", PROMPTS[1], SamplingParams(max_tokens=12), (("layerskip", 1.0),)))
+    metrics.observe(stats, "layerskip", 12)
+    text = generate_latest(metrics.registry).decode()
+    for side in ("drafter", "verifier"):
+        assert f'specserve_idle_fraction{{side="{side}"}}' in text
+        assert 0.0 <= metrics.idle_fraction(side) < 1.0
+    assert "specserve_reused_drafts_total" in text and "specserve_busy_seconds_total" in text
