@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from bench.chart import write_chart
 from cluster.local import LocalEngine, Request
 from drafter_service import registry
 from drafter_service.registry import SHIPPED_DRAFTERS
@@ -28,7 +29,18 @@ from speculative.sampling import SamplingParams
 CATEGORIES = list(BENCH_GROUPS)
 HF_MODES = {"hf-ar", "hf-pld"}
 MODEL_DRAFTERS = ("layerskip",) + SHIPPED_DRAFTERS  # drafters that run a network per draft token
-SERVED = "served-"  # served-<mode>: the same drafter through a running server (--server)
+SERVED = "served-"  # served-<mode>: the same drafter through a running server (--server), rounds in sequence
+PIPELINED = "pipelined-"  # pipelined-<mode>: served, drafting each next round while the verifier checks this one
+REMOTE = (SERVED, PIPELINED)
+
+
+def served_drafter(mode: str) -> str | None:
+    """The drafter of a served mode (`ar` is plain decoding), or None for a mode run in process."""
+    for prefix in REMOTE:
+        if mode.startswith(prefix):
+            drafter = mode.removeprefix(prefix)
+            return "none" if drafter == "ar" else drafter
+    return None
 
 
 def load_questions(path: str, limit_per_category: int) -> list[dict]:
@@ -58,13 +70,18 @@ class HFRunner:
             self.model = AutoModelForCausalLM.from_pretrained(str(source_path), dtype=torch.float32)
         self.model.eval()
 
-    def run(self, ids: list[int], max_tokens: int, mode: str) -> tuple[list[int], float]:
+    def run(self, ids: list[int], params: SamplingParams, mode: str) -> tuple[list[int], float]:
         extra = {"prompt_lookup_num_tokens": 10} if mode == "hf-pld" else {}
+        if not params.greedy:
+            torch.manual_seed(params.seed or 0)
+            extra.update(do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k)
+        else:
+            extra.update(do_sample=False)
         x = torch.tensor([ids])
         start = time.perf_counter()
         with torch.inference_mode():
-            out = self.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_tokens,
-                                      do_sample=False, **extra)
+            out = self.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=params.max_tokens,
+                                      **extra)
         return out[0, len(ids):].tolist(), time.perf_counter() - start
 
 
@@ -76,12 +93,16 @@ class ServedRunner:
 
         self.client = Client(address, timeout=600)
 
-    def run(self, prompt: str, max_tokens: int, mode: str) -> tuple[list[int], float, int]:
-        drafter = mode.removeprefix(SERVED)
+    def run(self, prompt: str, params: SamplingParams, mode: str) -> tuple[list[int], float, int, tuple[int, int]]:
+        """Tokens, seconds, target passes, (draft tokens, accepted draft tokens)."""
         start = time.perf_counter()
-        out = self.client.generate(messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
-                                   drafter="none" if drafter == "ar" else drafter)
-        return list(out.token_ids), time.perf_counter() - start, out.usage.target_forward_passes
+        out = self.client.generate(messages=[{"role": "user", "content": prompt}], max_tokens=params.max_tokens,
+                                   temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+                                   seed=params.seed, drafter=served_drafter(mode),
+                                   pipelined=mode.startswith(PIPELINED))
+        u = out.usage
+        return (list(out.token_ids), time.perf_counter() - start, u.target_forward_passes,
+                (u.draft_tokens, u.accepted_draft_tokens))
 
 
 def forward_ms(engine: LocalEngine, sizes=(1, 4, 8, 16), prefix: int = 128, repeats: int = 10) -> dict[str, float]:
@@ -163,24 +184,27 @@ def run_bench(args) -> dict:
         raise ValueError(f"--questions: no questions in {args.questions}")
     engine = LocalEngine.load(args.model, args.device, args.dtype)
     hf = HFRunner(loading.resolve_source(args.model)) if HF_MODES & set(args.modes) else None
-    served = ServedRunner(args.server) if any(m.startswith(SERVED) for m in args.modes) else None
-    params = SamplingParams(max_tokens=args.max_tokens)
+    served = ServedRunner(args.server) if any(served_drafter(m) for m in args.modes) else None
+    temperature = getattr(args, "temperature", 0.0)
     # per (mode, category): tokens, seconds, target passes, draft tokens, accepted draft tokens;
     # and output agreement with hf-ar
     sums: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0, 0, 0, 0])
     same_as_hf: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     suffix_indexes: dict[str, dict] = defaultdict(dict)
     bar = tqdm(total=len(questions) * len(args.modes) * args.repeats, desc="bench", unit="gen")
-    for q in questions:
+    for qi, q in enumerate(questions):
         ids = engine.prompt_ids(q["turns"][0], chat=True)
+        # sampled runs: one seed per question, the same for every mode
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=temperature,
+                                seed=None if temperature == 0 else getattr(args, "seed", 0) + qi)
         reference = None
         for mode in args.modes:
             times, passes, tokens, drafts = [], None, None, None
             for _ in range(args.repeats):
                 if mode in HF_MODES:
-                    tokens, seconds = hf.run(ids, args.max_tokens, mode)
-                elif mode.startswith(SERVED):
-                    tokens, seconds, passes = served.run(q["turns"][0], args.max_tokens, mode)
+                    tokens, seconds = hf.run(ids, params, mode)
+                elif served_drafter(mode):
+                    tokens, seconds, passes, drafts = served.run(q["turns"][0], params, mode)
                 else:
                     drafter = "none" if mode == "ar" else mode
                     # each mode has its own suffix index: one fed by another mode's run of this very
@@ -193,7 +217,7 @@ def run_bench(args) -> dict:
                 bar.update()
             if mode == "hf-ar":
                 reference = tokens
-            elif reference is not None:
+            elif reference is not None and temperature == 0:  # sampled runs differ by design
                 same_as_hf[mode][0] += tokens == reference
                 same_as_hf[mode][1] += 1
             for cat in (q["bench_category"], "overall"):
@@ -232,6 +256,7 @@ def run_bench(args) -> dict:
         "command": "specserve " + " ".join(getattr(args, "argv", []) or []),
         "max_tokens": args.max_tokens, "limit_per_category": args.limit_per_category,
         "draft_length": args.draft_length, "repeats": args.repeats, "torch_threads": torch.get_num_threads(),
+        "temperature": temperature,
         "identical_to_hf_ar": {m: f"{a}/{n}" for m, (a, n) in same_as_hf.items()},
         "served_overhead_ms_per_round": overhead,
         "results": rows,
@@ -243,6 +268,7 @@ def run_bench(args) -> dict:
                                                   report["forward_ms"]["1"])
     Path(args.out).write_text(json.dumps(report, indent=2))
     Path(args.out).with_suffix(".md").write_text(to_markdown(report))
+    write_chart(report, Path(args.out).with_suffix(".png"))
     print_table(report)
     return report
 

@@ -65,9 +65,24 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--draft-length", type=int, default=5)
     b.add_argument("--repeats", type=int, default=1, help="time each generation this many times; report the median")
     b.add_argument("--micro", action="store_true", help="also time single forwards and model loading")
+    b.add_argument("--temperature", type=float, default=0.0,
+                   help="0 (default): greedy, outputs checked against hf-ar; above: a sampled run, "
+                        "one seed per question (--seed plus its index) for every mode")
     b.add_argument("--server", default=None,
-                   help="HOST:PORT of a running `specserve serve`, for the served-<mode> modes")
+                   help="HOST:PORT of a running `specserve serve`, for the served-<mode> modes and --load")
     b.add_argument("--out", required=True, help="JSON file to write")
+    b.add_argument("--load", action="store_true",
+                   help="served throughput and p50/p99 latency under Poisson load, speculative vs plain "
+                        "(needs --server)")
+    b.add_argument("--clients", type=int, nargs="+", default=[1, 2, 4, 8],
+                   help="with --load: the load levels, in concurrent clients (default 1 2 4 8)")
+    b.add_argument("--rate", type=float, default=0.5,
+                   help="with --load: Poisson arrival rate per client, requests/s (default 0.5)")
+    b.add_argument("--requests", type=int, default=16, help="with --load: requests per level and mode (default 16)")
+    b.add_argument("--load-modes", nargs="+", default=["none", "auto"],
+                   help="with --load: drafters to compare; none is plain decoding, auto the server's own choice "
+                        "(default none auto)")
+    b.add_argument("--seed", type=int, default=0, help="seed of --load arrival times, and of sampled runs (default 0)")
     _add_model_args(b)
 
     t = sub.add_parser("train-drafter", help="distil a small drafter from a target model (see docs/DRAFTERS.md)")
@@ -208,21 +223,45 @@ def cmd_serve(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from bench.harness import HF_MODES, SERVED, run_bench
+    if args.load:
+        return _bench_load(args)
+    from bench.harness import HF_MODES, REMOTE, run_bench, served_drafter
 
-    def known(mode: str) -> bool:  # hf-*, ar, or a drafter (also served-<drafter>)
-        local = mode.removeprefix(SERVED)
+    def known(mode: str) -> bool:  # hf-*, ar, or a drafter (also served-<drafter>, pipelined-<drafter>)
+        local = next((mode.removeprefix(p) for p in REMOTE if mode.startswith(p)), mode)
         return mode in HF_MODES | {"ar"} or (local not in HF_MODES and local != "none" and is_drafter(local))
 
     unknown = [m for m in args.modes if not known(m)]
     if unknown:
         raise InvalidArgument("modes", f"unknown mode(s) {', '.join(unknown)}")
-    if any(m.startswith(SERVED) for m in args.modes) and not args.server:
-        raise InvalidArgument("server", "the served-* modes need --server HOST:PORT")
+    if any(served_drafter(m) for m in args.modes) and not args.server:
+        raise InvalidArgument("server", "the served-* and pipelined-* modes need --server HOST:PORT")
+    if not 0 <= args.temperature <= 2:
+        raise InvalidArgument("temperature", f"must be in [0, 2], got {args.temperature}")
     for name in ("max_tokens", "limit_per_category", "repeats"):
         if getattr(args, name) <= 0:
             raise InvalidArgument(name, f"must be positive, got {getattr(args, name)}")
     run_bench(args)
+    return 0
+
+
+def _bench_load(args) -> int:
+    """`bench --load`: cheap checks first, then the load run against --server."""
+    if not args.server:
+        raise InvalidArgument("server", "--load needs --server HOST:PORT of a running `specserve serve`")
+    if not args.clients or min(args.clients) <= 0:
+        raise InvalidArgument("clients", f"must be positive, got {args.clients}")
+    if not args.rate > 0:
+        raise InvalidArgument("rate", f"must be positive, got {args.rate}")
+    for name in ("requests", "max_tokens", "limit_per_category"):
+        if getattr(args, name) <= 0:
+            raise InvalidArgument(name, f"must be positive, got {getattr(args, name)}")
+    unknown = [m for m in args.load_modes if m != "auto" and not is_drafter(m)]  # is_drafter("none") holds
+    if unknown or len(set(args.load_modes)) < len(args.load_modes):
+        raise InvalidArgument("load_modes", f"unknown or repeated mode(s) in {', '.join(args.load_modes)}")
+    from bench.load import run_load
+
+    run_load(args)
     return 0
 
 

@@ -18,6 +18,8 @@ accepted before the first rejection), starting from `prior` (the drafter's
 reliability on the domain) as `prior_rounds` rounds' worth of evidence.
 When goodput says "do not speculate", every `probe_every`-th round still
 drafts one token, so a request whose text turns predictable gets drafts again.
+A `reproducible` control (seeded sampling) ignores load and timings, so that
+the same seed draws the same tokens however busy the server is.
 
 The confidence stop (SpecDec++) is the drafter's side of the same idea:
 `stop_confidence` goes with every Propose, and a model drafter ends its draft
@@ -46,6 +48,9 @@ class SpeculationControl:
     prior_rounds: float = 2.0
     decay: float = 0.9  # weight of older rounds' evidence
     probe_every: int = 8
+    # A seeded sampled request must draw the same tokens every time: its length may then
+    # depend on its own history only, not on timings or on other requests' load.
+    reproducible: bool = False
     _accepted: float = field(init=False, default=0.0)  # decayed accepted tokens
     _rejections: float = field(init=False, default=0.0)  # decayed rounds that ended in a rejection
     _rounds: int = field(init=False, default=0)
@@ -64,7 +69,9 @@ class SpeculationControl:
         """Draft tokens for the next round when `batch` requests share the verifier."""
         self._rounds += 1
         a = self.acceptance
-        per_token = self.verify_token_cost * max(batch, 1) + (0.0 if self.pipelined else self.draft_token_cost)
+        batch = 1 if self.reproducible else max(batch, 1)
+        draft_cost = 0.0 if self.pipelined or self.reproducible else self.draft_token_cost
+        per_token = self.verify_token_cost * batch + draft_cost
         best = max(range(self.max_length + 1), key=lambda k: (expected_tokens(a, k) / (1.0 + per_token * k), -k))
         if best == 0 and self.max_length > 0 and self._rounds % self.probe_every == 0:
             return 1

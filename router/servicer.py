@@ -101,7 +101,8 @@ class RouterServicer(pb_grpc.SpecserveServicer):
             # a routed drafter's reliability on the domain is the best first guess of its acceptance
             prior = drafters[0][1] if req.drafter == "" and cfg.default_drafter == "auto" else 0.5
             speculation = SpeculationControl(cfg.draft_length, prior=prior, pipelined=pipelined,
-                                             verify_token_cost=cfg.verify_token_cost)
+                                             verify_token_cost=cfg.verify_token_cost,
+                                             reproducible=params.seed is not None and not params.greedy)
         return Job(request_id=req.request_id or uuid.uuid4().hex, prompt_ids=ids, params=params,
                    drafters=drafters, draft_length=cfg.draft_length, tree_budget=cfg.tree_budget,
                    vocab_size=cfg.vocab_size, eos_token_ids=cfg.eos_token_ids, domain=domain,
@@ -119,6 +120,9 @@ class RouterServicer(pb_grpc.SpecserveServicer):
             return route.domain, tuple((d, route.reliability[d]) for d in route.drafters)
         check_drafter(drafter)
         domain = None if self.expertise is None else self.expertise.domain(_user_text(req), hint)
+        if "+" in drafter:  # several pinned: each is asked by the coordinator, their trees fused
+            kinds = tuple(dict.fromkeys(drafter.split("+")))
+            return domain, tuple((k, 1.0 if domain is None else self.expertise.reliability(k, domain)) for k in kinds)
         return domain, ((drafter, 1.0),)  # alone: its reliability weighs nothing
 
     # -- running ------------------------------------------------------------------
@@ -164,7 +168,8 @@ class RouterServicer(pb_grpc.SpecserveServicer):
         return pb.Usage(prompt_tokens=len(job.prompt_ids), completion_tokens=completion,
                         target_forward_passes=stats.target_forward_passes, draft_tokens=stats.draft_tokens,
                         accepted_draft_tokens=stats.accepted_draft_tokens,
-                        mean_accepted_tokens=completion / passes, drafter="+".join(d for d, _ in job.drafters))
+                        mean_accepted_tokens=completion / passes, drafter="+".join(d for d, _ in job.drafters),
+                        reused_drafts=stats.reused_drafts)
 
     def Generate(self, request, context):
         tokens, text, reason, job, stats = [], [], "length", None, None

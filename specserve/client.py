@@ -69,6 +69,7 @@ class Usage:
     accepted_draft_tokens: int
     mean_accepted_tokens: float  # completion tokens per target forward pass
     drafter: str  # the drafter kind that served the request
+    reused_drafts: int = 0  # rounds drafted while the previous one was verified (pipelining)
 
     @property
     def acceptance_rate(self) -> float:
@@ -124,7 +125,7 @@ def _credentials(tls: bool, root_certificates: bytes | None) -> grpc.ChannelCred
 
 def _request(prompt: str | None, messages: Sequence[Mapping[str, str]] | None, max_tokens: int,
              temperature: float, top_p: float, top_k: int, seed: int | None, stop: Sequence[str],
-             domain_hint: str, drafter: str, request_id: str) -> pb.GenerateRequest:
+             domain_hint: str, drafter: str, request_id: str, pipelined: bool | None = None) -> pb.GenerateRequest:
     if (prompt is None) == (messages is None):
         raise ValueError("give exactly one of prompt or messages")
     if messages is not None and not messages:
@@ -134,6 +135,8 @@ def _request(prompt: str | None, messages: Sequence[Mapping[str, str]] | None, m
         sampling.seed = seed
     req = pb.GenerateRequest(sampling=sampling, stop=list(stop), domain_hint=domain_hint, drafter=drafter,
                              request_id=request_id)
+    if pipelined is not None:  # unset: the server's setting
+        req.pipelined = pipelined
     if prompt is not None:
         req.prompt = prompt
     else:
@@ -148,7 +151,7 @@ def _usage(u: pb.Usage) -> Usage:
     return Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
                  target_forward_passes=u.target_forward_passes, draft_tokens=u.draft_tokens,
                  accepted_draft_tokens=u.accepted_draft_tokens, mean_accepted_tokens=u.mean_accepted_tokens,
-                 drafter=u.drafter)
+                 drafter=u.drafter, reused_drafts=u.reused_drafts)
 
 
 def _completion(r: pb.GenerateResponse) -> Completion:
@@ -194,10 +197,10 @@ class Client(_Base):
     def generate(self, prompt: str | None = None, *, messages: Sequence[Mapping[str, str]] | None = None,
                  max_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                  seed: int | None = None, stop: Sequence[str] = (), domain_hint: str = "", drafter: str = "",
-                 request_id: str = "", timeout: float | None = None,
+                 request_id: str = "", pipelined: bool | None = None, timeout: float | None = None,
                  metadata: Sequence[tuple[str, str]] = ()) -> Completion:
         req = _request(prompt, messages, max_tokens, temperature, top_p, top_k, seed, stop, domain_hint, drafter,
-                       request_id)
+                       request_id, pipelined)
         try:
             return _completion(self._stub.Generate(req, **self._call_args(timeout, metadata)))
         except grpc.RpcError as e:
@@ -206,11 +209,11 @@ class Client(_Base):
     def stream(self, prompt: str | None = None, *, messages: Sequence[Mapping[str, str]] | None = None,
                max_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                seed: int | None = None, stop: Sequence[str] = (), domain_hint: str = "", drafter: str = "",
-               request_id: str = "", timeout: float | None = None,
+               request_id: str = "", pipelined: bool | None = None, timeout: float | None = None,
                metadata: Sequence[tuple[str, str]] = ()) -> Iterator[Chunk]:
         # Not a generator itself, so bad arguments raise here and the call starts now.
         req = _request(prompt, messages, max_tokens, temperature, top_p, top_k, seed, stop, domain_hint, drafter,
-                       request_id)
+                       request_id, pipelined)
         return self._chunks(self._stub.GenerateStream(req, **self._call_args(timeout, metadata)))
 
     @staticmethod
@@ -247,10 +250,10 @@ class AsyncClient(_Base):
     async def generate(self, prompt: str | None = None, *, messages: Sequence[Mapping[str, str]] | None = None,
                        max_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                        seed: int | None = None, stop: Sequence[str] = (), domain_hint: str = "", drafter: str = "",
-                       request_id: str = "", timeout: float | None = None,
+                       request_id: str = "", pipelined: bool | None = None, timeout: float | None = None,
                        metadata: Sequence[tuple[str, str]] = ()) -> Completion:
         req = _request(prompt, messages, max_tokens, temperature, top_p, top_k, seed, stop, domain_hint, drafter,
-                       request_id)
+                       request_id, pipelined)
         try:
             return _completion(await self._stub.Generate(req, **self._call_args(timeout, metadata)))
         except grpc.RpcError as e:
@@ -259,10 +262,10 @@ class AsyncClient(_Base):
     def stream(self, prompt: str | None = None, *, messages: Sequence[Mapping[str, str]] | None = None,
                max_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                seed: int | None = None, stop: Sequence[str] = (), domain_hint: str = "", drafter: str = "",
-               request_id: str = "", timeout: float | None = None,
+               request_id: str = "", pipelined: bool | None = None, timeout: float | None = None,
                metadata: Sequence[tuple[str, str]] = ()) -> AsyncIterator[Chunk]:
         req = _request(prompt, messages, max_tokens, temperature, top_p, top_k, seed, stop, domain_hint, drafter,
-                       request_id)
+                       request_id, pipelined)
         return self._chunks(self._stub.GenerateStream(req, **self._call_args(timeout, metadata)))
 
     @staticmethod

@@ -59,3 +59,10 @@ def test_acceptance_recovers_when_the_text_turns_predictable():
     for _ in range(6):
         control.record(1, 1)
     assert control.acceptance > 0.5 and control.length() >= 2
+
+
+def test_a_reproducible_control_ignores_load_and_timings():
+    a = SpeculationControl(max_length=5, prior=0.7, reproducible=True)
+    b = SpeculationControl(max_length=5, prior=0.7, reproducible=True)
+    a.observe(draft_seconds_per_token=0.05, pass_seconds=0.05)
+    assert a.length(batch=64) == b.length(batch=1) == SpeculationControl(max_length=5, prior=0.7).length(batch=1)

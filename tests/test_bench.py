@@ -30,6 +30,18 @@ def test_bench_reports_every_category_and_mode(tmp_path, capsys):
     markdown = out.with_suffix(".md").read_text()
     assert "| overall |" in markdown and "acceptance rate" in markdown
     assert "overall" in capsys.readouterr().out
+    assert not out.with_suffix(".png").exists()  # no hf-ar, no speedup to chart
+
+
+def test_bench_charts_the_speedup_against_hf_ar(tmp_path):
+    out = tmp_path / "bench.json"
+    argv = ["bench", "--questions", str(DEV_QUESTIONS), "--limit-per-category", "1", "--max-tokens", "4",
+            "--modes", "hf-ar", "ar", "--out", str(out)]
+    assert cli_main(argv) == 0
+    report = json.loads(out.read_text())
+    assert all(r["speedup_vs_hf_ar"] > 0 for r in report["results"])
+    png = out.with_suffix(".png").read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 5000
 
 
 def test_bench_rejects_unknown_modes(capsys):

@@ -1,0 +1,202 @@
+"""`specserve bench --load`: a running server under Poisson load, speculative vs plain decoding.
+
+Plain decoding "served the same way" is the same server with the drafter
+pinned to "none"; speculation is the server's own choice (mode "auto": the
+request names no drafter). Each load level runs `clients` client threads,
+each a Poisson process of `--rate` requests/s. The schedule is open loop: a
+request's arrival time is fixed in advance, and its latency is its completion
+time minus that arrival time, so time spent waiting behind the client's
+previous request counts. Every mode of a level replays the same arrival
+times and prompts, the modes back to back (their order alternating from
+level to level) so drift on the machine hits them alike.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+from tqdm import tqdm
+
+from specserve.client import Client, SpecserveError
+
+BASELINE = "none"  # plain decoding; the ratios are against it
+AUTO = "auto"  # the request names no drafter (""): the server chooses
+PERCENTILES = "numpy.percentile, linear interpolation, over the requests that succeeded"
+
+
+@dataclass(frozen=True)
+class Arrival:
+    at: float  # seconds after the level's start
+    client: int
+    index: int  # order of arrival over all clients; request i asks prompt i (round-robin)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    latency: float | None  # None: the request failed
+    tokens: int = 0
+    drafter: str = ""  # the drafter(s) the server reported using
+
+
+def schedule(requests: int, clients: int, rate: float, rng: random.Random) -> list[Arrival]:
+    """`requests` arrivals shared out evenly over `clients` independent Poisson
+    processes of `rate` per second (exponential gaps), sorted by time."""
+    counts = [requests // clients + (c < requests % clients) for c in range(clients)]
+    times = [(t, c) for c, n in enumerate(counts)
+             for t in itertools.accumulate(rng.expovariate(rate) for _ in range(n))]
+    return [Arrival(t, c, i) for i, (t, c) in enumerate(sorted(times))]
+
+
+def summarize(latencies: Sequence[float], tokens: int, wall_s: float, errors: int) -> dict:
+    """One (level, mode): throughput over the level's wall time and latency percentiles."""
+    p50, p99 = np.percentile(latencies, [50, 99]) if len(latencies) else (None, None)
+    return {
+        "requests": len(latencies) + errors, "errors": errors, "generated_tokens": tokens,
+        "wall_s": round(wall_s, 3), "tokens_per_s": round(tokens / wall_s, 3) if wall_s > 0 else 0.0,
+        "p50_s": None if p50 is None else round(float(p50), 4),
+        "p99_s": None if p99 is None else round(float(p99), 4),
+        "mean_s": round(float(np.mean(latencies)), 4) if len(latencies) else None,
+    }
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a is not None and b else None
+
+
+def run_level(client: Client, arrivals: list[Arrival], prompts: list[str], drafter: str, max_tokens: int,
+              bar: tqdm) -> tuple[list[Outcome], float]:
+    """Replay `arrivals` against the server, one thread per client; (outcomes by index, wall seconds)."""
+    outcomes: list[Outcome | None] = [None] * len(arrivals)
+    lock = threading.Lock()
+    start = time.perf_counter()
+
+    def one_client(c: int) -> None:
+        for a in (a for a in arrivals if a.client == c):
+            time.sleep(max(0.0, start + a.at - time.perf_counter()))
+            try:
+                out = client.generate(messages=[{"role": "user", "content": prompts[a.index % len(prompts)]}],
+                                      max_tokens=max_tokens, drafter=drafter)
+                outcomes[a.index] = Outcome(time.perf_counter() - (start + a.at), len(out.token_ids),
+                                            out.usage.drafter)
+            except SpecserveError:
+                outcomes[a.index] = Outcome(None)  # counted as an error, the run goes on
+            with lock:
+                bar.update()
+
+    clients = max(a.client for a in arrivals) + 1
+    with ThreadPoolExecutor(max_workers=clients) as pool:
+        list(pool.map(one_client, range(clients)))  # re-raises anything but a failed call
+    return [o for o in outcomes if o is not None], time.perf_counter() - start
+
+
+def run_modes(client: Client, clients: int, arrivals: list[Arrival], prompts: list[str], modes: list[str],
+              max_tokens: int, bar: tqdm, reverse: bool) -> list[dict]:
+    """One load level: every mode replays the same arrivals (in reverse order of modes
+    if `reverse`); rows in the order of `modes`, with ratios to plain decoding."""
+    by_mode = {}
+    for mode in modes[::-1] if reverse else modes:
+        outcomes, wall = run_level(client, arrivals, prompts, "" if mode == AUTO else mode, max_tokens, bar)
+        done = [o for o in outcomes if o.latency is not None]
+        by_mode[mode] = {"clients": clients, "mode": mode,
+                         **summarize([o.latency for o in done], sum(o.tokens for o in done), wall,
+                                     len(outcomes) - len(done)),
+                         "served_by": sorted({o.drafter for o in done})}
+    base = by_mode.get(BASELINE)
+    for mode, row in by_mode.items():
+        vs = base if mode != BASELINE else None
+        row["p99_ratio"] = _ratio(row["p99_s"], vs and vs["p99_s"])
+        row["throughput_ratio"] = _ratio(row["tokens_per_s"], vs and vs["tokens_per_s"])
+    return [by_mode[m] for m in modes]
+
+
+def run_load(args) -> dict:
+    from bench.harness import load_questions  # torch and the engine: imported only when run
+
+    questions = load_questions(args.questions, args.limit_per_category)
+    if not questions:
+        raise ValueError(f"--questions: no questions in {args.questions}")
+    prompts = [q["turns"][0] for q in questions]
+    rng = random.Random(args.seed or 0)
+    rows = []
+    with Client(args.server, timeout=600) as client:
+        for mode in args.load_modes:  # untimed: the first request to a server pays for warming it up
+            try:
+                client.generate(messages=[{"role": "user", "content": prompts[0]}], max_tokens=args.max_tokens,
+                                drafter="" if mode == AUTO else mode)
+            except SpecserveError as e:
+                raise ValueError(f"--server {args.server}: the warm-up request of mode {mode} failed: {e}") from e
+        total = len(args.clients) * len(args.load_modes) * args.requests
+        with tqdm(total=total, desc="load", unit="req") as bar:
+            for level, clients in enumerate(args.clients):
+                arrivals = schedule(args.requests, clients, args.rate, rng)
+                rows += run_modes(client, clients, arrivals, prompts, list(args.load_modes), args.max_tokens, bar,
+                                  reverse=level % 2 == 1)
+    report = {
+        "command": "specserve " + " ".join(getattr(args, "argv", []) or []),
+        "server": args.server, "max_tokens": args.max_tokens, "rate_per_client": args.rate,
+        "requests_per_row": args.requests, "seed": args.seed or 0, "modes": list(args.load_modes),
+        "percentiles": PERCENTILES, "results": rows,
+    }
+    Path(args.out).write_text(json.dumps(report, indent=2))
+    Path(args.out).with_suffix(".md").write_text(to_markdown(report))
+    print_table(report)
+    return report
+
+
+COLUMNS = ("clients", "mode", "requests", "errors", "tokens", "tokens/s", "p50 s", "p99 s", "mean s",
+           "p99 vs none", "tokens/s vs none", "served by")
+
+
+def _cells(row: dict) -> list[str]:
+    def num(v: float | None, fmt: str) -> str:
+        return "" if v is None else format(v, fmt)
+
+    return [str(row["clients"]), row["mode"], str(row["requests"]), str(row["errors"]), str(row["generated_tokens"]),
+            num(row["tokens_per_s"], ".1f"), num(row["p50_s"], ".3f"), num(row["p99_s"], ".3f"),
+            num(row["mean_s"], ".3f"), num(row["p99_ratio"], ".2f"), num(row["throughput_ratio"], ".2f"),
+            ", ".join(row["served_by"])]
+
+
+def _notes(report: dict) -> list[str]:
+    notes = [f"{report['requests_per_row']} requests per row, Poisson arrivals at {report['rate_per_client']}/s "
+             f"per client, max_tokens {report['max_tokens']}, greedy; latency = completion - scheduled arrival "
+             f"(queueing included); percentiles: {report['percentiles']}."]
+    rows = report["results"]
+    top = max((r["clients"] for r in rows), default=None)
+    for r in rows:
+        if r["clients"] == top and r["p99_ratio"] is not None:
+            verdict = "not worse" if r["p99_ratio"] <= 1 else "worse"
+            notes.append(f"Highest load ({top} clients): p99 of {r['mode']} / p99 of none = {r['p99_ratio']:.2f} "
+                         f"({verdict}).")
+    return notes
+
+
+def to_markdown(report: dict) -> str:
+    lines = [f"Command: `{report['command']}`", "",
+             "| " + " | ".join(COLUMNS) + " |", "| --- | --- |" + " ---: |" * (len(COLUMNS) - 3) + " --- |"]
+    lines += ["| " + " | ".join(_cells(r)) + " |" for r in report["results"]]
+    return "\n".join(lines + [""] + _notes(report)) + "\n"
+
+
+def print_table(report: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="specserve bench --load (served, greedy)")
+    for i, name in enumerate(COLUMNS):
+        table.add_column(name, justify="left" if i in (1, len(COLUMNS) - 1) else "right")
+    for r in report["results"]:
+        table.add_row(*_cells(r))
+    console = Console()
+    console.print(table)
+    for note in _notes(report):
+        console.print(note)

@@ -1,0 +1,136 @@
+"""`specserve bench --load`: the Poisson schedule, the latency summary, and a
+small run against a real router served over gRPC on loopback (drafter pool,
+verifier and router in this process, a tiny target, no Ray)."""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+
+import pytest
+
+from bench import load
+from bench.load import schedule, summarize
+from cluster.cli import main as cli_main
+from conftest import DEV_QUESTIONS
+from drafter_service.pool import DrafterPool
+from drafter_service.servicer import serve as serve_drafters
+from router.coordinator import Coordinator
+from router.servicer import RouterConfig, RouterServicer
+from router.servicer import serve as serve_router
+from tiny import TINY, tiny_model
+from verifier_service.engine import VerifierEngine
+from verifier_service.servicer import serve as serve_verifier
+
+V = TINY.vocab_size
+PROMPT_CHARS = 16  # the tiny target has 64 positions
+
+
+class CharTokenizer:
+    """Enough of a tokenizer for the tiny target: the first characters of the
+    last message, each one token (its code point mod the vocabulary)."""
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) % V for c in text[:PROMPT_CHARS]]
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        return self.encode(messages[-1]["content"])
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(map(str, ids))
+
+
+@pytest.fixture(scope="module")
+def server():
+    """HOST:PORT of a real Specserve router whose default drafter is pld."""
+    target = tiny_model(0)
+    pool, engine = DrafterPool(target, kinds=["pld"]), VerifierEngine(target, max_batch=4, max_len=64)
+    (pool_server, pool_port), (verifier_server, verifier_port) = serve_drafters(pool), serve_verifier(engine)
+    coordinator = Coordinator(verifiers=lambda: [f"127.0.0.1:{verifier_port}"],
+                              drafters=lambda: [f"127.0.0.1:{pool_port}"])
+    config = RouterConfig(context_length=TINY.max_position_embeddings - 12, eos_token_ids=[], vocab_size=V,
+                          default_drafter="pld", draft_length=3)
+    router, port = serve_router(RouterServicer(CharTokenizer(), coordinator, config), "127.0.0.1", 0)
+    yield f"127.0.0.1:{port}"
+    router.stop(None)
+    coordinator.channels.close()
+    pool_server.stop(None)
+    verifier_server.stop(None)
+    engine.close()
+
+
+def test_schedule_is_seeded_and_shared_evenly_over_the_clients():
+    arrivals = schedule(10, 4, 0.5, random.Random(3))
+    assert arrivals == schedule(10, 4, 0.5, random.Random(3))
+    assert arrivals != schedule(10, 4, 0.5, random.Random(4))
+    assert [a.index for a in arrivals] == list(range(10))
+    assert [a.at for a in arrivals] == sorted(a.at for a in arrivals)
+    assert [sum(a.client == c for a in arrivals) for c in range(4)] == [3, 3, 2, 2]
+
+
+@pytest.mark.parametrize("clients", [1, 4])
+def test_each_clients_gaps_average_one_over_the_rate(clients):
+    rate, n = 2.0, 40_000
+    arrivals = schedule(n, clients, rate, random.Random(0))
+    for c in range(clients):
+        times = [0.0] + [a.at for a in arrivals if a.client == c]
+        gaps = [b - a for a, b in zip(times, times[1:])]
+        # exponential gaps: standard deviation of the mean is (1/rate)/sqrt(len): 5 sigma either way
+        assert statistics.mean(gaps) == pytest.approx(1 / rate, abs=5 / rate / len(gaps) ** 0.5)
+        assert statistics.stdev(gaps) == pytest.approx(1 / rate, rel=0.05)
+
+
+def test_summary_of_known_latencies():
+    s = summarize([float(x) for x in range(1, 101)], tokens=400, wall_s=8.0, errors=2)
+    # numpy's linear interpolation: rank p/100 * (n - 1) between the sorted values
+    assert s["p50_s"] == 50.5 and s["p99_s"] == pytest.approx(99.01) and s["mean_s"] == 50.5
+    assert s["requests"] == 102 and s["errors"] == 2 and s["tokens_per_s"] == 50.0
+    empty = summarize([], tokens=0, wall_s=1.0, errors=3)
+    assert empty["p50_s"] is None and empty["p99_s"] is None and empty["requests"] == 3
+
+
+def test_load_run_against_a_real_router(server, tmp_path, monkeypatch, capsys):
+    replayed = []  # (drafter, arrivals) of every (level, mode), as run_level got them
+    real_run_level = load.run_level
+
+    def recording(client, arrivals, prompts, drafter, *rest):
+        replayed.append((drafter, arrivals, prompts))
+        return real_run_level(client, arrivals, prompts, drafter, *rest)
+
+    monkeypatch.setattr(load, "run_level", recording)
+    out = tmp_path / "load.json"
+    argv = ["bench", "--load", "--server", server, "--questions", str(DEV_QUESTIONS), "--limit-per-category", "1",
+            "--clients", "1", "2", "--requests", "3", "--rate", "20", "--max-tokens", "4", "--out", str(out)]
+    assert cli_main(argv) == 0
+    report = json.loads(out.read_text())
+    assert report["command"] == "specserve " + " ".join(argv)
+    rows = {(r["clients"], r["mode"]): r for r in report["results"]}
+    assert list(rows) == [(1, "none"), (1, "auto"), (2, "none"), (2, "auto")]
+    for (clients, mode), r in rows.items():
+        assert r["requests"] == 3 and r["errors"] == 0
+        assert r["generated_tokens"] == 3 * 4  # no end-of-sequence token: max_tokens each
+        assert r["tokens_per_s"] > 0 and 0 < r["p50_s"] <= r["p99_s"]
+        assert r["served_by"] == (["none"] if mode == "none" else ["pld"])  # auto: the server's default
+        assert (r["p99_ratio"] is None) == (mode == "none")
+        if mode == "auto":
+            assert r["p99_ratio"] == pytest.approx(r["p99_s"] / rows[(clients, "none")]["p99_s"], abs=2e-3)
+    # both modes of a level replay the same arrivals and prompts; the order of modes alternates
+    assert [d for d, _, _ in replayed] == ["none", "", "", "none"]
+    assert replayed[0][1:] == replayed[1][1:] and replayed[2][1:] == replayed[3][1:]
+    assert {a.client for a in replayed[2][1]} == {0, 1}
+    assert "| 2 | auto |" in out.with_suffix(".md").read_text()
+    assert "Highest load (2 clients)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args, field", [
+    ([], "--server"),
+    (["--server", "127.0.0.1:1", "--clients", "1", "0"], "--clients"),
+    (["--server", "127.0.0.1:1", "--rate", "0"], "--rate"),
+    (["--server", "127.0.0.1:1", "--requests", "0"], "--requests"),
+    (["--server", "127.0.0.1:1", "--load-modes", "none", "warp"], "--load-modes"),
+])
+def test_load_rejects_bad_input_naming_the_field(args, field, capsys):
+    assert cli_main(["bench", "--load", "--questions", str(DEV_QUESTIONS), "--out", "x.json", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"specserve: error: {field}:"), err
