@@ -229,7 +229,8 @@ def cmd_bench(args) -> int:
 
     def known(mode: str) -> bool:  # hf-*, ar, or a drafter (also served-<drafter>, pipelined-<drafter>)
         local = next((mode.removeprefix(p) for p in REMOTE if mode.startswith(p)), mode)
-        return mode in HF_MODES | {"ar"} or (local not in HF_MODES and local != "none" and is_drafter(local))
+        return mode in HF_MODES | {"ar"} or local == "ar" or (local not in HF_MODES and local != "none"
+                                                               and is_drafter(local))
 
     unknown = [m for m in args.modes if not known(m)]
     if unknown:

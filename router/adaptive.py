@@ -6,8 +6,9 @@ a, a chain of k draft tokens gains (1 - a^(k+1)) / (1 - a) tokens per target
 pass. The pass costs more with every token the verifier scores, and it
 scores every request's tree together: with B requests in the batch, one more
 draft token per request costs about `verify_token_cost` x B of a one-token
-pass. Drafted in sequence (not pipelined), each draft token also costs the
-drafter's time, `draft_token_cost` of a pass, measured as the request goes.
+pass. Each draft token also costs the drafter's time, `draft_token_cost` of a
+pass, measured as the request goes; pipelined, only when the round could not
+use the draft made ahead during the last verification (`reused`).
 
     control = SpeculationControl(max_length=5, prior=0.6)
     k = control.length(batch=3)          # before a round
@@ -42,7 +43,7 @@ def expected_tokens(acceptance: float, k: int) -> float:
 class SpeculationControl:
     max_length: int
     prior: float = 0.5  # acceptance rate before any round (the drafter's reliability)
-    pipelined: bool = False  # drafting overlaps verification, so it costs no round time
+    pipelined: bool = False  # drafting overlaps verification: it costs round time only when not reused
     verify_token_cost: float = 0.06  # one more scored token, as a fraction of a one-token pass
     draft_token_cost: float = 0.0  # one draft token, as a fraction of a pass (measured: `observe`)
     prior_rounds: float = 2.0
@@ -54,6 +55,7 @@ class SpeculationControl:
     _accepted: float = field(init=False, default=0.0)  # decayed accepted tokens
     _rejections: float = field(init=False, default=0.0)  # decayed rounds that ended in a rejection
     _rounds: int = field(init=False, default=0)
+    _reuse: float = field(init=False, default=0.0)  # running share of pipelined rounds that reused their draft
 
     def __post_init__(self):
         self._accepted = self.prior * self.prior_rounds
@@ -70,7 +72,9 @@ class SpeculationControl:
         self._rounds += 1
         a = self.acceptance
         batch = 1 if self.reproducible else max(batch, 1)
-        draft_cost = 0.0 if self.pipelined or self.reproducible else self.draft_token_cost
+        draft_cost = 0.0 if self.reproducible else self.draft_token_cost
+        if self.pipelined:
+            draft_cost *= 1.0 - self._reuse
         per_token = self.verify_token_cost * batch + draft_cost
         best = max(range(self.max_length + 1), key=lambda k: (expected_tokens(a, k) / (1.0 + per_token * k), -k))
         if best == 0 and self.max_length > 0 and self._rounds % self.probe_every == 0:
@@ -83,6 +87,10 @@ class SpeculationControl:
             return
         self._accepted = self._accepted * self.decay + accepted
         self._rejections = self._rejections * self.decay + (1.0 if accepted < offered else 0.0)
+
+    def reused(self, hit: bool) -> None:
+        """A pipelined round's verdict kept (or dropped) the draft made ahead of it."""
+        self._reuse = 0.8 * self._reuse + 0.2 * float(hit)
 
     def observe(self, draft_seconds_per_token: float, pass_seconds: float) -> None:
         """Learn the drafter's cost relative to a target pass (a running mean)."""

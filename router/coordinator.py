@@ -234,11 +234,13 @@ class Coordinator:
                         stats.trace.append(Span("verify", rnd, call.started, call.ended))
                         if resp is not None:
                             ready = drafting.reuse(drafted_ahead, guess, list(resp.accepted), resp.bonus)
+                            if control is not None:
+                                control.reused(ready is not None)
                     else:
                         with self._span(stats, "verify", rnd):
                             resp = verifier.verify(tree, len(context))
-                        if control is not None and draft_s and len(tree):
-                            control.observe(draft_s / len(tree), stats.trace[-1].end - stats.trace[-1].start)
+                    if control is not None and draft_s and len(tree):
+                        control.observe(draft_s / len(tree), stats.trace[-1].end - stats.trace[-1].start)
                     if resp is None:
                         ready = None
                         continue

@@ -37,13 +37,16 @@ def test_length_grows_with_acceptance_and_shrinks_with_load():
     assert SpeculationControl(max_length=5, prior=0.9).length(batch=64) <= 1
 
 
-def test_sequential_drafting_cost_shortens_drafts_pipelined_does_not():
+def test_drafting_cost_shortens_drafts_unless_drafts_made_ahead_are_reused():
     seq = SpeculationControl(max_length=5, prior=0.7)
     piped = SpeculationControl(max_length=5, prior=0.7, pipelined=True)
     for control in (seq, piped):
         for _ in range(5):
             control.observe(draft_seconds_per_token=0.02, pass_seconds=0.05)  # a draft token: 40% of a pass
     assert seq.draft_token_cost == pytest.approx(0.4)
+    assert seq.length() == piped.length()  # nothing reused yet: drafting is on the round's path
+    for _ in range(10):
+        piped.reused(True)
     assert seq.length() < piped.length()
 
 
