@@ -118,6 +118,9 @@ def run_modes(client: Client, clients: int, arrivals: list[Arrival], prompts: li
     return [by_mode[m] for m in modes]
 
 
+WARM_UP = "Say hello in one short sentence."
+
+
 def run_load(args) -> dict:
     from bench.harness import load_questions  # torch and the engine: imported only when run
 
@@ -130,7 +133,8 @@ def run_load(args) -> dict:
     with Client(args.server, timeout=600) as client:
         for mode in args.load_modes:  # untimed: the first request to a server pays for warming it up
             try:
-                client.generate(messages=[{"role": "user", "content": prompts[0]}], max_tokens=args.max_tokens,
+                # not a bench prompt: a suffix drafter would remember its answer
+                client.generate(messages=[{"role": "user", "content": WARM_UP}], max_tokens=args.max_tokens,
                                 drafter="" if mode == AUTO else mode)
             except SpecserveError as e:
                 raise ValueError(f"--server {args.server}: the warm-up request of mode {mode} failed: {e}") from e
@@ -138,12 +142,16 @@ def run_load(args) -> dict:
         with tqdm(total=total, desc="load", unit="req") as bar:
             for level, clients in enumerate(args.clients):
                 arrivals = schedule(args.requests, clients, args.rate, rng)
-                rows += run_modes(client, clients, arrivals, prompts, list(args.load_modes), args.max_tokens, bar,
+                # each level its own prompts (while the questions last): a server that learns from
+                # its traffic (the suffix drafter) must not have seen a level's answers before
+                own = [prompts[(level * args.requests + i) % len(prompts)] for i in range(args.requests)]
+                rows += run_modes(client, clients, arrivals, own, list(args.load_modes), args.max_tokens, bar,
                                   reverse=level % 2 == 1)
     report = {
         "command": "specserve " + " ".join(getattr(args, "argv", []) or []),
         "server": args.server, "max_tokens": args.max_tokens, "rate_per_client": args.rate,
         "requests_per_row": args.requests, "seed": args.seed or 0, "modes": list(args.load_modes),
+        "distinct_prompts_per_level": len(prompts) >= len(args.clients) * args.requests,
         "percentiles": PERCENTILES, "results": rows,
     }
     Path(args.out).write_text(json.dumps(report, indent=2))
@@ -170,6 +178,9 @@ def _notes(report: dict) -> list[str]:
     notes = [f"{report['requests_per_row']} requests per row, Poisson arrivals at {report['rate_per_client']}/s "
              f"per client, max_tokens {report['max_tokens']}, greedy; latency = completion - scheduled arrival "
              f"(queueing included); percentiles: {report['percentiles']}."]
+    if not report.get("distinct_prompts_per_level", True):
+        notes.append("Levels share prompts (too few questions for distinct ones): a server that learns from its "
+                     "traffic (the suffix drafter) has seen later levels' answers.")
     rows = report["results"]
     top = max((r["clients"] for r in rows), default=None)
     for r in rows:

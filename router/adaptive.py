@@ -14,9 +14,11 @@ use the draft made ahead during the last verification (`reused`).
     k = control.length(batch=3)          # before a round
     control.record(offered=k, accepted=2) # after it
 
-`a` is learned from the request's own rounds (how many offered tokens were
-accepted before the first rejection), starting from `prior` (the drafter's
-reliability on the domain) as `prior_rounds` rounds' worth of evidence.
+The coordinator keeps one control per drafter of a request, so each of
+several fused drafters drafts its own length. `a` is learned from the
+drafter's rounds (how many tokens of its likeliest path were accepted before
+the first rejection), starting from `prior` (its reliability on the domain)
+as `prior_rounds` rounds' worth of evidence.
 When goodput says "do not speculate", every `probe_every`-th round still
 drafts one token, so a request whose text turns predictable gets drafts again.
 A `reproducible` control (seeded sampling) ignores load and timings, so that

@@ -36,8 +36,8 @@ verifier decides tokens.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-import math
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -194,7 +194,10 @@ class Coordinator:
         """Yield each round's newly verified tokens, counting into `stats`."""
         verified: list[int] = []  # generated tokens; the last one is pending at the verifier
         verifier, drafting = _VerifySide(self, job), _Drafting(self, job)
-        control = job.speculation
+        # adaptive speculation: one control per drafter, each learning its own acceptance
+        controls = None if job.speculation is None else [
+            dataclasses.replace(job.speculation, prior=reliability) if len(job.drafters) > 1 else job.speculation
+            for _, reliability in job.drafters]
         ready: list[DraftTree] | None = None  # each drafter's tree for this round, drafted ahead
         rnd, load = 0, 1  # round; requests sharing the verifier's last pass (with those queued)
         try:
@@ -210,37 +213,37 @@ class Coordinator:
                         new = [verifier.prefill(context)]
                     ready = None
                 else:
-                    room, draft_s = job.params.max_tokens - len(verified) - 1, 0.0
-                    length = job.draft_length if control is None else control.length(load)
-                    budget = min(length, room)
-                    stats.draft_lengths.append(max(budget, 0))
-                    if budget <= 0:
+                    room, costs = job.params.max_tokens - len(verified) - 1, None
+                    lengths = ([job.draft_length] * len(job.drafters) if controls is None
+                               else [c.length(load) for c in controls])
+                    budgets = [max(0, min(n, room)) for n in lengths]
+                    stats.draft_lengths.append(max(budgets))
+                    if not any(budgets):
                         proposals = []
                     elif ready is not None:
                         proposals, ready = ready, None
                         stats.reused_drafts += 1
                     else:
                         with self._span(stats, "draft", rnd):
-                            proposals = drafting.propose(context, budget)
-                        draft_s = stats.trace[-1].end - stats.trace[-1].start
-                    tree = drafting.merge(proposals, budget)
+                            proposals = drafting.propose(context, budgets)
+                        costs = drafting.seconds_per_token(proposals)
+                    tree = drafting.merge(proposals, budgets)
                     guess = [tree.tokens[n] for n in likeliest_path(tree)]
                     ahead = room - len(guess) - 1  # room left past a whole accepted guess and its bonus
                     if job.pipelined and len(tree) and ahead > 0:
                         call = verifier.verify_async(tree, len(context))
                         with self._span(stats, "ahead", rnd):
-                            drafted_ahead = drafting.propose(context, min(length, ahead), speculative=guess)
+                            drafted_ahead = drafting.propose(context, [min(n, ahead) for n in lengths],
+                                                             speculative=guess)
                         resp = verifier.result(call)
                         stats.trace.append(Span("verify", rnd, call.started, call.ended))
                         if resp is not None:
                             ready = drafting.reuse(drafted_ahead, guess, list(resp.accepted), resp.bonus)
-                            if control is not None:
-                                control.reused(ready is not None)
+                            for c in controls or ():
+                                c.reused(ready is not None)
                     else:
                         with self._span(stats, "verify", rnd):
                             resp = verifier.verify(tree, len(context))
-                    if control is not None and draft_s and len(tree):
-                        control.observe(draft_s / len(tree), stats.trace[-1].end - stats.trace[-1].start)
                     if resp is None:
                         ready = None
                         continue
@@ -250,8 +253,12 @@ class Coordinator:
                     drafting.count(proposals, resp.accepted, stats)
                     stats.batch_sizes.append(resp.batch_size)
                     load = max(1, resp.batch_size + resp.queued)
-                    if control is not None:
-                        control.record(len(guess), _common_prefix(guess, resp.accepted))
+                    verify_s = stats.trace[-1].end - stats.trace[-1].start
+                    for i, (c, own) in enumerate(zip(controls or (), proposals)):
+                        own_guess = [own.tokens[n] for n in likeliest_path(own)]
+                        c.record(len(own_guess), _common_prefix(own_guess, resp.accepted))
+                        if costs and costs[i]:
+                            c.observe(costs[i], verify_s)
                 stats.target_forward_passes += 1
                 new = self._clip(job, verified, new)
                 verified.extend(new)
@@ -388,27 +395,31 @@ class _Drafting:
                       for i, (kind, _) in enumerate(job.drafters)]
         self._threads = ThreadPoolExecutor(len(self.sides), thread_name_prefix="draft") if several else None
 
-    def propose(self, context: list[int], budget: int, speculative: list[int] = ()) -> list[DraftTree]:
-        """Each drafter's own tree (empty for one that cannot draft), after `context` and,
-        drafting ahead, the unverified `speculative` tokens."""
-        def one(side: _DraftSide) -> DraftTree:
+    def propose(self, context: list[int], budgets: list[int], speculative: list[int] = ()) -> list[DraftTree]:
+        """Each drafter's own tree of up to its budget (empty for one that cannot draft),
+        after `context` and, drafting ahead, the unverified `speculative` tokens."""
+        def one(side: _DraftSide, budget: int) -> DraftTree:
             return tree_from_pb(side.propose(context, budget, speculative), self.job.vocab_size)
 
         if self._threads is None:
-            return [one(self.sides[0])]
-        return list(self._threads.map(one, self.sides))
+            return [one(self.sides[0], budgets[0])]
+        return list(self._threads.map(one, self.sides, budgets))
 
-    def merge(self, proposals: list[DraftTree], budget: int) -> DraftTree:
-        """The tree to verify: one drafter's, cut to `budget`; several fused, in a tree
-        budget shrunk as the adaptive length shrinks `budget` below draft_length."""
+    def seconds_per_token(self, trees: list[DraftTree]) -> list[float]:
+        """Each drafter's drafting time per token in its last call (0 when it drafted nothing)."""
+        return [side.seconds / len(tree) if len(tree) else 0.0 for side, tree in zip(self.sides, trees)]
+
+    def merge(self, proposals: list[DraftTree], budgets: list[int]) -> DraftTree:
+        """The tree to verify: one drafter's, cut to its budget; several fused, each cut to
+        its own, into at most `tree_budget` nodes."""
         if not proposals:
             return DraftTree()
         if self._threads is None:
-            return proposals[0].truncated(budget)
-        nodes = math.ceil(self.job.tree_budget * budget / max(self.job.draft_length, 1))
+            return proposals[0].truncated(budgets[0])
+        nodes = min(self.job.tree_budget, sum(budgets))
         # a sampled fused tree keeps its draws in fuse's order: the verifier tests them in it
-        return fuse([(tree.truncated(budget), reliability) for tree, (_, reliability)
-                     in zip(proposals, self.job.drafters)], max(nodes, 1), self.job.params.greedy)
+        return fuse([(tree.truncated(budget), reliability) for tree, budget, (_, reliability)
+                     in zip(proposals, budgets, self.job.drafters)], max(nodes, 1), self.job.params.greedy)
 
     def reuse(self, ahead: list[DraftTree], guess: list[int], accepted: list[int],
               bonus: int) -> list[DraftTree] | None:
@@ -457,6 +468,7 @@ class _DraftSide(_Side):
         super().__init__(coord, job, request_id)
         self.drafter, self.stream = drafter, stream
         self.synced = 0  # context length the drafter holds
+        self.seconds = 0.0  # drafting time of the last Propose, as the pool measured it
         self.disabled = drafter == "none"
 
     def _connect(self, context: list[int]) -> bool:
@@ -501,5 +513,6 @@ class _DraftSide(_Side):
                 self.stub = None
                 continue
             self.synced = len(context)
+            self.seconds = resp.seconds
             return resp.tree
         return pb.DraftTree()

@@ -15,13 +15,11 @@ from bench.load import schedule, summarize
 from cluster.cli import main as cli_main
 from conftest import DEV_QUESTIONS
 from drafter_service.pool import DrafterPool
-from drafter_service.servicer import serve as serve_drafters
-from router.coordinator import Coordinator
+from loopback import loopback
 from router.servicer import RouterConfig, RouterServicer
 from router.servicer import serve as serve_router
 from tiny import TINY, tiny_model
 from verifier_service.engine import VerifierEngine
-from verifier_service.servicer import serve as serve_verifier
 
 V = TINY.vocab_size
 PROMPT_CHARS = 16  # the tiny target has 64 positions
@@ -46,18 +44,12 @@ def server():
     """HOST:PORT of a real Specserve router whose default drafter is pld."""
     target = tiny_model(0)
     pool, engine = DrafterPool(target, kinds=["pld"]), VerifierEngine(target, max_batch=4, max_len=64)
-    (pool_server, pool_port), (verifier_server, verifier_port) = serve_drafters(pool), serve_verifier(engine)
-    coordinator = Coordinator(verifiers=lambda: [f"127.0.0.1:{verifier_port}"],
-                              drafters=lambda: [f"127.0.0.1:{pool_port}"])
     config = RouterConfig(context_length=TINY.max_position_embeddings - 12, eos_token_ids=[], vocab_size=V,
                           default_drafter="pld", draft_length=3)
-    router, port = serve_router(RouterServicer(CharTokenizer(), coordinator, config), "127.0.0.1", 0)
-    yield f"127.0.0.1:{port}"
-    router.stop(None)
-    coordinator.channels.close()
-    pool_server.stop(None)
-    verifier_server.stop(None)
-    engine.close()
+    with loopback(pool, engine) as coordinator:
+        router, port = serve_router(RouterServicer(CharTokenizer(), coordinator, config), "127.0.0.1", 0)
+        yield f"127.0.0.1:{port}"
+        router.stop(None)
 
 
 def test_schedule_is_seeded_and_shared_evenly_over_the_clients():

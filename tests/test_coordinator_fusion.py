@@ -24,7 +24,7 @@ from cluster.state import EmbeddedStateStore
 from drafter_service.checkpoint import save_drafter
 from drafter_service.pool import DrafterPool
 from drafter_service.registry import make_drafter
-from drafter_service.servicer import serve as serve_drafters
+from loopback import loopback
 from protos import specserve_pb2 as pb
 from protos import specserve_pb2_grpc as pb_grpc
 from protos.convert import tree_from_pb, tree_to_pb
@@ -40,7 +40,6 @@ from speculative.sampling import InvalidArgument, SamplingParams, make_generator
 from speculative.tree import DraftTree
 from tiny import TINY, tiny_model
 from verifier_service.engine import VerifierEngine
-from verifier_service.servicer import serve as serve_verifier
 
 V = TINY.vocab_size
 DRAFT_LENGTH, TREE_BUDGET = 4, 6  # three 4-token chains fused into at most 6 nodes: pruning happens
@@ -110,14 +109,8 @@ def fused(tmp_path_factory):
 def services(target, drafter_model, fused):
     pool = RecordingPool(drafter_model, kinds=[kind for kind, _ in fused])
     engine = RecordingEngine(target, max_batch=4, max_len=64)
-    (pool_server, pool_port), (verifier_server, verifier_port) = serve_drafters(pool), serve_verifier(engine)
-    coordinator = Coordinator(verifiers=lambda: [f"127.0.0.1:{verifier_port}"],
-                              drafters=lambda: [f"127.0.0.1:{pool_port}"])
-    yield coordinator, pool, engine
-    coordinator.channels.close()
-    pool_server.stop(None)
-    verifier_server.stop(None)
-    engine.close()
+    with loopback(pool, engine) as coordinator:
+        yield coordinator, pool, engine
 
 
 def job(request_id: str, prompt: list[int], params: SamplingParams, drafters) -> Job:

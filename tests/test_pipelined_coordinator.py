@@ -17,14 +17,14 @@ from prometheus_client import generate_latest
 
 from drafter_service.pool import DrafterPool
 from drafter_service.registry import make_drafter
-from drafter_service.servicer import serve as serve_drafters
+from loopback import loopback
+from router.adaptive import SpeculationControl
 from router.coordinator import Coordinator, Job, RoundStats
 from router.metrics import RouterMetrics
 from speculative.decoding import generate
 from speculative.sampling import SamplingParams
 from tiny import TINY, tiny_model
 from verifier_service.engine import VerifierEngine
-from verifier_service.servicer import serve as serve_verifier
 
 V = TINY.vocab_size
 PROMPTS = [[1, 2, 3, 1, 2], [5, 6, 7, 5], [0, 3, 3, 3, 3]]
@@ -61,19 +61,15 @@ def services(target):
     # drafts the target's own greedy tokens, so drafts made ahead are often kept
     pool = SlowPool(target, kinds=["layerskip", "pld", "suffix"])
     engine = SlowEngine(target, max_batch=4, max_len=64)
-    (pool_server, pool_port), (verifier_server, verifier_port) = serve_drafters(pool), serve_verifier(engine)
-    coordinator = Coordinator(verifiers=lambda: [f"127.0.0.1:{verifier_port}"],
-                              drafters=lambda: [f"127.0.0.1:{pool_port}"])
-    yield coordinator, pool, engine
-    coordinator.channels.close()
-    pool_server.stop(None)
-    verifier_server.stop(None)
-    engine.close()
+    with loopback(pool, engine) as coordinator:
+        yield coordinator, pool, engine
 
 
-def job(rid: str, prompt: list[int], params: SamplingParams, drafters, pipelined: bool = True) -> Job:
+def job(rid: str, prompt: list[int], params: SamplingParams, drafters, pipelined: bool = True,
+        adaptive: bool = False) -> Job:
     return Job(request_id=rid, prompt_ids=prompt, params=params, drafters=drafters, draft_length=DRAFT_LENGTH,
-               tree_budget=6, vocab_size=V, eos_token_ids=(), pipelined=pipelined)
+               tree_budget=6, vocab_size=V, eos_token_ids=(), pipelined=pipelined,
+               speculation=SpeculationControl(DRAFT_LENGTH) if adaptive else None)
 
 
 def served(coordinator: Coordinator, j: Job) -> tuple[list[int], RoundStats]:
@@ -83,12 +79,14 @@ def served(coordinator: Coordinator, j: Job) -> tuple[list[int], RoundStats]:
 
 @pytest.mark.parametrize("drafters", [(("layerskip", 1.0),), (("layerskip", 0.7), ("pld", 0.6), ("suffix", 0.5))],
                          ids=["single", "fused"])
-def test_pipelined_greedy_equals_the_targets_own_decoding(target, services, drafters):
+@pytest.mark.parametrize("adaptive", [False, True], ids=["fixed", "adaptive"])
+def test_pipelined_greedy_equals_the_targets_own_decoding(target, services, drafters, adaptive):
     coordinator, pool, engine = services
     reused = 0
     for i, prompt in enumerate(PROMPTS):
         params = SamplingParams(max_tokens=MAX_TOKENS)
-        tokens, stats = served(coordinator, job(f"g{len(drafters)}-{i}", prompt, params, drafters))
+        rid = f"g{len(drafters)}{adaptive}-{i}"
+        tokens, stats = served(coordinator, job(rid, prompt, params, drafters, adaptive=adaptive))
         assert tokens == generate(target, prompt, params).token_ids, prompt
         reused += stats.reused_drafts
     assert reused > 0, "no round used a draft made ahead: pipelining was not exercised"
