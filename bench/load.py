@@ -128,6 +128,7 @@ def run_load(args) -> dict:
     if not questions:
         raise ValueError(f"--questions: no questions in {args.questions}")
     prompts = [q["turns"][0] for q in questions]
+    random.Random(args.seed or 0).shuffle(prompts)  # questions come by category: mix them over the levels
     rng = random.Random(args.seed or 0)
     rows = []
     with Client(args.server, timeout=600) as client:
