@@ -96,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--vocab-trim", type=int, default=6144, help="tokens the drafter can propose (0: all)")
     t.add_argument("--minutes", type=float, default=30.0, help="training time budget, data preparation excluded")
     t.add_argument("--init", default=None, metavar="DIR", help="continue from this drafter (e.g. specialise one)")
-    t.add_argument("--answer-tokens", type=int, default=192, help="length of the target's answers to prompts")
+    t.add_argument("--answer-tokens", type=int, default=128, help="length of the target's answers to prompts")
     t.add_argument("--seed", type=int, default=0)
     return parser
 

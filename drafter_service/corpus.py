@@ -74,7 +74,7 @@ def _windows(ids: list[int], window: int) -> list[list[int]]:
 
 @torch.inference_mode()
 def answer_with_teacher(model: Transformer, prompts: list[list[int]], max_tokens: int, eos: set[int], k: int,
-                        batch: int = 32, on_done: Callable[[int, dict], None] | None = None) -> None:
+                        batch: int = 64, on_done: Callable[[int, dict], None] | None = None) -> None:
     """Answer each prompt greedily with the target and keep its top-k distribution at
     every position of prompt + answer: the decoding pass is the teacher pass.
     `on_done(i, item)` gets each prompt's item as soon as its batch is done (so a

@@ -56,7 +56,7 @@ class TrainConfig:
     vocab_trim: int = 6144           # tokens the drafter can propose (0: the target's whole vocabulary)
     minutes: float = 30.0            # training time budget (data preparation not included)
     init: str | None = None          # start from this drafter checkpoint instead of the target
-    answer_tokens: int = 192         # length of the target's answers to corpus prompts
+    answer_tokens: int = 128         # length of the target's answers to corpus prompts
     max_prompt_tokens: int = 1536
     window: int = 512                # plain text window, tokens
     top_k: int = 32                  # teacher probabilities kept per position
