@@ -187,10 +187,12 @@ class VerifierPrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_len: _Optional[int] = ...) -> None: ...
 
 class VerifierPrefillResponse(_message.Message):
-    __slots__ = ("next_token",)
+    __slots__ = ("next_token", "active_requests")
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     next_token: int
-    def __init__(self, next_token: _Optional[int] = ...) -> None: ...
+    active_requests: int
+    def __init__(self, next_token: _Optional[int] = ..., active_requests: _Optional[int] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("request_id", "tree", "context_length")
@@ -203,18 +205,20 @@ class VerifyRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., tree: _Optional[_Union[DraftTree, _Mapping]] = ..., context_length: _Optional[int] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("accepted", "bonus", "state_lost", "batch_size", "queued")
+    __slots__ = ("accepted", "bonus", "state_lost", "batch_size", "queued", "active_requests")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     BONUS_FIELD_NUMBER: _ClassVar[int]
     STATE_LOST_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     QUEUED_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     accepted: _containers.RepeatedScalarFieldContainer[int]
     bonus: int
     state_lost: bool
     batch_size: int
     queued: int
-    def __init__(self, accepted: _Optional[_Iterable[int]] = ..., bonus: _Optional[int] = ..., state_lost: _Optional[bool] = ..., batch_size: _Optional[int] = ..., queued: _Optional[int] = ...) -> None: ...
+    active_requests: int
+    def __init__(self, accepted: _Optional[_Iterable[int]] = ..., bonus: _Optional[int] = ..., state_lost: _Optional[bool] = ..., batch_size: _Optional[int] = ..., queued: _Optional[int] = ..., active_requests: _Optional[int] = ...) -> None: ...
 
 class VerifierStatsRequest(_message.Message):
     __slots__ = ()

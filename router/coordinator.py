@@ -199,7 +199,7 @@ class Coordinator:
             dataclasses.replace(job.speculation, prior=reliability) if len(job.drafters) > 1 else job.speculation
             for _, reliability in job.drafters]
         ready: list[DraftTree] | None = None  # each drafter's tree for this round, drafted ahead
-        rnd, load = 0, 1  # round; requests sharing the verifier's last pass (with those queued)
+        rnd, load = 0, 1  # round; requests sharing the verifier
         try:
             while not self._finished(job, verified):
                 if job.is_cancelled():
@@ -211,7 +211,7 @@ class Coordinator:
                     # the answer is the next token, exactly as a round would give it
                     with self._span(stats, "prefill", rnd):
                         new = [verifier.prefill(context)]
-                    ready = None
+                    ready, load = None, max(1, verifier.active_requests)
                 else:
                     room, costs = job.params.max_tokens - len(verified) - 1, None
                     lengths = ([job.draft_length] * len(job.drafters) if controls is None
@@ -252,7 +252,9 @@ class Coordinator:
                     stats.accepted_draft_tokens += len(resp.accepted)
                     drafting.count(proposals, resp.accepted, stats)
                     stats.batch_sizes.append(resp.batch_size)
-                    load = max(1, resp.batch_size + resp.queued)
+                    # requests sharing the verifier: those of this pass and queued, and those it holds
+                    # between rounds (drafting, on the wire), which the next passes will carry too
+                    load = max(1, resp.batch_size + resp.queued, resp.active_requests)
                     verify_s = stats.trace[-1].end - stats.trace[-1].start
                     for i, (c, own) in enumerate(zip(controls or (), proposals)):
                         own_guess = [own.tokens[n] for n in likeliest_path(own)]
@@ -319,6 +321,7 @@ class _VerifySide(_Side):
     """The verifier holding one request, replaced when it fails."""
 
     kind = "verifier"
+    active_requests = 0  # the verifier's load when it last answered a prefill
 
     def prefill(self, tokens: list[int]) -> int:
         reserve = len(tokens) + self.job.params.max_tokens + self.job.max_tree_nodes + 4
@@ -339,7 +342,7 @@ class _VerifySide(_Side):
                     raise
                 self._fail(address, e)
                 continue
-            self.address, self.stub = address, stub
+            self.address, self.stub, self.active_requests = address, stub, resp.active_requests
             return resp.next_token
         raise NoService("no verifier is available")
 

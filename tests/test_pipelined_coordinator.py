@@ -9,6 +9,7 @@ draft being made while the round is verified.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -144,3 +145,27 @@ def test_router_metrics_export_each_sides_idle_fraction(target, services):
         assert f'specserve_idle_fraction{{side="{side}"}}' in text
         assert 0.0 <= metrics.idle_fraction(side) < 1.0
     assert "specserve_reused_drafts_total" in text and "specserve_busy_seconds_total" in text
+
+
+def test_a_busy_verifier_gets_no_speculation_from_the_first_round(services):
+    """Goodput under load: a verifier that holds other requests makes every extra token of a
+    pass cost more, so a request arriving then drafts nothing, not even in its first round
+    (its load is known from the verifier's prefill answer, before any verdict)."""
+    coordinator, _, engine = services
+    params = SamplingParams(max_tokens=16)
+
+    def first_lengths() -> list[int]:
+        control = SpeculationControl(DRAFT_LENGTH, prior=0.9, verify_token_cost=0.5)
+        _, stats = served(coordinator, dataclasses.replace(
+            job("busy", PROMPTS[0], params, (("layerskip", 1.0),), pipelined=False), speculation=control))
+        return stats.draft_lengths[:2]
+
+    assert all(first_lengths()), "an idle verifier: the request drafts"
+    others = [f"other-{i}" for i in range(3)]
+    for rid in others:
+        engine.prefill(rid, PROMPTS[1], params)
+    try:
+        assert first_lengths() == [0, 0]
+    finally:
+        for rid in others:
+            engine.release(rid)

@@ -118,7 +118,8 @@ class VerifyOutcome:
     accepted: list[int]  # accepted draft tokens, root to leaf
     bonus: int           # the target's own next token
     batch_size: int      # requests that shared the forward pass
-    queued: int = 0      # verify items still waiting when the pass began (the load a caller adapts to)
+    queued: int = 0      # verify items still waiting when the pass began
+    active: int = 0      # requests holding a row: the load a caller adapts to (some may be between rounds)
 
 
 @dataclass
@@ -231,6 +232,10 @@ class VerifierEngine:
     def release(self, request_id: str) -> bool:
         """Free the request's row and delete its checkpoint; False if no row held it."""
         return self._submit(_Release(request_id))
+
+    def active_requests(self) -> int:
+        """Requests holding a row now."""
+        return len(self._requests)
 
     def stats(self) -> dict[str, Any]:
         """forward_passes counts prefills too; the histogram counts verification passes by batch size."""
@@ -365,7 +370,7 @@ class VerifierEngine:
             state.tokens += accepted + [bonus]
             state.last_used = self.clock()
             self._checkpoint(work.request_id, state)
-            work.future.set_result(VerifyOutcome(accepted, bonus, len(ready), self._waiting))
+            work.future.set_result(VerifyOutcome(accepted, bonus, len(ready), self._waiting, len(self._requests)))
 
     def _check_tree(self, tree: DraftTree, state: _Request) -> None:
         """What a well-formed tree still needs: room in the row, and when sampling, its draws' q."""

@@ -55,7 +55,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             reserve = request.max_len - len(tokens) if request.max_len else 0  # 0: unset, reserve nothing
             return self.engine.prefill(request.request_id, tokens, params_from_pb(request.sampling), reserve)
 
-        return pb.VerifierPrefillResponse(next_token=_checked(context, prefill))
+        next_token = _checked(context, prefill)
+        return pb.VerifierPrefillResponse(next_token=next_token, active_requests=self.engine.active_requests())
 
     def Verify(self, request: pb.VerifyRequest, context: grpc.ServicerContext) -> pb.VerifyResponse:
         def verify() -> pb.VerifyResponse:
@@ -67,7 +68,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             except UnknownRequest:
                 return pb.VerifyResponse(state_lost=True)
             return pb.VerifyResponse(accepted=out.accepted, bonus=out.bonus, batch_size=out.batch_size,
-                                     queued=out.queued)
+                                     queued=out.queued, active_requests=out.active)
 
         return _checked(context, verify)
 
