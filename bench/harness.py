@@ -210,7 +210,8 @@ def run_bench(args) -> dict:
                     # each mode has its own suffix index: one fed by another mode's run of this very
                     # question would draft its answer from memory
                     registry._suffix_indexes = suffix_indexes[mode]
-                    r = engine.run(Request(q["turns"][0], True, params, drafter, args.draft_length))
+                    r = engine.run(Request(q["turns"][0], True, params, drafter, args.draft_length,
+                                           getattr(args, "tree_budget", None)))
                     tokens, seconds, passes = r.token_ids, r.seconds, r.target_forward_passes
                     drafts = (r.draft_tokens, r.accepted_draft_tokens)
                 times.append(seconds)
@@ -255,7 +256,7 @@ def run_bench(args) -> dict:
     report = {
         "command": "specserve " + " ".join(getattr(args, "argv", []) or []),
         "max_tokens": args.max_tokens, "limit_per_category": args.limit_per_category,
-        "draft_length": args.draft_length, "repeats": args.repeats, "torch_threads": torch.get_num_threads(),
+        "draft_length": args.draft_length, "tree_budget": getattr(args, "tree_budget", None), "repeats": args.repeats, "torch_threads": torch.get_num_threads(),
         "temperature": temperature,
         "identical_to_hf_ar": {m: f"{a}/{n}" for m, (a, n) in same_as_hf.items()},
         "served_overhead_ms_per_round": overhead,

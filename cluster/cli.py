@@ -42,11 +42,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--drafter", default=None,
                    help=f"one of {', '.join(DRAFTER_NAMES)} (default pld; with --server the router chooses)")
-    g.add_argument("--draft-length", type=int, default=5)
+    g.add_argument("--draft-length", type=int, default=5, help="most tokens deep a draft goes per round")
+    g.add_argument("--tree-budget", type=int, default=None,
+                   help="most draft nodes verified per round (default: the draft length, a chain's worth); "
+                        "tree drafters branch to fill it")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
     g.add_argument("--server", metavar="HOST:PORT",
                    help="generate on a specserve server instead of in this process "
-                        "(--model, --device, --dtype and --draft-length then do not apply)")
+                        "(--model, --device, --dtype, --draft-length and --tree-budget then do not apply)")
     g.add_argument("--tls", action="store_true",
                    help="with --server: use TLS (system roots, or the file in GRPC_DEFAULT_SSL_ROOTS_FILE_PATH)")
     g.add_argument("--timeout", type=float, default=None, metavar="SECONDS", help="with --server: deadline per call")
@@ -63,6 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--limit-per-category", type=int, default=3)
     b.add_argument("--modes", nargs="+", default=["hf-ar", "hf-pld", "ar", "pld", "layerskip"])
     b.add_argument("--draft-length", type=int, default=5)
+    b.add_argument("--tree-budget", type=int, default=None,
+                   help="most draft nodes per round for the in-process modes (default: the draft length)")
     b.add_argument("--repeats", type=int, default=1, help="time each generation this many times; report the median")
     b.add_argument("--micro", action="store_true", help="also time single forwards and model loading")
     b.add_argument("--temperature", type=float, default=0.0,
@@ -111,6 +116,8 @@ def cmd_generate(args) -> int:
     params.validate()  # cheap checks before loading the model
     if args.draft_length < 0:
         raise InvalidArgument("draft_length", f"must be >= 0, got {args.draft_length}")
+    if args.tree_budget is not None and args.tree_budget < 0:
+        raise InvalidArgument("tree_budget", f"must be >= 0, got {args.tree_budget}")
     if args.drafter is not None:
         check_drafter(args.drafter)
     if not args.prompt.strip():
@@ -123,7 +130,7 @@ def cmd_generate(args) -> int:
     from cluster.local import LocalEngine, Request
 
     engine = LocalEngine.load(args.model, args.device, args.dtype)
-    req = Request(args.prompt, args.chat, params, args.drafter, args.draft_length)
+    req = Request(args.prompt, args.chat, params, args.drafter, args.draft_length, args.tree_budget)
     tok = engine.tokenizer
     if args.json:
         result = engine.run(req)

@@ -28,6 +28,7 @@ class Request:
     params: SamplingParams = SamplingParams()
     drafter: str = "pld"
     draft_length: int = 5
+    tree_budget: int | None = None  # most draft nodes per round; None: draft_length
 
 
 class LocalEngine:
@@ -50,4 +51,5 @@ class LocalEngine:
         ids = self.prompt_ids(req.prompt, req.chat)
         drafter = make_drafter(req.drafter, self.model)
         eos = self.tokenizer.eos_token_ids or self.model.config.eos_token_ids
-        return generate(self.model, ids, req.params, drafter, req.draft_length, eos, on_tokens)
+        return generate(self.model, ids, req.params, drafter, req.draft_length, eos, on_tokens,
+                        tree_budget=req.tree_budget)

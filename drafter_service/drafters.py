@@ -8,6 +8,7 @@ the context it is given.
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
@@ -43,7 +44,7 @@ class PromptLookupDrafter:
         self.vocab_size, self.max_ngram, self.min_ngram = vocab_size, max_ngram, min_ngram
 
     def propose(self, context: Sequence[int], max_tokens: int, params: SamplingParams,
-                generator: torch.Generator, verified: int | None = None) -> DraftTree:
+                generator: torch.Generator, verified: int | None = None, max_nodes: int | None = None) -> DraftTree:
         tokens = lookup_continuation(context, max_tokens, self.max_ngram, self.min_ngram)
         return DraftTree.chain(tokens, None if params.greedy else _one_hot(tokens, self.vocab_size))
 
@@ -62,14 +63,14 @@ class SuffixDrafter:
         self.fed: list[int] = []  # the verified context fed so far (its length and last token say if it holds)
 
     def propose(self, context: Sequence[int], max_tokens: int, params: SamplingParams,
-                generator: torch.Generator, verified: int | None = None) -> DraftTree:
+                generator: torch.Generator, verified: int | None = None, max_nodes: int | None = None) -> DraftTree:
         known = list(context[:len(context) if verified is None else verified])  # a guess ahead is not fed
         n = len(self.fed)
         if len(known) < n or (n and known[n - 1] != self.fed[-1]):  # not our request's context: start over
             self.stream, self.fed, n = SuffixStream(), [], 0
         self.index.feed(self.stream, known[n:])
         self.fed = known
-        tree = self.index.propose(context, max_tokens)
+        tree = self.index.propose(context, max_tokens if max_nodes is None else max_nodes, max_depth=max_tokens)
         if not params.greedy and len(tree):
             tree.draw_q = _one_hot([tree.tokens[node] for node in tree.draw_nodes], self.vocab_size)
         return tree
@@ -137,9 +138,12 @@ class ModelDrafter:
         return logits
 
     def propose(self, context: Sequence[int], max_tokens: int, params: SamplingParams,
-                generator: torch.Generator, verified: int | None = None) -> DraftTree:
+                generator: torch.Generator, verified: int | None = None, max_nodes: int | None = None) -> DraftTree:
         if len(context) + max_tokens > self.max_len:
             max_tokens = self.max_len - len(context)
+        max_nodes = max_tokens if max_nodes is None else max_nodes
+        if params.greedy and max_tokens > 0 and max_nodes > max_tokens:
+            return self._propose_tree(context, max_tokens, max_nodes)
         logits = self._sync(context, max_tokens)
         tokens, qs, confidence = [], [], []
         for i in range(max_tokens):
@@ -164,6 +168,70 @@ class ModelDrafter:
                 logits = self._feed([tok], len(self.cached))
         return DraftTree.chain(tokens, torch.stack(qs) if qs else None, confidence)
 
+    def _propose_tree(self, context: Sequence[int], depth: int, max_nodes: int) -> DraftTree:
+        """Greedy only: a tree of at most `max_nodes` nodes and `depth` levels, grown level by
+        level (as EAGLE-2 does): each level's candidates are the top children of the level
+        above, and the `width` of them likeliest by path probability under the drafter become
+        nodes, all scored together in one forward with tree attention. The nodes come out
+        best-first by path probability, so every parent precedes its children and
+        `truncated(k)` keeps the best k. Any tree is lossless under greedy verification;
+        this one holds the tokens the target most likely takes. The tree's keys and values
+        are dropped from the cache afterwards: the next round feeds what was accepted."""
+        width = -(-max_nodes // depth)  # ceil: enough nodes per level to fill the budget
+        base = len(context)
+        logits = self._sync(context, depth * width)
+        tree_tokens: list[int] = []  # drafter's own ids
+        parents: list[int] = []
+        local: list[float] = []  # each node's probability after its parent
+        path_logp: list[float] = []
+        slot: dict[int, int] = {}  # node -> its KV cache slot, once fed
+        frontier = [(-1, logits, 0.0)]  # (node, logits after it, log-probability of its path)
+        for level in range(depth):
+            candidates = []
+            for node, lg, logp in frontier:
+                top = torch.topk(torch.softmax(lg.float(), -1), width)
+                for p, tok in zip(top.values.tolist(), top.indices.tolist()):
+                    if p > 0:
+                        candidates.append((logp + math.log(p), node, tok, p))
+            candidates.sort(key=lambda c: -c[0])
+            level_nodes = []
+            for logp, parent, tok, p in candidates[:width]:
+                level_nodes.append(len(tree_tokens))
+                tree_tokens.append(tok)
+                parents.append(parent)
+                local.append(p)
+                path_logp.append(logp)
+            if level + 1 == depth or not level_nodes:
+                break
+            # score the level's nodes in one pass: each sees the context and its own ancestors
+            start = self.cache.lengths[0]
+            mask = torch.zeros(len(level_nodes), start + len(level_nodes), dtype=torch.bool)
+            mask[:, :base] = True
+            for row, node in enumerate(level_nodes):
+                mask[row, start + row] = True
+                up = parents[node]
+                while up >= 0:
+                    mask[row, slot[up]] = True
+                    up = parents[up]
+                slot[node] = start + row
+            device = self.model.device
+            ids = torch.tensor([[tree_tokens[n] for n in level_nodes]], device=device)
+            positions = torch.tensor([[base + level] * len(level_nodes)], device=device)
+            out = self.model(ids, positions, self.cache, mask[None].to(device), layers=self.layers)[0]
+            if self.vocab_ids is not None:  # the "any other token" row is never proposed
+                out = torch.cat((out[:, :-1], out.new_full((len(level_nodes), 1), float("-inf"))), 1)
+            frontier = [(node, out[row], path_logp[node]) for row, node in enumerate(level_nodes)]
+        self.cache.rollback(base)  # keep the verified context only
+        order = sorted(range(len(tree_tokens)), key=lambda n: (-path_logp[n], n))[:max_nodes]
+        kept = set(order)
+        order = [n for n in order if parents[n] < 0 or parents[n] in kept]  # closed under parents
+        new_index = {n: i for i, n in enumerate(order)}
+        tokens = [tree_tokens[n] for n in order]
+        if self.vocab_ids is not None:
+            tokens = self.vocab_ids[torch.tensor(tokens, dtype=torch.long)].tolist()
+        return DraftTree(tokens, [new_index.get(parents[n], -1) for n in order],
+                         confidence=[local[n] for n in order])
+
     def _spread(self, q: torch.Tensor) -> torch.Tensor:
         """q over the drafter's vocabulary as a distribution over the target's."""
         full = torch.zeros(self.target_vocab_size, dtype=q.dtype, device=q.device)
@@ -187,7 +255,7 @@ class MultiSampleDrafter:
         self.name = f"{getattr(base, 'name', 'drafter')}x{branches}"
 
     def propose(self, context: Sequence[int], max_tokens: int, params: SamplingParams,
-                generator: torch.Generator, verified: int | None = None) -> DraftTree:
+                generator: torch.Generator, verified: int | None = None, max_nodes: int | None = None) -> DraftTree:
         tree = DraftTree()
         for _ in range(self.branches):
             chain = self.base.propose(context, max_tokens, params, generator, verified)
@@ -208,11 +276,12 @@ class FusedDrafter:
         self.name = "+".join(getattr(d, "name", "drafter") for d, _ in self.members)
 
     def propose(self, context: Sequence[int], max_tokens: int, params: SamplingParams,
-                generator: torch.Generator, verified: int | None = None) -> DraftTree:
+                generator: torch.Generator, verified: int | None = None, max_nodes: int | None = None) -> DraftTree:
         tokens = min(max_tokens, self.member_tokens or max_tokens)
+        max_nodes = max_tokens if max_nodes is None else max_nodes
         proposals = []
         for drafter, reliability in self.members:
             own = None if params.greedy else torch.Generator().manual_seed(
                 int(torch.randint(2**62, (), generator=generator)))
-            proposals.append((drafter.propose(context, tokens, params, own, verified), reliability))
-        return fuse(proposals, max_tokens, params.greedy)
+            proposals.append((drafter.propose(context, tokens, params, own, verified, max_nodes), reliability))
+        return fuse(proposals, max_nodes, params.greedy)

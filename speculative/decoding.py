@@ -31,10 +31,15 @@ class Drafter(Protocol):
     ahead (pipelining), only the first `verified` tokens of `context` are
     verified (None: all); a drafter that learns from the text (a shared
     suffix index) must learn from those only.
+
+    `max_tokens` bounds the tree's depth (a chain's length); `max_nodes` its
+    size (None: `max_tokens`). Chain drafters ignore `max_nodes`; tree
+    drafters may branch to fill it.
     """
 
     def propose(self, context: Sequence[int], max_tokens: int, params: SamplingParams,
-                generator: torch.Generator, verified: int | None = None) -> DraftTree: ...
+                generator: torch.Generator, verified: int | None = None,
+                max_nodes: int | None = None) -> DraftTree: ...
 
 
 @dataclass
@@ -61,9 +66,12 @@ class GenerationResult:
 
 def generate(target: Transformer, prompt_ids: Sequence[int], params: SamplingParams,
              drafter: Drafter | None = None, draft_length: int = 5, eos_token_ids: Sequence[int] = (),
-             on_tokens: Callable[[list[int]], None] | None = None, pipelined: bool = False) -> GenerationResult:
+             on_tokens: Callable[[list[int]], None] | None = None, pipelined: bool = False,
+             tree_budget: int | None = None) -> GenerationResult:
     """Generate up to `params.max_tokens` tokens after `prompt_ids`.
 
+    `draft_length` is the deepest a draft goes, `tree_budget` the most nodes a
+    round's tree may have (None: `draft_length`, a chain's worth).
     `on_tokens` is called with each batch of newly verified tokens (streaming).
     `pipelined` drafts each next round ahead, before the verdict, and reuses
     it when the verdict allows (`speculative.pipeline`): in one process this
@@ -74,13 +82,16 @@ def generate(target: Transformer, prompt_ids: Sequence[int], params: SamplingPar
         raise InvalidArgument("prompt", "must not be empty")
     if draft_length < 0:
         raise InvalidArgument("draft_length", f"must be >= 0, got {draft_length}")
+    nodes = draft_length if tree_budget is None else tree_budget
+    if nodes < 0:
+        raise InvalidArgument("tree_budget", f"must be >= 0, got {tree_budget}")
     params.validate(len(prompt_ids), target.config.max_position_embeddings)
     started = time.perf_counter()
     device = target.device
     verifier_rng = make_generator(params.seed, device, stream=0)
     drafter_rng = make_generator(params.seed, device, stream=1)
     eos = set(eos_token_ids)
-    cache = target.new_cache(len(prompt_ids) + params.max_tokens + draft_length + 1)
+    cache = target.new_cache(len(prompt_ids) + params.max_tokens + max(draft_length, nodes) + 1)
 
     def choose(scores: torch.Tensor) -> int:
         if params.greedy:
@@ -117,12 +128,14 @@ def generate(target: Transformer, prompt_ids: Sequence[int], params: SamplingPar
         budget = min(draft_length, params.max_tokens - len(result.token_ids) - 1)
         tree, ahead, guess = DraftTree(), None, []
         if drafter is not None and budget > 0:
-            tree = (ready if ready else drafter.propose(context, budget, params, drafter_rng)).truncated(budget)
+            tree = ready if ready else drafter.propose(context, budget, params, drafter_rng, max_nodes=nodes)
+            tree = tree.truncated(nodes)
             if pipelined:
                 guess = [tree.tokens[node] for node in likeliest_path(tree)]
                 room = min(draft_length, params.max_tokens - len(result.token_ids) - len(guess) - 2)
                 if room > 0:
-                    ahead = drafter.propose(context + guess, room, params, drafter_rng, verified=len(context))
+                    ahead = drafter.propose(context + guess, room, params, drafter_rng, verified=len(context),
+                                            max_nodes=nodes)
         [(path, bonus)] = verify_batch(target, cache, [VerifyItem(0, context[-1], tree, params, verifier_rng)])
         accepted = [tree.tokens[node] for node in path]
         ready = reuse_ahead(ahead, guess, accepted, bonus) if ahead is not None else None

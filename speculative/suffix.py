@@ -86,8 +86,10 @@ class SuffixIndex:
                 return node
         return None
 
-    def propose(self, context: Sequence[int], max_tokens: int, min_probability: float = 0.1) -> DraftTree:
-        """A tree of at most `max_tokens` nodes continuing `context`, grown best-first by
+    def propose(self, context: Sequence[int], max_tokens: int, min_probability: float = 0.1,
+                max_depth: int | None = None) -> DraftTree:
+        """A tree of at most `max_tokens` nodes and `max_depth` levels (default: the
+        index's `max_draft`) continuing `context`, grown best-first by
         the empirical probability of each node's path (kept only while >= min_probability).
         A node's confidence is the empirical probability of its token after its parent."""
         tree = DraftTree()
@@ -95,15 +97,17 @@ class SuffixIndex:
             start = self._match(context)
             if start is None or max_tokens <= 0:
                 return tree
-            self._expand(tree, start, max_tokens, min_probability)
+            depth = self.max_draft if max_depth is None else min(max_depth, self.max_draft)
+            self._expand(tree, start, max_tokens, min_probability, depth)
         return tree
 
-    def _expand(self, tree: DraftTree, start: _Node, max_tokens: int, min_probability: float) -> None:
+    def _expand(self, tree: DraftTree, start: _Node, max_tokens: int, min_probability: float,
+                max_depth: int) -> None:
         tie = count()  # equal probabilities: first seen first
         heap: list = []
 
         def offer_children(node: _Node, prob: float, parent: int, depth: int) -> None:
-            if depth >= self.max_draft:
+            if depth >= max_depth:
                 return
             total = sum(c.count for c in node.children.values())
             for tok, child in node.children.items():

@@ -58,3 +58,37 @@ def test_trimmed_vocabulary_drafter_maps_tokens_both_ways():
     assert sampled.draw_q.shape == (3, 8)
     assert torch.allclose(sampled.draw_q.sum(-1), torch.ones(3))
     assert sampled.draw_q[:, [0, 2, 3, 5, 7]].sum() == 0  # no mass outside its vocabulary
+
+
+def _probability_after(model, context, token) -> float:
+    """The drafter's probability of `token` after `context`, from a fresh prefill."""
+    return float(torch.softmax(ModelDrafter(model, max_len=64)._sync(context, 1).float(), -1)[token])
+
+
+def test_greedy_tree_holds_the_drafters_likeliest_paths_and_leaves_the_cache_clean():
+    model = tiny_model(3)
+    ctx = [1, 5, 2, 7, 3]
+    drafter = ModelDrafter(model, max_len=64)
+    tree = drafter.propose(ctx, 3, GREEDY, torch.Generator(), max_nodes=7)
+    assert 1 < len(tree) <= 7 and max(tree.depths) <= 3
+    assert all(p < i for i, p in enumerate(tree.parents))  # parents first
+    chain = ModelDrafter(model, max_len=64).propose(ctx, 3, GREEDY, torch.Generator())
+    assert tree.tokens[0] == chain.tokens[0]  # the best node is the drafter's argmax
+    scores = []
+    for node in range(len(tree)):
+        path = [tree.tokens[n] for n in tree.path_to(node)]
+        # each node's confidence is the drafter's own probability of it after its path
+        assert abs(tree.confidence[node] - _probability_after(model, ctx + path[:-1], path[-1])) < 1e-5
+        scores.append(torch.tensor([tree.confidence[n] for n in tree.path_to(node)]).prod().item())
+    assert scores == sorted(scores, reverse=True)  # best-first: truncated(k) keeps the best k
+    # the tree's keys and values are gone: the next proposal is a fresh drafter's
+    longer = ctx + [tree.tokens[0], 4]
+    assert drafter.propose(longer, 3, GREEDY, torch.Generator()).tokens == \
+        ModelDrafter(model, max_len=64).propose(longer, 3, GREEDY, torch.Generator()).tokens
+
+
+def test_greedy_tree_of_a_trimmed_vocabulary_drafter_proposes_target_tokens():
+    small = tiny_model(2, vocab_size=4)
+    drafter = ModelDrafter(small, max_len=64, vocab_ids=[1, 4, 6], target_vocab_size=8)
+    tree = drafter.propose([1, 4, 6, 0, 7, 1], 3, GREEDY, torch.Generator(), max_nodes=6)
+    assert len(tree) > 3 and set(tree.tokens) <= {1, 4, 6}

@@ -23,9 +23,13 @@ DRAFT_LENGTH = {"layerskip": 2}
 PROMPT_COUNT = {name: 4 for name in SHIPPED_DRAFTERS if name != "small-general"}
 
 
-def cli_generate(capsys, prompt: str, drafter: str) -> dict:
+# token trees wider than a chain (--tree-budget): a small drafter's own tree, and fused trees
+TREE_CASES = [("small-general", 16), ("pld+suffix+small-general", 16)]
+
+
+def cli_generate(capsys, prompt: str, drafter: str, *extra: str) -> dict:
     argv = ["generate", "--chat", "--json", "--prompt", prompt, "--max-tokens", str(MAX_TOKENS),
-            "--drafter", drafter, "--draft-length", str(DRAFT_LENGTH.get(drafter, 5))]
+            "--drafter", drafter, "--draft-length", str(DRAFT_LENGTH.get(drafter, 5)), *extra]
     assert cli_main(argv) == 0
     return json.loads(capsys.readouterr().out)
 
@@ -39,3 +43,17 @@ def test_greedy_matches_hf_generate(hf_oracle, smollm2, capsys, drafter):
             ties.append(tie)
     if ties:
         warnings.warn(f"{drafter}: differs from HF only at near-ties: " + "; ".join(ties))
+
+
+@pytest.mark.parametrize("drafter,tree_budget", TREE_CASES)
+def test_greedy_token_trees_match_hf_generate(hf_oracle, smollm2, capsys, drafter, tree_budget):
+    ties, drafted = [], 0
+    for i, (_, prompt) in enumerate(PROMPTS[:8]):
+        out = cli_generate(capsys, prompt, drafter, "--tree-budget", str(tree_budget))
+        drafted = max(drafted, out["draft_tokens"] / max(out["target_forward_passes"] - 1, 1))
+        tie = near_tie_or_equal(hf_oracle, i, out["token_ids"], f"{drafter} tree {tree_budget}")
+        if tie:
+            ties.append(tie)
+    assert drafted > 5, "the trees were never wider than a chain"
+    if ties:
+        warnings.warn(f"{drafter} with trees: differs from HF only at near-ties: " + "; ".join(ties))
