@@ -173,7 +173,7 @@ class RouterActor(_ServiceActor):
         coordinator = Coordinator(verifiers=live("verifier"), drafters=live("drafter"))
         # a request, and the largest tree a round can send, must fit the verifier's KV slots
         # as well as the model's context
-        largest_tree = max(cfg.draft_length, cfg.tree_budget) if cfg.fused_drafters > 1 else cfg.draft_length
+        largest_tree = max(cfg.draft_length, cfg.tree_budget)
         context = min(model_cfg.max_position_embeddings, cfg.max_len - largest_tree - 4)
         config = RouterConfig(context_length=context,
                               eos_token_ids=tokenizer.eos_token_ids or model_cfg.eos_token_ids,

@@ -28,7 +28,8 @@ class ServeConfig(BaseModel):
     fused_drafters: int = Field(1, ge=1, le=8, description="drafters per routed request, their trees fused into "
                                                            "one (1 = a single drafter, no fusion)")
     draft_length: int = Field(5, ge=0, le=64, description="most tokens each drafter drafts per round")
-    tree_budget: int = Field(8, ge=1, le=128, description="most nodes of a fused tree (fused_drafters > 1)")
+    tree_budget: int = Field(8, ge=1, le=128, description="most nodes of a round's draft tree, fused or one "
+                                                          "drafter's (greedy model drafters branch to fill it)")
     pipelined: bool = Field(False, description="draft each next round while the verifier checks this one "
                                                "(PEARL post-verify); a request may override it")
     adaptive: bool = Field(True, description="draft length per request (its acceptance) and per verifier "
@@ -69,9 +70,10 @@ class ServeConfig(BaseModel):
     @classmethod
     def _fused_tree_fits(cls, tokens: int, info: ValidationInfo) -> int:
         # a tree and its root go through the verifier in one batch of at most max_batch_tokens
-        # (fused_drafters and tree_budget come earlier, so they are validated by now)
-        if info.data.get("fused_drafters", 1) > 1 and info.data.get("tree_budget", 0) >= tokens:
-            raise ValueError(f"must be more than tree_budget ({info.data['tree_budget']}) when fusing drafters")
+        # (draft_length and tree_budget come earlier, so they are validated by now)
+        largest = max(info.data.get("tree_budget", 0), info.data.get("draft_length", 0))
+        if largest >= tokens:
+            raise ValueError(f"must be more than tree_budget and draft_length ({largest})")
         return tokens
 
 

@@ -75,8 +75,10 @@ class DrafterPool:
             self._draft(state, 0)
 
     def propose(self, request_id: str, context_length: int, new_tokens: Sequence[int],
-                max_tokens: int, speculative: Sequence[int] = (), min_confidence: float = 0.0) -> DraftTree | None:
-        """Append the newly verified tokens and draft up to `max_tokens` past them, or past
+                max_tokens: int, speculative: Sequence[int] = (), min_confidence: float = 0.0,
+                max_nodes: int | None = None) -> DraftTree | None:
+        """Append the newly verified tokens and draft up to `max_tokens` deep (a tree of at most
+        `max_nodes` nodes, default `max_tokens`) past them, or past
         `speculative` tokens after them (drafting ahead of a verdict; they stay unverified).
         A model drafter stops after a token it drew with less than `min_confidence`.
 
@@ -84,6 +86,8 @@ class DrafterPool:
         that is not `context_length` tokens long): the caller prefills again."""
         if max_tokens < 0:
             raise InvalidArgument("max_tokens", f"must be >= 0, got {max_tokens}")
+        if max_nodes is not None and max_nodes < 0:
+            raise InvalidArgument("max_nodes", f"must be >= 0, got {max_nodes}")
         if not 0.0 <= min_confidence <= 1.0:
             raise InvalidArgument("min_confidence", f"must be in [0, 1], got {min_confidence}")
         self._check_vocabulary("new_tokens", new_tokens)
@@ -98,7 +102,7 @@ class DrafterPool:
             if len(state.context) != context_length:
                 return None
             state.context.extend(new_tokens)
-            return self._draft(state, max_tokens, list(speculative), min_confidence)
+            return self._draft(state, max_tokens, list(speculative), min_confidence, max_nodes)
 
     def release(self, request_id: str) -> bool:
         with self._lock:
@@ -121,7 +125,7 @@ class DrafterPool:
         return len(idle)
 
     def _draft(self, state: _Request, max_tokens: int, speculative: list[int] = (),
-               min_confidence: float = 0.0) -> DraftTree:
+               min_confidence: float = 0.0, max_nodes: int | None = None) -> DraftTree:
         # Nothing past the target's context can be verified, and a model
         # drafter's KV cache holds no more.
         context = state.context + list(speculative)
@@ -131,7 +135,7 @@ class DrafterPool:
         if hasattr(state.drafter, "stop_below"):
             state.drafter.stop_below = min_confidence
         return state.drafter.propose(context, min(max_tokens, room), state.params, state.generator,
-                                     verified=len(state.context))
+                                     verified=len(state.context), max_nodes=max_nodes)
 
     def _check_vocabulary(self, name: str, tokens: Sequence[int]) -> None:
         vocab = self.target.config.vocab_size

@@ -43,7 +43,8 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         started = time.perf_counter()
         tree = _checked(context, lambda: self.pool.propose(
             request.request_id, request.context_length, list(request.new_tokens), request.max_tokens,
-            speculative=list(request.speculative_tokens), min_confidence=request.min_confidence))
+            speculative=list(request.speculative_tokens), min_confidence=request.min_confidence,
+            max_nodes=request.max_nodes or None))
         if tree is None:
             return pb.ProposeResponse(state_lost=True)
         return pb.ProposeResponse(tree=tree_to_pb(tree), seconds=time.perf_counter() - started)

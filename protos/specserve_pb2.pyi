@@ -133,20 +133,22 @@ class DrafterPrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., drafter: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stream: _Optional[int] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("request_id", "context_length", "new_tokens", "max_tokens", "speculative_tokens", "min_confidence")
+    __slots__ = ("request_id", "context_length", "new_tokens", "max_tokens", "speculative_tokens", "min_confidence", "max_nodes")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MIN_CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
+    MAX_NODES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     context_length: int
     new_tokens: _containers.RepeatedScalarFieldContainer[int]
     max_tokens: int
     speculative_tokens: _containers.RepeatedScalarFieldContainer[int]
     min_confidence: float
-    def __init__(self, request_id: _Optional[str] = ..., context_length: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., speculative_tokens: _Optional[_Iterable[int]] = ..., min_confidence: _Optional[float] = ...) -> None: ...
+    max_nodes: int
+    def __init__(self, request_id: _Optional[str] = ..., context_length: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., speculative_tokens: _Optional[_Iterable[int]] = ..., min_confidence: _Optional[float] = ..., max_nodes: _Optional[int] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
     __slots__ = ("tree", "state_lost", "seconds")

@@ -151,7 +151,7 @@ class Job:
     # (("none", 1.0),) for plain decoding. Reliability weighs a drafter's nodes in fusion.
     drafters: tuple[tuple[str, float], ...]
     draft_length: int  # most tokens a drafter drafts per round
-    tree_budget: int  # most nodes of a fused tree (several drafters)
+    tree_budget: int  # most nodes of a round's tree (fused, or one tree drafter's) at full draft length
     vocab_size: int  # the target's: fusion reads the drafters' trees back from the wire
     eos_token_ids: Sequence[int]
     deadline: float | None = None  # time.monotonic() value
@@ -163,8 +163,15 @@ class Job:
 
     @property
     def max_tree_nodes(self) -> int:
-        """The most nodes a round's tree can have: one drafter's draft, or a fused tree."""
-        return self.tree_budget if len(self.drafters) > 1 else self.draft_length
+        """The most nodes a round's tree can have."""
+        return max(self.tree_budget, self.draft_length)
+
+    def tree_nodes(self, length: int) -> int:
+        """Most nodes of a drafter's tree `length` deep: the tree budget in proportion to the
+        length (adaptive speculation shortens both), and at least a chain's worth."""
+        if length <= 0 or self.draft_length <= 0:
+            return max(length, 0)
+        return max(length, -(-self.tree_budget * length // self.draft_length))
 
 
 class Coordinator:
@@ -402,7 +409,8 @@ class _Drafting:
         """Each drafter's own tree of up to its budget (empty for one that cannot draft),
         after `context` and, drafting ahead, the unverified `speculative` tokens."""
         def one(side: _DraftSide, budget: int) -> DraftTree:
-            return tree_from_pb(side.propose(context, budget, speculative), self.job.vocab_size)
+            return tree_from_pb(side.propose(context, budget, speculative, self.job.tree_nodes(budget)),
+                                self.job.vocab_size)
 
         if self._threads is None:
             return [one(self.sides[0], budgets[0])]
@@ -413,16 +421,17 @@ class _Drafting:
         return [side.seconds / len(tree) if len(tree) else 0.0 for side, tree in zip(self.sides, trees)]
 
     def merge(self, proposals: list[DraftTree], budgets: list[int]) -> DraftTree:
-        """The tree to verify: one drafter's, cut to its budget; several fused, each cut to
-        its own, into at most `tree_budget` nodes."""
+        """The tree to verify: one drafter's, cut to its node budget; several fused, each cut
+        to its own, into at most `tree_budget` nodes."""
         if not proposals:
             return DraftTree()
+        nodes = [self.job.tree_nodes(budget) for budget in budgets]
         if self._threads is None:
-            return proposals[0].truncated(budgets[0])
-        nodes = min(self.job.tree_budget, sum(budgets))
+            return proposals[0].truncated(nodes[0])
         # a sampled fused tree keeps its draws in fuse's order: the verifier tests them in it
-        return fuse([(tree.truncated(budget), reliability) for tree, budget, (_, reliability)
-                     in zip(proposals, budgets, self.job.drafters)], max(nodes, 1), self.job.params.greedy)
+        return fuse([(tree.truncated(n), reliability) for tree, n, (_, reliability)
+                     in zip(proposals, nodes, self.job.drafters)],
+                    max(min(self.job.tree_budget, sum(nodes)), 1), self.job.params.greedy)
 
     def reuse(self, ahead: list[DraftTree], guess: list[int], accepted: list[int],
               bonus: int) -> list[DraftTree] | None:
@@ -493,9 +502,11 @@ class _DraftSide(_Side):
             return True
         return False
 
-    def propose(self, context: list[int], budget: int, speculative: list[int] = ()) -> pb.DraftTree:
-        """A draft tree for `context` (and past `speculative`, drafting ahead), or an empty
-        one (plain decoding) if no drafter can help."""
+    def propose(self, context: list[int], budget: int, speculative: list[int] = (),
+                max_nodes: int = 0) -> pb.DraftTree:
+        """A draft tree `budget` deep and at most `max_nodes` wide (0: a chain's worth) for
+        `context` (and past `speculative`, drafting ahead), or an empty one (plain decoding)
+        if no drafter can help."""
         for _ in range(3):
             if self.disabled:
                 return pb.DraftTree()
@@ -505,7 +516,8 @@ class _DraftSide(_Side):
             try:
                 resp = self.stub.Propose(pb.ProposeRequest(
                     request_id=self.request_id, context_length=self.synced, new_tokens=context[self.synced:],
-                    max_tokens=budget, speculative_tokens=speculative, min_confidence=self.job.stop_confidence),
+                    max_tokens=budget, speculative_tokens=speculative, min_confidence=self.job.stop_confidence,
+                    max_nodes=max_nodes),
                     timeout=self.coord.timeout(self.job))
             except grpc.RpcError as e:
                 if e.code() not in RETRYABLE:

@@ -35,7 +35,7 @@ class RouterConfig:
     routed_drafters: tuple[str, ...] = ()
     fused_drafters: int = 1  # drafters a routed ("auto") request gets, their trees fused
     draft_length: int = 5
-    tree_budget: int = 8  # most nodes of a fused tree
+    tree_budget: int = 8  # most nodes of a round's tree (fused, or one tree drafter's)
     max_prompt_tokens: int = 4096
     default_max_tokens: int = 128
     max_stop_strings: int = 8

@@ -289,3 +289,15 @@ def test_a_routed_request_fuses_its_best_drafters_and_records_each(target, servi
     recorded = store.acceptance_stats()
     assert {kind for kind, _ in recorded} == set(chosen) and {domain for _, domain in recorded} == {"coding"}
     assert all(0 <= accepted <= proposed and proposed > 0 for proposed, accepted in recorded.values())
+
+
+def test_a_greedy_model_drafter_alone_sends_trees_as_wide_as_the_budget(target, services):
+    """`tree_budget` holds for one drafter too: a greedy model drafter branches to fill it,
+    `draft_length` deep, and the output is still the target's own."""
+    coordinator, pool, engine = services
+    params = SamplingParams(max_tokens=MAX_TOKENS)
+    tokens, _ = served(coordinator, job("wide", PROMPTS[0], params, drafters=(("layerskip", 1.0),)))
+    assert tokens == generate(target, PROMPTS[0], params).token_ids
+    trees = engine.trees["wide"]
+    assert DRAFT_LENGTH < max(len(t) for t in trees) <= TREE_BUDGET
+    assert max(max(t.depths, default=0) for t in trees) <= DRAFT_LENGTH
