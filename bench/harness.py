@@ -56,18 +56,18 @@ def load_questions(path: str, limit_per_category: int) -> list[dict]:
 
 
 class HFRunner:
-    """Hugging Face transformers on the same GGUF/directory: the baseline."""
+    """Hugging Face transformers on the same GGUF/directory, in the same dtype: the baseline."""
 
-    def __init__(self, source_path: Path):
+    def __init__(self, source_path: Path, dtype: torch.dtype = torch.float32):
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
         hf_logging.set_verbosity_error()
         if source_path.suffix == ".gguf":
             self.model = AutoModelForCausalLM.from_pretrained(
-                str(source_path.parent), gguf_file=source_path.name, dtype=torch.float32)
+                str(source_path.parent), gguf_file=source_path.name, dtype=dtype)
         else:
-            self.model = AutoModelForCausalLM.from_pretrained(str(source_path), dtype=torch.float32)
+            self.model = AutoModelForCausalLM.from_pretrained(str(source_path), dtype=dtype)
         self.model.eval()
 
     def run(self, ids: list[int], params: SamplingParams, mode: str) -> tuple[list[int], float]:
@@ -105,7 +105,7 @@ class ServedRunner:
                 (u.draft_tokens, u.accepted_draft_tokens))
 
 
-def forward_ms(engine: LocalEngine, sizes=(1, 4, 8, 16), prefix: int = 128, repeats: int = 10) -> dict[str, float]:
+def forward_ms(engine: LocalEngine, sizes=(1, 4, 8, 16, 24, 32), prefix: int = 128, repeats: int = 10) -> dict[str, float]:
     """Median time of one target forward of T new tokens after a cached prefix."""
     from speculative.model import attention_mask, causal_ancestors
 
@@ -127,9 +127,10 @@ def forward_ms(engine: LocalEngine, sizes=(1, 4, 8, 16), prefix: int = 128, repe
 
 
 def draft_token_ms(engine: LocalEngine, drafters: list[str], target_ms: float, prefix: int = 128,
-                   tokens: int = 5, repeats: int = 10) -> dict[str, dict[str, float]]:
+                   tokens: int = 5, repeats: int = 10, tree_nodes: int | None = None) -> dict[str, dict[str, float]]:
     """Median time of one draft token of each model drafter after a cached prefix,
-    and its ratio to one target forward of one token."""
+    and its ratio to one target forward of one token; with `tree_nodes`, also of one
+    level of a greedy token tree of that many nodes, `tokens` deep."""
     from drafter_service.registry import make_drafter
 
     context = [int(t) for t in torch.arange(prefix) * 7 % 1000 + 100]
@@ -144,6 +145,14 @@ def draft_token_ms(engine: LocalEngine, drafters: list[str], target_ms: float, p
             times.append((time.perf_counter() - start) / tokens)
         ms = statistics.median(times) * 1000
         out[name] = {"ms": round(ms, 2), "ratio_to_target_forward": round(ms / target_ms, 3)}
+        if tree_nodes and tree_nodes > tokens:
+            levels = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                drafter.propose(context, tokens, SamplingParams(), None, max_nodes=tree_nodes)
+                levels.append((time.perf_counter() - start) / tokens)
+            level_ms = statistics.median(levels) * 1000
+            out[name].update(tree_level_ms=round(level_ms, 2), tree_level_ratio=round(level_ms / target_ms, 3))
     return out
 
 
@@ -183,7 +192,7 @@ def run_bench(args) -> dict:
     if not questions:
         raise ValueError(f"--questions: no questions in {args.questions}")
     engine = LocalEngine.load(args.model, args.device, args.dtype)
-    hf = HFRunner(loading.resolve_source(args.model)) if HF_MODES & set(args.modes) else None
+    hf = HFRunner(loading.resolve_source(args.model), engine.model.dtype) if HF_MODES & set(args.modes) else None
     served = ServedRunner(args.server) if any(served_drafter(m) for m in args.modes) else None
     temperature = getattr(args, "temperature", 0.0)
     # per (mode, category): tokens, seconds, target passes, draft tokens, accepted draft tokens;
@@ -266,7 +275,8 @@ def run_bench(args) -> dict:
         report["forward_ms"] = forward_ms(engine)
         report["load_seconds"] = load_seconds(args.model)
         report["draft_token_ms"] = draft_token_ms(engine, [m for m in args.modes if m in MODEL_DRAFTERS],
-                                                  report["forward_ms"]["1"])
+                                                  report["forward_ms"]["1"], tokens=args.draft_length,
+                                                  tree_nodes=getattr(args, "tree_budget", None))
     Path(args.out).write_text(json.dumps(report, indent=2))
     Path(args.out).with_suffix(".md").write_text(to_markdown(report))
     write_chart(report, Path(args.out).with_suffix(".png"))
@@ -304,6 +314,10 @@ def _footnotes(report: dict) -> list[str]:
         notes.append(f"Model load (s): {report['load_seconds']}")
     for name, d in report.get("draft_token_ms", {}).items():
         notes.append(f"One draft token of {name}: {d['ms']} ms, {d['ratio_to_target_forward']:.1%} of a target forward")
+        if "tree_level_ms" in d:
+            notes.append(f"One level of {name}'s greedy tree ({report['tree_budget']} nodes, "
+                         f"{report['draft_length']} deep): {d['tree_level_ms']} ms, "
+                         f"{d['tree_level_ratio']:.1%} of a target forward")
     return notes
 
 

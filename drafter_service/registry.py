@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-from speculative.model import Transformer
+from speculative.model import Transformer, pack_for_cpu
 from speculative.sampling import InvalidArgument
 from speculative.suffix import SuffixIndex
 
@@ -95,5 +95,6 @@ def _small_model(name: str, target: Transformer) -> tuple[Transformer, list[int]
             if trained_for != target.config.vocab_size:
                 raise InvalidArgument("drafter", f"drafter {name!r} was trained for a target with a vocabulary of "
                                                  f"{trained_for} tokens, this target has {target.config.vocab_size}")
+            pack_for_cpu(model)  # a tree level scores several tokens at once
             _small_models[key] = (model, vocab_ids)
         return _small_models[key]

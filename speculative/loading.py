@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from .config import ModelConfig
-from .model import Transformer
+from .model import Transformer, pack_for_cpu
 from .tokenizer import Tokenizer
 
 DEFAULT_MODEL = "smollm2"
@@ -64,11 +64,14 @@ def parse_dtype(name: str) -> torch.dtype:
 
 def load(source: str | os.PathLike | None = None, device: str = "cpu", dtype: str = "float32"
          ) -> tuple[Transformer, Tokenizer]:
-    """Model and tokenizer from `source` (see module doc), on `device` in `dtype`."""
+    """Model and tokenizer from `source` (see module doc), on `device` in `dtype`, for
+    inference: on a CPU in float32 its linear layers are prepacked (`pack_for_cpu`)."""
     path = resolve_source(source)
     if path.suffix == ".gguf":
         path = converted_gguf_dir(path)
-    return load_hf_dir(path, device, parse_dtype(dtype)), Tokenizer(path)
+    model = load_hf_dir(path, device, parse_dtype(dtype))
+    pack_for_cpu(model)
+    return model, Tokenizer(path)
 
 
 def load_tokenizer(source: str | os.PathLike | None = None) -> tuple[Tokenizer, ModelConfig]:
