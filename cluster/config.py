@@ -36,7 +36,7 @@ class ServeConfig(BaseModel):
                                              "load (goodput); off: always draft_length")
     stop_confidence: float = Field(0.3, ge=0, le=1, description="a model drafter ends its draft after a token "
                                                                 "it drafted with less confidence (SpecDec++)")
-    verify_token_cost: float = Field(0.09, gt=0, description="one more verified token as a share of a one-token "
+    verify_token_cost: float = Field(0.06, gt=0, description="one more verified token as a share of a one-token "
                                                              "target pass: the goodput model's cost")
     metrics_port: int | None = Field(None, ge=0, le=65535, description="serve Prometheus /metrics of the router "
                                                                        "on this port")
