@@ -189,7 +189,7 @@ class ModelDrafter:
         for level in range(depth):
             candidates = []
             for node, lg, logp in frontier:
-                top = torch.topk(torch.softmax(lg.float(), -1), width)
+                top = torch.topk(torch.softmax(lg.float(), -1), min(width, lg.shape[-1]))
                 for p, tok in zip(top.values.tolist(), top.indices.tolist()):
                     if p > 0:
                         candidates.append((logp + math.log(p), node, tok, p))

@@ -417,8 +417,9 @@ class _Drafting:
         return list(self._threads.map(one, self.sides, budgets))
 
     def seconds_per_token(self, trees: list[DraftTree]) -> list[float]:
-        """Each drafter's drafting time per token in its last call (0 when it drafted nothing)."""
-        return [side.seconds / len(tree) if len(tree) else 0.0 for side, tree in zip(self.sides, trees)]
+        """Each drafter's drafting time per token of depth in its last call (0 when it drafted
+        nothing): a tree's levels cost what a chain's tokens do, whatever their width."""
+        return [side.seconds / max(tree.depths) if len(tree) else 0.0 for side, tree in zip(self.sides, trees)]
 
     def merge(self, proposals: list[DraftTree], budgets: list[int]) -> DraftTree:
         """The tree to verify: one drafter's, cut to its node budget; several fused, each cut
