@@ -185,12 +185,13 @@ class ModelDrafter:
         local: list[float] = []  # each node's probability after its parent
         path_logp: list[float] = []
         slot: dict[int, int] = {}  # node -> its KV cache slot, once fed
-        frontier = [(-1, logits, 0.0)]  # (node, logits after it, log-probability of its path)
+        frontier, frontier_logits = [-1], logits[None]  # the last level's nodes, and logits after each
         for level in range(depth):
+            top = torch.topk(torch.softmax(frontier_logits.float(), -1), min(width, frontier_logits.shape[-1]))
             candidates = []
-            for node, lg, logp in frontier:
-                top = torch.topk(torch.softmax(lg.float(), -1), min(width, lg.shape[-1]))
-                for p, tok in zip(top.values.tolist(), top.indices.tolist()):
+            for node, probs, toks in zip(frontier, top.values.tolist(), top.indices.tolist()):
+                logp = path_logp[node] if node >= 0 else 0.0
+                for p, tok in zip(probs, toks):
                     if p > 0:
                         candidates.append((logp + math.log(p), node, tok, p))
             candidates.sort(key=lambda c: -c[0])
@@ -220,7 +221,7 @@ class ModelDrafter:
             out = self.model(ids, positions, self.cache, mask[None].to(device), layers=self.layers)[0]
             if self.vocab_ids is not None:  # the "any other token" row is never proposed
                 out = torch.cat((out[:, :-1], out.new_full((len(level_nodes), 1), float("-inf"))), 1)
-            frontier = [(node, out[row], path_logp[node]) for row, node in enumerate(level_nodes)]
+            frontier, frontier_logits = level_nodes, out
         self.cache.rollback(base)  # keep the verified context only
         order = sorted(range(len(tree_tokens)), key=lambda n: (-path_logp[n], n))[:max_nodes]
         kept = set(order)
