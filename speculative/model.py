@@ -256,9 +256,8 @@ class Transformer(nn.Module):
 class PackedLinear(nn.Module):
     """`nn.Linear` for CPU float32 inference, its weight prepacked in oneDNN's blocked layout.
 
-    The default BLAS path multiplies 4 rows in about 1.8x the time of one and 8 in 2.4x
-    on a 2-core AVX-512 CPU, so verifying a draft tree cost 1.6-2.6x a one-token pass;
-    prepacked, 4 rows cost 1.1x and 8 rows 1.3x (docs/DESIGN-NOTES.md). One row (plain
+    With the default BLAS path a forward of 4 new tokens cost 1.6x one of 1 token and 8
+    tokens 2.0x on a 2-core AVX-512 CPU; prepacked, 1.27x and 1.45x (docs/DESIGN-NOTES.md). One row (plain
     decoding, a chain drafter's step) keeps the BLAS path, which is faster for it. The
     results differ from `nn.Linear`'s by float32 rounding only."""
 
