@@ -142,8 +142,11 @@ class ModelDrafter:
         if len(context) + max_tokens > self.max_len:
             max_tokens = self.max_len - len(context)
         max_nodes = max_tokens if max_nodes is None else max_nodes
-        if params.greedy and max_tokens > 0 and max_nodes > max_tokens:
-            return self._propose_tree(context, max_tokens, max_nodes)
+        if max_tokens > 0 and max_nodes > max_tokens:
+            if params.greedy:
+                return self._propose_tree(context, max_tokens, max_nodes)
+            if max_nodes >= 2 * max_tokens:
+                return self._sample_tree(context, max_tokens, max_nodes // max_tokens, params, generator)
         logits = self._sync(context, max_tokens)
         tokens, qs, confidence = [], [], []
         for i in range(max_tokens):
@@ -204,24 +207,8 @@ class ModelDrafter:
                 path_logp.append(logp)
             if level + 1 == depth or not level_nodes:
                 break
-            # score the level's nodes in one pass: each sees the context and its own ancestors
-            start = self.cache.lengths[0]
-            mask = torch.zeros(len(level_nodes), start + len(level_nodes), dtype=torch.bool)
-            mask[:, :base] = True
-            for row, node in enumerate(level_nodes):
-                mask[row, start + row] = True
-                up = parents[node]
-                while up >= 0:
-                    mask[row, slot[up]] = True
-                    up = parents[up]
-                slot[node] = start + row
-            device = self.model.device
-            ids = torch.tensor([[tree_tokens[n] for n in level_nodes]], device=device)
-            positions = torch.tensor([[base + level] * len(level_nodes)], device=device)
-            out = self.model(ids, positions, self.cache, mask[None].to(device), layers=self.layers)[0]
-            if self.vocab_ids is not None:  # the "any other token" row is never proposed
-                out = torch.cat((out[:, :-1], out.new_full((len(level_nodes), 1), float("-inf"))), 1)
-            frontier, frontier_logits = level_nodes, out
+            frontier = level_nodes
+            frontier_logits = self._score_level(level_nodes, tree_tokens, parents, slot, base, level)
         self.cache.rollback(base)  # keep the verified context only
         order = sorted(range(len(tree_tokens)), key=lambda n: (-path_logp[n], n))[:max_nodes]
         kept = set(order)
@@ -232,6 +219,78 @@ class ModelDrafter:
             tokens = self.vocab_ids[torch.tensor(tokens, dtype=torch.long)].tolist()
         return DraftTree(tokens, [new_index.get(parents[n], -1) for n in order],
                          confidence=[local[n] for n in order])
+
+    def _score_level(self, level_nodes: list[int], tree_tokens: list[int], parents: list[int],
+                     slot: dict[int, int], base: int, level: int) -> torch.Tensor:
+        """Logits after each of one tree level's nodes, in one forward with tree attention:
+        each node sees the context and its own ancestors (whose cache slots `slot` holds,
+        and gains the nodes'). The caller rolls the cache back to `base` when done."""
+        start = self.cache.lengths[0]
+        mask = torch.zeros(len(level_nodes), start + len(level_nodes), dtype=torch.bool)
+        mask[:, :base] = True
+        for row, node in enumerate(level_nodes):
+            mask[row, start + row] = True
+            up = parents[node]
+            while up >= 0:
+                mask[row, slot[up]] = True
+                up = parents[up]
+            slot[node] = start + row
+        device = self.model.device
+        ids = torch.tensor([[tree_tokens[n] for n in level_nodes]], device=device)
+        positions = torch.tensor([[base + level] * len(level_nodes)], device=device)
+        out = self.model(ids, positions, self.cache, mask[None].to(device), layers=self.layers)[0]
+        if self.vocab_ids is not None:  # the "any other token" row is never proposed
+            out = torch.cat((out[:, :-1], out.new_full((len(level_nodes), 1), float("-inf"))), 1)
+        return out
+
+    def _sample_tree(self, context: Sequence[int], depth: int, branches: int, params: SamplingParams,
+                     generator: torch.Generator) -> DraftTree:
+        """Sampling: `branches` chains drawn independently from the drafter, grown together
+        level by level (one forward per level scores every distinct node), shared prefixes
+        merged. Each chain's draw at a node comes from q after that node's path, so the
+        draws below a node are independent draws of one q, which multi-draft verification
+        takes exactly (as MultiSampleDrafter's chains, at a chain's cost instead of
+        `branches` chains' cost). A chain stops after a draw under `stop_below`, as a
+        single chain does."""
+        base = len(context)
+        logits = self._sync(context, depth * branches)
+        tree_tokens: list[int] = []  # drafter's own ids
+        parents: list[int] = []
+        confidence: list[float] = []
+        draw_nodes: list[int] = []
+        qs: list[torch.Tensor] = []
+        slot: dict[int, int] = {}
+        child: dict[tuple[int, int], int] = {}
+        frontier, frontier_logits, chains = [-1], logits[None], {-1: branches}  # live chains per node
+        for level in range(depth):
+            going: dict[int, int] = {}
+            for node, node_logits in zip(frontier, frontier_logits):
+                q = probabilities(node_logits, params)
+                if self.draft_top_k:
+                    q = _top_k_renormalised(q, self.draft_top_k)
+                full = q if self.vocab_ids is None else self._spread(q)
+                for _ in range(chains[node]):
+                    tok = sample(q, generator)
+                    p = float(q[tok])
+                    c = child.get((node, tok))
+                    if c is None:
+                        c = child[node, tok] = len(tree_tokens)
+                        tree_tokens.append(tok)
+                        parents.append(node)
+                        confidence.append(p)
+                    draw_nodes.append(c)
+                    qs.append(full)
+                    if p >= self.stop_below:
+                        going[c] = going.get(c, 0) + 1
+            frontier = [n for n in range(len(tree_tokens)) if n in going]
+            if level + 1 == depth or not frontier:
+                break
+            frontier_logits, chains = self._score_level(frontier, tree_tokens, parents, slot, base, level), going
+        self.cache.rollback(base)  # keep the verified context only
+        tokens = tree_tokens
+        if self.vocab_ids is not None:
+            tokens = self.vocab_ids[torch.tensor(tokens, dtype=torch.long)].tolist()
+        return DraftTree(tokens, parents, draw_nodes, torch.stack(qs), confidence)
 
     def _spread(self, q: torch.Tensor) -> torch.Tensor:
         """q over the drafter's vocabulary as a distribution over the target's."""

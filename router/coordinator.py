@@ -53,7 +53,7 @@ from protos.convert import params_to_pb, tree_from_pb, tree_to_pb
 from speculative.fusion import fuse
 from speculative.pipeline import likeliest_path, reuse_ahead
 from speculative.sampling import SamplingParams
-from speculative.tree import DraftTree
+from speculative.tree import DraftTree, nodes_for_depth
 
 from .adaptive import SpeculationControl
 
@@ -169,9 +169,7 @@ class Job:
     def tree_nodes(self, length: int) -> int:
         """Most nodes of a drafter's tree `length` deep: the tree budget in proportion to the
         length (adaptive speculation shortens both), and at least a chain's worth."""
-        if length <= 0 or self.draft_length <= 0:
-            return max(length, 0)
-        return max(length, -(-self.tree_budget * length // self.draft_length))
+        return nodes_for_depth(length, self.draft_length, self.tree_budget)
 
 
 class Coordinator:

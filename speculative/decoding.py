@@ -19,7 +19,7 @@ from .model import Transformer, attention_mask, causal_ancestors
 from .sampling import InvalidArgument, SamplingParams, make_generator, probabilities, sample
 from .batching import VerifyItem, verify_batch
 from .pipeline import likeliest_path, reuse_ahead
-from .tree import DraftTree
+from .tree import DraftTree, nodes_for_depth
 
 
 class Drafter(Protocol):
@@ -128,14 +128,15 @@ def generate(target: Transformer, prompt_ids: Sequence[int], params: SamplingPar
         budget = min(draft_length, params.max_tokens - len(result.token_ids) - 1)
         tree, ahead, guess = DraftTree(), None, []
         if drafter is not None and budget > 0:
-            tree = ready if ready else drafter.propose(context, budget, params, drafter_rng, max_nodes=nodes)
-            tree = tree.truncated(nodes)
+            round_nodes = nodes_for_depth(budget, draft_length, nodes)
+            tree = ready if ready else drafter.propose(context, budget, params, drafter_rng, max_nodes=round_nodes)
+            tree = tree.truncated(round_nodes)
             if pipelined:
                 guess = [tree.tokens[node] for node in likeliest_path(tree)]
                 room = min(draft_length, params.max_tokens - len(result.token_ids) - len(guess) - 2)
                 if room > 0:
                     ahead = drafter.propose(context + guess, room, params, drafter_rng, verified=len(context),
-                                            max_nodes=nodes)
+                                            max_nodes=nodes_for_depth(room, draft_length, nodes))
         [(path, bonus)] = verify_batch(target, cache, [VerifyItem(0, context[-1], tree, params, verifier_rng)])
         accepted = [tree.tokens[node] for node in path]
         ready = reuse_ahead(ahead, guess, accepted, bonus) if ahead is not None else None

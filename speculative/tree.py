@@ -21,6 +21,15 @@ from typing import Sequence
 import torch
 
 
+def nodes_for_depth(depth: int, draft_length: int, tree_budget: int) -> int:
+    """Most nodes of a tree `depth` deep when a `draft_length`-deep one may have
+    `tree_budget`: the budget in proportion to the depth (a round cut short, or
+    adaptive speculation, shortens both), and at least a chain's worth."""
+    if depth <= 0 or draft_length <= 0:
+        return max(depth, 0)
+    return max(depth, -(-tree_budget * depth // draft_length))
+
+
 @dataclass
 class DraftTree:
     tokens: list[int] = field(default_factory=list)

@@ -113,9 +113,10 @@ def services(target, drafter_model, fused):
         yield coordinator, pool, engine
 
 
-def job(request_id: str, prompt: list[int], params: SamplingParams, drafters) -> Job:
+def job(request_id: str, prompt: list[int], params: SamplingParams, drafters,
+        tree_budget: int = TREE_BUDGET) -> Job:
     return Job(request_id=request_id, prompt_ids=prompt, params=params, drafters=drafters,
-               draft_length=DRAFT_LENGTH, tree_budget=TREE_BUDGET, vocab_size=V, eos_token_ids=())
+               draft_length=DRAFT_LENGTH, tree_budget=tree_budget, vocab_size=V, eos_token_ids=())
 
 
 def served(coordinator: Coordinator, j: Job) -> tuple[list[int], RoundStats]:
@@ -229,11 +230,13 @@ def local_fused_sampling(target, drafter_model, fused, prompt: list[int], params
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_one_drafter_goes_todays_way(target, drafter_model, services, temperature):
     """Its own request id and stream 1, its tree verified as it is: the served
-    tokens are the single-process loop's with that drafter."""
+    tokens are the single-process loop's with that drafter (chains: a budget of
+    one chain, as the loop's default)."""
     coordinator, pool, engine = services
     params = SamplingParams(max_tokens=MAX_TOKENS, seed=5, **{**SAMPLED, "temperature": temperature})
     rid = f"one{temperature}"
-    tokens, stats = served(coordinator, job(rid, PROMPTS[1], params, drafters=(("layerskip", 1.0),)))
+    tokens, stats = served(coordinator, job(rid, PROMPTS[1], params, drafters=(("layerskip", 1.0),),
+                                            tree_budget=DRAFT_LENGTH))
     local = make_drafter("layerskip", drafter_model, draft_top_k=32)
     assert tokens == generate(target, PROMPTS[1], params, local, DRAFT_LENGTH).token_ids
     assert pool.streams[rid] == 1

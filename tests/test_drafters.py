@@ -92,3 +92,29 @@ def test_greedy_tree_of_a_trimmed_vocabulary_drafter_proposes_target_tokens():
     drafter = ModelDrafter(small, max_len=64, vocab_ids=[1, 4, 6], target_vocab_size=8)
     tree = drafter.propose([1, 4, 6, 0, 7, 1], 3, GREEDY, torch.Generator(), max_nodes=6)
     assert len(tree) > 3 and set(tree.tokens) <= {1, 4, 6}
+
+
+def test_sampled_tree_draws_each_chain_from_the_drafters_own_q_and_leaves_the_cache_clean():
+    """Sampling with room for 3 chains: every draw lands on a node whose token it is,
+    carries the drafter's q after that node's path, 3 draws a level, and the cache is a
+    fresh drafter's afterwards."""
+    model = tiny_model(3)
+    ctx = [1, 5, 2, 7, 3]
+    params = SamplingParams(temperature=1.0)
+    drafter = ModelDrafter(model, max_len=64)
+    tree = drafter.propose(ctx, 3, params, torch.Generator().manual_seed(0), max_nodes=9)
+    assert len(tree.draw_nodes) == 9 and tree.draw_q.shape == (9, 8)
+    assert 3 <= len(tree) <= 9 and max(tree.depths) == 3
+    assert all(p < i for i, p in enumerate(tree.parents))
+    assert sorted(tree.depths[n] for n in tree.draw_nodes) == [1, 1, 1, 2, 2, 2, 3, 3, 3]
+    for d, node in enumerate(tree.draw_nodes):
+        path = [tree.tokens[n] for n in tree.path_to(node)]
+        q = torch.softmax(ModelDrafter(model, max_len=64)._sync(ctx + path[:-1], 1).float(), -1)
+        assert torch.allclose(tree.draw_q[d], q, atol=1e-5), f"draw {d}"
+    # more than one distinct chain over many seeds: the chains really are drawn apart
+    shapes = {len(drafter.propose(ctx, 3, params, torch.Generator().manual_seed(s), max_nodes=9))
+              for s in range(20)}
+    assert max(shapes) > 3
+    longer = ctx + [tree.tokens[0], 4]
+    assert drafter.propose(longer, 3, GREEDY, torch.Generator()).tokens == \
+        ModelDrafter(model, max_len=64).propose(longer, 3, GREEDY, torch.Generator()).tokens

@@ -30,6 +30,7 @@ from verifier_service.engine import VerifierEngine
 V = TINY.vocab_size
 PROMPTS = [[1, 2, 3, 1, 2], [5, 6, 7, 5], [0, 3, 3, 3, 3]]
 DRAFT_LENGTH, MAX_TOKENS = 3, 24
+TREE_BUDGET = 6  # two chains: a sampled model drafter draws a two-branch tree
 
 
 class SlowPool(DrafterPool):
@@ -69,7 +70,7 @@ def services(target):
 def job(rid: str, prompt: list[int], params: SamplingParams, drafters, pipelined: bool = True,
         adaptive: bool = False) -> Job:
     return Job(request_id=rid, prompt_ids=prompt, params=params, drafters=drafters, draft_length=DRAFT_LENGTH,
-               tree_budget=6, vocab_size=V, eos_token_ids=(), pipelined=pipelined,
+               tree_budget=TREE_BUDGET, vocab_size=V, eos_token_ids=(), pipelined=pipelined,
                speculation=SpeculationControl(DRAFT_LENGTH) if adaptive else None)
 
 
@@ -100,7 +101,7 @@ def test_pipelined_sampling_equals_the_single_process_pipelined_loop(target, ser
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, top_k=6, seed=seed)
     tokens, stats = served(coordinator, job(f"s{seed}", PROMPTS[0], params, (("layerskip", 1.0),)))
     local = make_drafter("layerskip", target, draft_top_k=32)
-    want = generate(target, PROMPTS[0], params, local, DRAFT_LENGTH, pipelined=True)
+    want = generate(target, PROMPTS[0], params, local, DRAFT_LENGTH, pipelined=True, tree_budget=TREE_BUDGET)
     assert tokens == want.token_ids
     assert stats.reused_drafts == want.reused_drafts > 0
 

@@ -84,7 +84,7 @@ def exact_pair(target, params: SamplingParams, first: int) -> torch.Tensor:
 
 
 def sampled_joint(target, make_drafter, params: SamplingParams, draft_length: int,
-                  pipelined: bool = False, first: int = 1) -> torch.Tensor:
+                  pipelined: bool = False, first: int = 1, tree_budget: int | None = None) -> torch.Tensor:
     v = TINY.vocab_size
     counts = torch.zeros(v, v)
     drafted = reused = 0  # runs whose first round drafted; pipelined runs that reused a draft made ahead
@@ -93,7 +93,8 @@ def sampled_joint(target, make_drafter, params: SamplingParams, draft_length: in
     for seed in range(SAMPLES):
         p = SamplingParams(max_tokens=max_tokens, temperature=params.temperature, top_p=params.top_p,
                            top_k=params.top_k, seed=seed)
-        result = decoding.generate(target, PROMPT, p, make_drafter(), draft_length, pipelined=pipelined)
+        result = decoding.generate(target, PROMPT, p, make_drafter(), draft_length, pipelined=pipelined,
+                                   tree_budget=tree_budget)
         counts[result.token_ids[first], result.token_ids[first + 1]] += 1
         drafted += result.draft_tokens > 0
         reused += result.reused_drafts > 0
@@ -120,6 +121,8 @@ CASES = {
     "chain_topk_topp": (lambda d: ModelDrafter(d, max_len=64), SamplingParams(temperature=0.8, top_k=5, top_p=0.9), 2),
     "chain_sparse_q": (lambda d: ModelDrafter(d, max_len=64, draft_top_k=3), SamplingParams(temperature=1.0), 2),
     "tree": (lambda d: MultiSampleDrafter(ModelDrafter(d, max_len=64), branches=3), SamplingParams(temperature=1.0), 2),
+    # a model drafter given a tree budget draws 3 chains together, level by level
+    "sampled_tree": (lambda d: ModelDrafter(d, max_len=64), SamplingParams(temperature=1.0), (2, 6)),
     # one index across all runs: earlier outputs make its deterministic trees branch
     "suffix_tree": (lambda d, index=SuffixIndex(depth=4, max_draft=4): SuffixDrafter(index, TINY.vocab_size),
                     SamplingParams(temperature=1.0), 3),
@@ -134,8 +137,9 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_speculative_sampling_matches_target_distribution(target, draft_model, case):
     make, params, k = CASES[case]
+    k, budget = k if isinstance(k, tuple) else (k, None)
     expected = exact_drafted_joint(target, params)
-    counts = sampled_joint(target, lambda: make(draft_model), params, k)
+    counts = sampled_joint(target, lambda: make(draft_model), params, k, tree_budget=budget)
     pvalue = chi_square_p(counts, expected)
     assert pvalue > ALPHA, f"{case}: sampled distribution differs from the target's (p={pvalue:.2e})"
 
