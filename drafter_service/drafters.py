@@ -154,12 +154,10 @@ class ModelDrafter:
                 tok = int(logits.argmax())
                 confidence.append(float(torch.softmax(logits.float(), -1)[tok]))
             else:
-                q = probabilities(logits, params)
-                if self.draft_top_k:
-                    q = _top_k_renormalised(q, self.draft_top_k)
+                q = self._draft_q(logits, params)
                 tok = sample(q, generator)
                 confidence.append(float(q[tok]))
-                qs.append(q if self.vocab_ids is None else self._spread(q))
+                qs.append(self._spread(q))
             if self.vocab_ids is not None:
                 tok = int(self.vocab_ids[tok])
             tokens.append(tok)
@@ -265,10 +263,8 @@ class ModelDrafter:
         for level in range(depth):
             going: dict[int, int] = {}
             for node, node_logits in zip(frontier, frontier_logits):
-                q = probabilities(node_logits, params)
-                if self.draft_top_k:
-                    q = _top_k_renormalised(q, self.draft_top_k)
-                full = q if self.vocab_ids is None else self._spread(q)
+                q = self._draft_q(node_logits, params)
+                full = self._spread(q)
                 for _ in range(chains[node]):
                     tok = sample(q, generator)
                     p = float(q[tok])
@@ -292,8 +288,15 @@ class ModelDrafter:
             tokens = self.vocab_ids[torch.tensor(tokens, dtype=torch.long)].tolist()
         return DraftTree(tokens, parents, draw_nodes, torch.stack(qs), confidence)
 
+    def _draft_q(self, logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+        """The distribution a sampled draft token is drawn from, over the drafter's vocabulary."""
+        q = probabilities(logits, params)
+        return _top_k_renormalised(q, self.draft_top_k) if self.draft_top_k else q
+
     def _spread(self, q: torch.Tensor) -> torch.Tensor:
         """q over the drafter's vocabulary as a distribution over the target's."""
+        if self.vocab_ids is None:
+            return q
         full = torch.zeros(self.target_vocab_size, dtype=q.dtype, device=q.device)
         full[self.vocab_ids] = q[:-1]
         return full
