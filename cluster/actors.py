@@ -81,16 +81,24 @@ class _Registration:
             pass
 
 
-def _load_model(cfg: ServeConfig, threads: int | None):
+def load_on_one_thread(cfg: ServeConfig):
+    """The target, loaded with torch on one thread, where torch stays.
+
+    libgomp keeps an OpenMP team for every thread that ever ran a parallel region, and
+    once its teams hold more threads than there are cores it stops spinning between
+    regions: had this (the actor's) thread run one with several threads, every op of the
+    thread that serves would pay a wake-up (linear layers 2-3x slower, docs/DESIGN-NOTES.md).
+    So only the threads that serve go wider (`speculative.model.own_torch_threads`)."""
     import torch
 
-    from cluster.local import set_cpu_threads
     from speculative import loading
 
-    set_cpu_threads()
-    if threads:
-        torch.set_num_threads(threads)
+    torch.set_num_threads(1)
     return loading.load(cfg.model, cfg.device, cfg.dtype)
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 class _ServiceActor:
@@ -124,10 +132,11 @@ class VerifierActor(_ServiceActor):
         from verifier_service.servicer import serve
 
         cfg = ServeConfig.model_validate(cfg_dict)
-        model, _ = _load_model(cfg, cfg.verifier_threads)
+        model, _ = load_on_one_thread(cfg)
         store = connect_store(redis_url)
         self.engine = VerifierEngine(model, max_batch=cfg.max_batch, max_len=cfg.max_len,
-                                     max_batch_tokens=cfg.max_batch_tokens, checkpoints=store)
+                                     max_batch_tokens=cfg.max_batch_tokens, checkpoints=store,
+                                     threads=cfg.verifier_threads or _cores())
         self.server, port = serve(self.engine, host="0.0.0.0", port=0)
         self.registration = _Registration(store, self.kind, f"{ray.util.get_node_ip_address()}:{port}", cfg)
 
@@ -144,10 +153,10 @@ class DrafterPoolActor(_ServiceActor):
         from drafter_service.servicer import serve
 
         cfg = ServeConfig.model_validate(cfg_dict)
-        model, _ = _load_model(cfg, cfg.drafter_threads)
+        model, _ = load_on_one_thread(cfg)
         store = connect_store(redis_url)
         self.pool = DrafterPool(model, kinds=tuple(cfg.drafter_kinds))
-        self.server, port = serve(self.pool, host="0.0.0.0", port=0)
+        self.server, port = serve(self.pool, host="0.0.0.0", port=0, threads=cfg.drafter_threads or 1)
         self.registration = _Registration(store, self.kind, f"{ray.util.get_node_ip_address()}:{port}", cfg,
                                           meta={"kinds": cfg.drafter_kinds})
 

@@ -12,6 +12,7 @@ from protos import specserve_pb2 as pb
 from protos import specserve_pb2_grpc as pb_grpc
 from protos.server import start_server
 from protos.convert import params_from_pb, tree_to_pb
+from speculative.model import own_torch_threads
 from speculative.sampling import InvalidArgument
 
 from .pool import DrafterPool
@@ -54,7 +55,8 @@ class DrafterServicer(pb_grpc.DrafterServicer):
 
 
 def serve(pool: DrafterPool, host: str = "127.0.0.1", port: int = 0,
-          max_workers: int = 16) -> tuple[grpc.Server, int]:
-    """Start serving `pool` on host:port (0 picks a free port); returns the server and its port."""
+          max_workers: int = 16, threads: int = 1) -> tuple[grpc.Server, int]:
+    """Start serving `pool` on host:port (0 picks a free port); returns the server and its port.
+    Drafters run on the server's threads, `threads` torch threads each."""
     return start_server(pb_grpc.add_DrafterServicer_to_server, DrafterServicer(pool), SERVICE_NAME,
-                        host, port, max_workers)
+                        host, port, max_workers, thread_init=lambda: own_torch_threads(threads))

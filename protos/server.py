@@ -12,10 +12,12 @@ from grpc_reflection.v1alpha import reflection
 
 
 def start_server(register: Callable[[Any, grpc.Server], None], servicer: Any, service: str,
-                 host: str, port: int, max_workers: int) -> tuple[grpc.Server, int]:
+                 host: str, port: int, max_workers: int,
+                 thread_init: Callable[[], None] | None = None) -> tuple[grpc.Server, int]:
     """Serve `servicer` (added by the generated `register` function) on host:port;
-    port 0 picks a free one. Returns the started server and its bound port."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers,
+    port 0 picks a free one; `thread_init` runs first in each of the server's threads.
+    Returns the started server and its bound port."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, initializer=thread_init,
                                                     thread_name_prefix=service.rsplit(".", 1)[-1]))
     register(servicer, server)
     health_servicer = health.HealthServicer()

@@ -274,6 +274,20 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
 
 
+def own_torch_threads(n: int) -> None:
+    """Give the calling thread `n` torch (OpenMP) threads, whatever other threads set later.
+
+    A thread's count is its own once torch has initialised it (the first get call does),
+    and set_num_threads then changes it; threads torch meets later start from the last
+    count set anywhere. A serving process gives its one compute thread several and every
+    other thread one: libgomp keeps a team for each thread that ever ran a parallel region
+    wider than one, and once those teams hold more threads than there are cores it stops
+    spinning between regions, which made the verifier's linear layers 2-3x slower
+    (docs/DESIGN-NOTES.md)."""
+    torch.get_num_threads()  # initialise this thread's count first, or torch overwrites ours at its first op
+    torch.set_num_threads(n)
+
+
 def pack_for_cpu(model: Transformer) -> bool:
     """Prepack every linear layer of an inference-only CPU float32 model (`PackedLinear`).
     Returns False, changing nothing, for another device or dtype, or a torch without

@@ -30,7 +30,7 @@ from typing import Any, Callable, Protocol, Sequence
 import torch
 
 from speculative.batching import VerifyItem, verify_batch
-from speculative.model import Transformer, attention_mask, causal_ancestors
+from speculative.model import Transformer, attention_mask, causal_ancestors, own_torch_threads
 from speculative.sampling import InvalidArgument, SamplingParams, make_generator, probabilities, sample
 from speculative.tree import DraftTree
 
@@ -162,10 +162,13 @@ class VerifierEngine:
     def __init__(self, model: Transformer, max_batch: int = 8, max_len: int = 4096, max_batch_tokens: int = 256,
                  batch_wait_s: float = 0.002, checkpoints: CheckpointStore | None = None,
                  checkpoint_ttl_s: float = 600.0, idle_timeout_s: float = 300.0,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, threads: int | None = None):
+        """`threads`: torch threads of the worker thread, which runs every forward pass
+        (None: torch's setting). A process that serves should run nothing multi-threaded
+        on any other thread (`speculative.model.own_torch_threads`)."""
         if max_batch < 1 or max_batch_tokens < 1:
             raise ValueError("max_batch and max_batch_tokens must be positive")
-        self.model = model
+        self.model, self.threads = model, threads
         self.max_batch, self.max_batch_tokens, self.batch_wait_s = max_batch, max_batch_tokens, batch_wait_s
         self.max_len = min(max_len, model.config.max_position_embeddings)  # KV slots one request may use
         self.checkpoints, self.checkpoint_ttl_s = checkpoints, checkpoint_ttl_s
@@ -267,6 +270,8 @@ class VerifierEngine:
     # ---- the worker thread ----------------------------------------------------
 
     def _run(self) -> None:
+        if self.threads:
+            own_torch_threads(self.threads)
         while (batch := self._take()) is not None:
             self._evict_idle()
             if not batch:

@@ -12,6 +12,7 @@ from protos import specserve_pb2 as pb
 from protos import specserve_pb2_grpc as pb_grpc
 from protos.server import start_server
 from protos.convert import params_from_pb, tree_from_pb
+from speculative.model import own_torch_threads
 from speculative.sampling import InvalidArgument
 from speculative.tree import DraftTree
 
@@ -81,6 +82,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
 
 def serve(engine: VerifierEngine, host: str = "127.0.0.1", port: int = 0,
           max_workers: int = 16) -> tuple[grpc.Server, int]:
-    """Start serving `engine` on host:port (0 picks a free port); returns the server and its port."""
+    """Start serving `engine` on host:port (0 picks a free port); returns the server and its port.
+    The engine's worker runs the model; the server's threads only convert, on one torch thread."""
     return start_server(pb_grpc.add_VerifierServicer_to_server, VerifierServicer(engine), SERVICE_NAME,
-                        host, port, max_workers)
+                        host, port, max_workers, thread_init=lambda: own_torch_threads(1))
