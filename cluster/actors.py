@@ -169,9 +169,14 @@ class RouterActor(_ServiceActor):
         from router.coordinator import Coordinator
         from router.expertise import ExpertiseRouter
         from router.metrics import RouterMetrics
+        import torch
+
         from router.servicer import RouterConfig, RouterServicer, serve
         from speculative import loading
 
+        # the router's tensor work (trees, fusion) is small and spread over many threads:
+        # one torch thread each keeps libgomp from throttling them (load_on_one_thread)
+        torch.set_num_threads(1)
         cfg = ServeConfig.model_validate(cfg_dict)
         tokenizer, model_cfg = loading.load_tokenizer(cfg.model)
         store = connect_store(redis_url)
