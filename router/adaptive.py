@@ -8,7 +8,9 @@ scores every request's tree together: with B requests in the batch, one more
 draft token per request costs about `verify_token_cost` x B of a one-token
 pass. Each draft token also costs the drafter's time, `draft_token_cost` of a
 pass, measured as the request goes; pipelined, only when the round could not
-use the draft made ahead during the last verification (`reused`).
+use the draft made ahead during the last verification (`reused`). A tree
+drafter's round of depth k verifies about `width` x k nodes, `width` learned
+from its trees (`observe_tree`; 1 for chains), and each costs as a token.
 
     control = SpeculationControl(max_length=5, prior=0.6)
     k = control.length(batch=3)          # before a round
@@ -48,6 +50,7 @@ class SpeculationControl:
     pipelined: bool = False  # drafting overlaps verification: it costs round time only when not reused
     verify_token_cost: float = 0.06  # one more scored token, as a fraction of a one-token pass
     draft_token_cost: float = 0.0  # one draft token, as a fraction of a pass (measured: `observe`)
+    width: float = 1.0  # nodes the drafter's trees hold per level of depth (learned: `observe_tree`)
     prior_rounds: float = 2.0
     decay: float = 0.9  # weight of older rounds' evidence
     probe_every: int = 8
@@ -75,9 +78,10 @@ class SpeculationControl:
         a = self.acceptance
         batch = 1 if self.reproducible else max(batch, 1)
         draft_cost = 0.0 if self.reproducible else self.draft_token_cost
+        width = 1.0 if self.reproducible else self.width  # a suffix tree's width depends on other requests
         if self.pipelined:
             draft_cost *= 1.0 - self._reuse
-        per_token = self.verify_token_cost * batch + draft_cost
+        per_token = self.verify_token_cost * batch * width + draft_cost
         best = max(range(self.max_length + 1), key=lambda k: (expected_tokens(a, k) / (1.0 + per_token * k), -k))
         if best == 0 and self.max_length > 0 and self._rounds % self.probe_every == 0:
             return 1
@@ -93,6 +97,11 @@ class SpeculationControl:
     def reused(self, hit: bool) -> None:
         """A pipelined round's verdict kept (or dropped) the draft made ahead of it."""
         self._reuse = 0.8 * self._reuse + 0.2 * float(hit)
+
+    def observe_tree(self, nodes: int, depth: int) -> None:
+        """Learn how wide the drafter's trees are (a running mean of nodes per level)."""
+        if nodes > 0 and depth > 0:
+            self.width = 0.8 * self.width + 0.2 * (nodes / depth)
 
     def observe(self, draft_seconds_per_token: float, pass_seconds: float) -> None:
         """Learn the drafter's cost relative to a target pass (a running mean)."""

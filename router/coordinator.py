@@ -264,6 +264,8 @@ class Coordinator:
                     for i, (c, own) in enumerate(zip(controls or (), proposals)):
                         own_guess = [own.tokens[n] for n in likeliest_path(own)]
                         c.record(len(own_guess), _common_prefix(own_guess, resp.accepted))
+                        if len(own):
+                            c.observe_tree(len(own), max(own.depths))
                         if costs and costs[i]:
                             c.observe(costs[i], verify_s)
                 stats.target_forward_passes += 1

@@ -69,3 +69,17 @@ def test_a_reproducible_control_ignores_load_and_timings():
     b = SpeculationControl(max_length=5, prior=0.7, reproducible=True)
     a.observe(draft_seconds_per_token=0.05, pass_seconds=0.05)
     assert a.length(batch=64) == b.length(batch=1) == SpeculationControl(max_length=5, prior=0.7).length(batch=1)
+
+
+def test_a_wide_tree_costs_its_nodes_so_load_stops_it_sooner():
+    """Three nodes a level cost three tokens a level: the same acceptance drafts less
+    (a 16-node tree 5 deep at batch 8 costs what 16 tokens of 8 rows cost, not 5)."""
+    chain, tree = learned(0.7), learned(0.7)
+    for _ in range(30):
+        tree.observe_tree(nodes=16, depth=5)
+    assert tree.width == pytest.approx(3.2, abs=0.01)
+    assert chain.length(batch=8) > tree.length(batch=8)
+    assert tree.length(batch=1) <= chain.length(batch=1)
+    reproducible = SpeculationControl(max_length=5, prior=0.7, reproducible=True)
+    reproducible.observe_tree(nodes=16, depth=5)  # another request's suffix tree could make it wider
+    assert reproducible.length() == SpeculationControl(max_length=5, prior=0.7, reproducible=True).length()
