@@ -97,10 +97,6 @@ def load_on_one_thread(cfg: ServeConfig):
     return loading.load(cfg.model, cfg.device, cfg.dtype)
 
 
-def _cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
 class _ServiceActor:
     kind = ""
 
@@ -129,6 +125,7 @@ class VerifierActor(_ServiceActor):
 
     def __init__(self, cfg_dict: dict, redis_url: str | None):
         from verifier_service.engine import VerifierEngine
+        from cluster.local import cpu_cores
         from verifier_service.servicer import serve
 
         cfg = ServeConfig.model_validate(cfg_dict)
@@ -136,7 +133,7 @@ class VerifierActor(_ServiceActor):
         store = connect_store(redis_url)
         self.engine = VerifierEngine(model, max_batch=cfg.max_batch, max_len=cfg.max_len,
                                      max_batch_tokens=cfg.max_batch_tokens, checkpoints=store,
-                                     threads=cfg.verifier_threads or _cores())
+                                     threads=cfg.verifier_threads or cpu_cores())
         self.server, port = serve(self.engine, host="0.0.0.0", port=0)
         self.registration = _Registration(store, self.kind, f"{ray.util.get_node_ip_address()}:{port}", cfg)
 
@@ -166,11 +163,11 @@ class RouterActor(_ServiceActor):
     kind = "router"
 
     def __init__(self, cfg_dict: dict, redis_url: str | None):
+        import torch
+
         from router.coordinator import Coordinator
         from router.expertise import ExpertiseRouter
         from router.metrics import RouterMetrics
-        import torch
-
         from router.servicer import RouterConfig, RouterServicer, serve
         from speculative import loading
 

@@ -13,12 +13,14 @@ from speculative.decoding import GenerationResult, generate
 from speculative.sampling import InvalidArgument, SamplingParams
 
 
+def cpu_cores() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def set_cpu_threads() -> None:
     """Use every core this process may run on (torch's default can be lower)."""
-    try:
-        torch.set_num_threads(len(os.sched_getaffinity(0)))
-    except AttributeError:
-        pass
+    torch.set_num_threads(cpu_cores())
 
 
 @dataclass
