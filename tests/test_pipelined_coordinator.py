@@ -162,7 +162,9 @@ def test_a_busy_verifier_gets_no_speculation_from_the_first_round(services):
             tree_budget=DRAFT_LENGTH))  # chains: the width of trees costs more, as tested in test_adaptive
         return stats.draft_lengths[:2]
 
-    assert all(first_lengths()), "an idle verifier: the request drafts"
+    # idle: the first round drafts (the second may not: it also weighs the drafter's measured
+    # time, which on a loaded test machine can be as slow as a tiny target's pass)
+    assert first_lengths()[0] > 0, "an idle verifier: the request drafts"
     others = [f"other-{i}" for i in range(3)]
     for rid in others:
         engine.prefill(rid, PROMPTS[1], params)
