@@ -18,9 +18,11 @@ from its trees (`observe_tree`; 1 for chains), and each costs as a token.
 
 The coordinator keeps one control per drafter of a request, so each of
 several fused drafters drafts its own length. `a` is learned from the
-drafter's rounds (how many tokens of its likeliest path were accepted before
-the first rejection), starting from `prior` (its reliability on the domain)
-as `prior_rounds` rounds' worth of evidence.
+drafter's rounds: how many levels deep into its own tree the accepted path
+went, of how deep the tree was. A tree is a wider bet per level than a chain,
+paid for by its width above and credited here: any of its branches may carry
+the accepted path. It starts from `prior` (the drafter's reliability on the
+domain) as `prior_rounds` rounds' worth of evidence.
 When goodput says "do not speculate", every `probe_every`-th round still
 drafts one token, so a request whose text turns predictable gets drafts again.
 A `reproducible` control (seeded sampling) ignores load and timings, so that
@@ -88,7 +90,8 @@ class SpeculationControl:
         return best
 
     def record(self, offered: int, accepted: int) -> None:
-        """A round's verdict: `accepted` of the `offered` tokens on the drafter's likeliest path."""
+        """A round's verdict: the accepted path went `accepted` levels into the drafter's
+        `offered`-deep tree (for a chain: `accepted` of its `offered` tokens)."""
         if offered <= 0:
             return
         self._accepted = self._accepted * self.decay + accepted

@@ -59,6 +59,10 @@ from .adaptive import SpeculationControl
 
 log = logging.getLogger(__name__)
 
+# Drafters whose shared index learns from every request's output (SuffixDecoding):
+# a request that asked one for little or nothing still gives it the whole output.
+LEARNS_FROM_OUTPUTS = frozenset({"suffix"})
+
 # gRPC failures after which another replica (or no drafting) is the answer
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
              grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.RESOURCE_EXHAUSTED}
@@ -262,16 +266,17 @@ class Coordinator:
                     load = max(1, resp.batch_size + resp.queued, resp.active_requests)
                     verify_s = stats.trace[-1].end - stats.trace[-1].start
                     for i, (c, own) in enumerate(zip(controls or (), proposals)):
-                        own_guess = [own.tokens[n] for n in likeliest_path(own)]
-                        c.record(len(own_guess), _common_prefix(own_guess, resp.accepted))
-                        if len(own):
-                            c.observe_tree(len(own), max(own.depths))
+                        if len(own):  # how deep the accepted path went in the drafter's own tree
+                            depth = max(own.depths)
+                            c.record(depth, _path_prefix(own, resp.accepted))
+                            c.observe_tree(len(own), depth)
                         if costs and costs[i]:
                             c.observe(costs[i], verify_s)
                 stats.target_forward_passes += 1
                 new = self._clip(job, verified, new)
                 verified.extend(new)
                 yield new
+            drafting.give_output(job.prompt_ids + verified)
         finally:
             stats.finished = time.monotonic()
             drafting.release()
@@ -409,6 +414,8 @@ class _Drafting:
         """Each drafter's own tree of up to its budget (empty for one that cannot draft),
         after `context` and, drafting ahead, the unverified `speculative` tokens."""
         def one(side: _DraftSide, budget: int) -> DraftTree:
+            if budget <= 0:  # not asked (no prefill, no sync): it catches up when it next drafts
+                return DraftTree()
             return tree_from_pb(side.propose(context, budget, speculative, self.job.tree_nodes(budget)),
                                 self.job.vocab_size)
 
@@ -447,18 +454,21 @@ class _Drafting:
             own.proposed += len(tree.tokens)
             own.accepted += _path_prefix(tree, accepted)
 
+    def give_output(self, context: list[int]) -> None:
+        """A finished request's whole context, to the drafters that learn from every output,
+        however little they drafted (a drafter skipped while its length was 0 lags behind)."""
+        for side in self.sides:
+            if side.drafter in LEARNS_FROM_OUTPUTS and side.synced < len(context):
+                try:
+                    side.propose(context, 0)
+                except (grpc.RpcError, DeadlineExceeded):
+                    pass  # best effort: the index misses one output
+
     def release(self) -> None:
         if self._threads is not None:
             self._threads.shutdown()  # wait: a drafter still connecting must not prefill after its release
         for side in self.sides:
             side.release()
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
 
 
 def _path_prefix(tree: DraftTree, tokens: Sequence[int]) -> int:

@@ -17,7 +17,7 @@ import torch
 from prometheus_client import generate_latest
 
 from drafter_service.pool import DrafterPool
-from drafter_service.registry import make_drafter
+from drafter_service.registry import _suffix_indexes, make_drafter
 from loopback import loopback
 from router.adaptive import SpeculationControl
 from router.coordinator import Coordinator, Job, RoundStats
@@ -34,8 +34,17 @@ TREE_BUDGET = 6  # two chains: a sampled model drafter draws a two-branch tree
 
 
 class SlowPool(DrafterPool):
-    """Drafting that takes `delay` seconds a call, as a real drafter network would."""
+    """Drafting that takes `delay` seconds a call, as a real drafter network would;
+    it notes every prefill."""
     delay = 0.0
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.prefilled: list[tuple[str, str, int]] = []  # (request, drafter, tokens)
+
+    def prefill(self, request_id, kind, token_ids, *args, **kwargs):
+        self.prefilled.append((request_id, kind, len(token_ids)))
+        return super().prefill(request_id, kind, token_ids, *args, **kwargs)
 
     def propose(self, *args, **kwargs):
         time.sleep(self.delay)
@@ -173,3 +182,26 @@ def test_a_busy_verifier_gets_no_speculation_from_the_first_round(services):
     finally:
         for rid in others:
             engine.release(rid)
+
+
+
+def test_a_drafter_with_nothing_to_draft_is_not_called_but_the_suffix_index_learns_the_output(target, services):
+    """Fused, a drafter the request trusts little drafts 0 tokens a round while the other
+    drafts: it is not even prefilled then, yet as a suffix drafter it gets the request's
+    whole output, for its shared index, when the request ends."""
+    coordinator, pool, _ = services
+    prompt, params = [4, 6, 4, 6, 2, 7, 7, 0, 5], SamplingParams(max_tokens=6)  # a prompt no other test uses
+    control = SpeculationControl(DRAFT_LENGTH)  # each drafter's prior: its reliability below
+    tokens, stats = served(coordinator, dataclasses.replace(
+        job("quiet", prompt, params, (("layerskip", 0.95), ("suffix", 0.05)), pipelined=False),
+        speculation=control, tree_budget=DRAFT_LENGTH))
+    assert len(tokens) == 6 and stats.per_drafter["layerskip"].proposed > 0, "layer-skip drafted"
+    assert stats.per_drafter["suffix"].proposed == 0
+    # prefilled once, at the end, with everything: never during the rounds
+    assert [n for rid, kind, n in pool.prefilled if rid == "quiet/suffix"] == [len(prompt) + len(tokens)]
+    index = _suffix_indexes.get(id(target))
+    assert index is not None, "no suffix drafter was ever made"
+    node = index.root  # every window of the fed sequence hangs off the root
+    for tok in prompt + tokens:
+        node = node.children.get(tok)
+        assert node is not None, "the suffix index never saw the request's output"
