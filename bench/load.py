@@ -45,6 +45,8 @@ class Outcome:
     latency: float | None  # None: the request failed
     tokens: int = 0
     drafter: str = ""  # the drafter(s) the server reported using
+    passes: int = 0  # target forward passes
+    draft_tokens: int = 0  # draft tokens the verifier scored
 
 
 def schedule(requests: int, clients: int, rate: float, rng: random.Random) -> list[Arrival]:
@@ -68,6 +70,13 @@ def summarize(latencies: Sequence[float], tokens: int, wall_s: float, errors: in
     }
 
 
+def _speculation(done: Sequence[Outcome]) -> dict:
+    """How much a mode speculated: tokens per target pass, draft tokens scored per token."""
+    tokens, passes, drafted = (sum(getattr(o, f) for o in done) for f in ("tokens", "passes", "draft_tokens"))
+    return {"tokens_per_pass": round(tokens / passes, 3) if passes else None,
+            "draft_tokens_per_token": round(drafted / tokens, 3) if tokens else None}
+
+
 def _ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 3) if a is not None and b else None
 
@@ -86,7 +95,8 @@ def run_level(client: Client, arrivals: list[Arrival], prompts: list[str], draft
                 out = client.generate(messages=[{"role": "user", "content": prompts[a.index % len(prompts)]}],
                                       max_tokens=max_tokens, drafter=drafter)
                 outcomes[a.index] = Outcome(time.perf_counter() - (start + a.at), len(out.token_ids),
-                                            out.usage.drafter)
+                                            out.usage.drafter, out.usage.target_forward_passes,
+                                            out.usage.draft_tokens)
             except SpecserveError:
                 outcomes[a.index] = Outcome(None)  # counted as an error, the run goes on
             with lock:
@@ -109,7 +119,7 @@ def run_modes(client: Client, clients: int, arrivals: list[Arrival], prompts: li
         by_mode[mode] = {"clients": clients, "mode": mode,
                          **summarize([o.latency for o in done], sum(o.tokens for o in done), wall,
                                      len(outcomes) - len(done)),
-                         "served_by": sorted({o.drafter for o in done})}
+                         **_speculation(done), "served_by": sorted({o.drafter for o in done})}
     base = by_mode.get(BASELINE)
     for mode, row in by_mode.items():
         vs = base if mode != BASELINE else None
@@ -162,7 +172,7 @@ def run_load(args) -> dict:
 
 
 COLUMNS = ("clients", "mode", "requests", "errors", "tokens", "tokens/s", "p50 s", "p99 s", "mean s",
-           "p99 vs none", "tokens/s vs none", "served by")
+           "p99 vs none", "tokens/s vs none", "tokens/pass", "drafted/token", "served by")
 
 
 def _cells(row: dict) -> list[str]:
@@ -172,6 +182,7 @@ def _cells(row: dict) -> list[str]:
     return [str(row["clients"]), row["mode"], str(row["requests"]), str(row["errors"]), str(row["generated_tokens"]),
             num(row["tokens_per_s"], ".1f"), num(row["p50_s"], ".3f"), num(row["p99_s"], ".3f"),
             num(row["mean_s"], ".3f"), num(row["p99_ratio"], ".2f"), num(row["throughput_ratio"], ".2f"),
+            num(row.get("tokens_per_pass"), ".2f"), num(row.get("draft_tokens_per_token"), ".2f"),
             ", ".join(row["served_by"])]
 
 

@@ -104,6 +104,10 @@ def test_load_run_against_a_real_router(server, tmp_path, monkeypatch, capsys):
         assert r["generated_tokens"] == 3 * 4  # no end-of-sequence token: max_tokens each
         assert r["tokens_per_s"] > 0 and 0 < r["p50_s"] <= r["p99_s"]
         assert r["served_by"] == (["none"] if mode == "none" else ["pld"])  # auto: the server's default
+        if mode == "none":  # plain decoding: one token a pass, nothing drafted
+            assert r["tokens_per_pass"] == 1.0 and r["draft_tokens_per_token"] == 0.0
+        else:
+            assert r["tokens_per_pass"] >= 1.0 and r["draft_tokens_per_token"] >= 0.0
         assert (r["p99_ratio"] is None) == (mode == "none")
         if mode == "auto":
             assert r["p99_ratio"] == pytest.approx(r["p99_s"] / rows[(clients, "none")]["p99_s"], abs=2e-3)
