@@ -1,16 +1,19 @@
 """Adaptive speculation: how many tokens to draft next round, per request and load.
 
-Each round the draft length k is the one with the best *goodput*: expected
-tokens gained per unit of time (SmartSpec). With a per-token acceptance rate
-a, a chain of k draft tokens gains (1 - a^(k+1)) / (1 - a) tokens per target
-pass. The pass costs more with every token the verifier scores, and it
-scores every request's tree together: with B requests in the batch, one more
-draft token per request costs about `verify_token_cost` x B of a one-token
-pass. Each draft token also costs the drafter's time, `draft_token_cost` of a
+Each round the draft length k is the one with the best *goodput*: tokens
+the verifier's batch gains per unit of time (SmartSpec). With a per-level
+acceptance rate a, k levels of draft gain (1 - a^(k+1)) / (1 - a) tokens per
+target pass. A tree drafter's k levels hold about `width` x k nodes,
+`width` learned from its trees (`observe_tree`; 1 for chains). The verifier
+scores the trees of all B requests of a batch in one pass, every row padded
+to the widest (`speculative.batching.verify_batch`), so this request's tree
+makes each of the B rows 1 + width x k slots wide, and the pass costs
+1 + `verify_token_cost` x (B x (1 + width x k) - 1) one-token passes. The
+other B - 1 rows gain one token each whatever this request drafts: under
+load a draft pays only if it gains more than it slows every other request.
+Each draft level also costs the drafter's time, `draft_token_cost` of a
 pass, measured as the request goes; pipelined, only when the round could not
-use the draft made ahead during the last verification (`reused`). A tree
-drafter's round of depth k verifies about `width` x k nodes, `width` learned
-from its trees (`observe_tree`; 1 for chains), and each costs as a token.
+use the draft made ahead during the last verification (`reused`).
 
     control = SpeculationControl(max_length=5, prior=0.6)
     k = control.length(batch=3)          # before a round
@@ -24,7 +27,10 @@ paid for by its width above and credited here: any of its branches may carry
 the accepted path. It starts from `prior` (the drafter's reliability on the
 domain) as `prior_rounds` rounds' worth of evidence.
 When goodput says "do not speculate", every `probe_every`-th round still
-drafts one token, so a request whose text turns predictable gets drafts again.
+drafts one token, so a request whose text turns predictable gets drafts again,
+unless the load is such that even a drafter that is always right would not
+pay (with 8 requests each probing every 8th round, nearly every pass would be
+padded for somebody's probe).
 A `reproducible` control (seeded sampling) ignores load and timings, so that
 the same seed draws the same tokens however busy the server is.
 
@@ -83,10 +89,18 @@ class SpeculationControl:
         width = 1.0 if self.reproducible else self.width  # a suffix tree's width depends on other requests
         if self.pipelined:
             draft_cost *= 1.0 - self._reuse
-        per_token = self.verify_token_cost * batch * width + draft_cost
-        best = max(range(self.max_length + 1), key=lambda k: (expected_tokens(a, k) / (1.0 + per_token * k), -k))
-        if best == 0 and self.max_length > 0 and self._rounds % self.probe_every == 0:
-            return 1
+
+        def goodput(k: int, a: float) -> float:  # the batch's tokens per one-token pass of time (see above)
+            slots = batch * (1.0 + width * k)
+            return ((batch - 1 + expected_tokens(a, k))
+                    / (1.0 + self.verify_token_cost * (slots - 1) + draft_cost * k))
+
+        lengths = range(self.max_length + 1)
+        best = max(lengths, key=lambda k: (goodput(k, a), -k))
+        if best == 0 and self._rounds % self.probe_every == 0:
+            # probe, unless the load is such that even a drafter that is always right would not pay
+            if any(goodput(k, 1.0) > goodput(0, 1.0) for k in lengths[1:]):
+                return 1
         return best
 
     def record(self, offered: int, accepted: int) -> None:
