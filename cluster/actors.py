@@ -165,6 +165,7 @@ class RouterActor(_ServiceActor):
     def __init__(self, cfg_dict: dict, redis_url: str | None):
         import torch
 
+        from drafter_service.registry import drafter_domains
         from router.coordinator import Coordinator
         from router.expertise import ExpertiseRouter
         from router.metrics import RouterMetrics
@@ -195,7 +196,9 @@ class RouterActor(_ServiceActor):
                               pipelined=cfg.pipelined, adaptive=cfg.adaptive, stop_confidence=cfg.stop_confidence,
                               verify_token_cost=cfg.verify_token_cost)
         # expertise statistics live in the shared store: every router replica learns from all traffic
-        self.expertise = ExpertiseRouter(store, refresh_s=cfg.routing_refresh_s)
+        # a drafter trained for a domain is tried first there before there is any evidence
+        specialties = {kind: drafter_domains(kind) for kind in cfg.drafter_kinds}
+        self.expertise = ExpertiseRouter(store, refresh_s=cfg.routing_refresh_s, specialties=specialties)
         metrics = RouterMetrics()
         if cfg.metrics_port is not None:
             metrics.serve(cfg.metrics_port, cfg.host)

@@ -102,6 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--minutes", type=float, default=30.0, help="training time budget, data preparation excluded")
     t.add_argument("--init", default=None, metavar="DIR", help="continue from this drafter (e.g. specialise one)")
     t.add_argument("--answer-tokens", type=int, default=128, help="length of the target's answers to prompts")
+    t.add_argument("--domains", nargs="+", default=[], metavar="DOMAIN",
+                   help="the domains it specialises in (router.domains): the router tries it first there")
     t.add_argument("--seed", type=int, default=0)
     return parser
 
@@ -280,7 +282,7 @@ def cmd_train_drafter(args) -> int:
 
     cfg = TrainConfig(target=args.target, corpus=args.corpus, out=args.out, layers=args.layers, hidden=args.hidden,
                       intermediate=args.intermediate, vocab_trim=args.vocab_trim, minutes=args.minutes,
-                      init=args.init, answer_tokens=args.answer_tokens, seed=args.seed,
+                      init=args.init, answer_tokens=args.answer_tokens, seed=args.seed, domains=args.domains,
                       extra={"command": "specserve " + " ".join(args.argv)})
     cfg.validate()
     corpus_files(cfg.corpus)  # a missing file fails now, not after loading the target

@@ -9,6 +9,7 @@ one tree per round.
 
 from __future__ import annotations
 
+import json
 import threading
 from pathlib import Path
 
@@ -45,6 +46,15 @@ def drafter_path(name: str) -> Path | None:
     if name in SHIPPED_DRAFTERS:
         return SHIPPED_DIR / name.removeprefix("small-")
     return Path(name) if is_drafter_dir(name) else None
+
+
+def drafter_domains(name: str) -> tuple[str, ...]:
+    """The domains a trained drafter specialises in (its drafter.json `domains`): none for
+    the other kinds, for a general drafter, and for several fused."""
+    path = None if "+" in name else drafter_path(name)
+    if path is None:
+        return ()
+    return tuple(json.loads((path / "drafter.json").read_text()).get("domains", ()))
 
 
 def is_drafter(name: str) -> bool:

@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from router.domains import DOMAINS
 from speculative import loading
 from speculative.config import ModelConfig
 from speculative.model import Transformer
@@ -66,6 +67,7 @@ class TrainConfig:
     checkpoint_s: float = 60.0
     seed: int = 0
     eval_fraction: float = 0.1       # held-out sequences: progress report and early stopping
+    domains: list[str] = field(default_factory=list)  # what it specialises in: routing's cold-start prior
     extra: dict = field(default_factory=dict)
 
     def validate(self) -> None:
@@ -75,6 +77,9 @@ class TrainConfig:
         for name, ok in checks:
             if not ok:
                 raise ValueError(f"--{name.replace('_', '-')}: invalid value {getattr(self, name)!r}")
+        unknown = [d for d in self.domains if d not in DOMAINS]
+        if unknown:
+            raise ValueError(f"--domains: unknown domain(s) {', '.join(unknown)}; known: {', '.join(DOMAINS)}")
 
 
 # ---- data -------------------------------------------------------------------
@@ -329,7 +334,8 @@ def train(cfg: TrainConfig, log=print) -> Path:
     after = best["agreement"]
     log(f"top-1 agreement after {elapsed / 60:.1f} min, {step} steps: {after:.3f} (kept step {best['step']})")
     info = {"target": {"source": cfg.target or loading.DEFAULT_MODEL, "vocab_size": target_vocab},
-            "training": {**{k: v for k, v in asdict(cfg).items() if k not in ("out", "extra")},
+            "domains": list(cfg.domains),
+            "training": {**{k: v for k, v in asdict(cfg).items() if k not in ("out", "extra", "domains")},
                          "steps": step, "kept_step": best["step"], "minutes_trained": round(elapsed / 60, 2),
                          "sequences": len(train_items), "eval_sequences": len(eval_items),
                          "train_positions": int(sum(len(it["tokens"]) for it in train_items)),

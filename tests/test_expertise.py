@@ -165,6 +165,26 @@ def test_improved_drafter_wins_back_its_traffic(store, classifier) -> None:
     assert after[-100:].count("learner") >= 90
 
 
+def test_cold_start_tries_a_drafter_trained_for_the_domain_first_until_evidence_says_otherwise(classifier) -> None:
+    """No evidence yet: on math the math specialist leads (Thompson draws from Beta(4, 2) against
+    Beta(1, 1): it wins 2/3 of the time), elsewhere both are alike. Then the specialist turns out
+    worse on math and loses its place: the prior is a few tokens' worth."""
+    clock, outcomes = Clock(), np.random.default_rng(7)
+    router = make_router(EmbeddedStateStore(), classifier, clock, seed=8, epsilon=0.0,
+                         specialties={"small-math": ["math_reasoning", "math"], "general": []})
+    drafters = ["general", "small-math"]
+    first = Counter(router.choose("math_reasoning", drafters)[0] for _ in range(300))
+    other = Counter(router.choose("translation", drafters)[0] for _ in range(300))
+    assert first["small-math"] >= 170, first  # expected 200 of 300
+    assert 110 <= other["small-math"] <= 190, other  # expected 150
+    assert router.reliability("small-math", "math_reasoning") == pytest.approx(2 / 3)
+    assert router.reliability("small-math", "translation") == router.reliability("general", "math") == 0.5
+    later = serve([router], clock, {"general": 0.6, "small-math": 0.3}, "math_reasoning", 200, outcomes)
+    assert later[100:].count("general") >= 90
+    with pytest.raises(ValueError, match="unknown specialty domain"):
+        ExpertiseRouter(EmbeddedStateStore(), classifier, specialties={"x": ["poetry"]})
+
+
 def test_domain_hint_overrides_the_classifier(classifier) -> None:
     router = ExpertiseRouter(EmbeddedStateStore(), classifier)
     prompt = "Translate German to English: Alle Tickets behalten für diese Shows Gültigkeit ."
@@ -262,7 +282,7 @@ def test_store_failure_keeps_cache_and_unwritten_outcomes(classifier) -> None:
     assert store.acceptance_stats() == {("d", "qa"): (10, 9)}
 
 
-@pytest.mark.parametrize("bad", [dict(prior=(0, 1)), dict(window=0), dict(epsilon=1.5), dict(refresh_s=-1)])
+@pytest.mark.parametrize("bad", [dict(prior=(0, 1)), dict(specialty_prior=(1, 0)), dict(window=0), dict(epsilon=1.5), dict(refresh_s=-1)])
 def test_bad_parameters_refused(classifier, bad) -> None:
     with pytest.raises(ValueError):
         ExpertiseRouter(EmbeddedStateStore(), classifier, **bad)
@@ -273,3 +293,13 @@ def test_bad_outcome_refused(classifier) -> None:
     with pytest.raises(ValueError):
         router.record("d", "qa", 3, 4)
 
+
+
+def test_shipped_drafters_declare_the_domains_they_were_trained_for() -> None:
+    from drafter_service.registry import SHIPPED_DRAFTERS, drafter_domains
+
+    domains = {name: drafter_domains(name) for name in SHIPPED_DRAFTERS}
+    assert domains["small-general"] == () and drafter_domains("pld") == ()
+    assert "math_reasoning" in domains["small-math"] and "translation" in domains["small-language"]
+    assert {"summarization", "qa", "rag"} <= set(domains["small-extraction"])
+    assert set().union(*domains.values()) <= set(DOMAINS)

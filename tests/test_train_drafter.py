@@ -13,7 +13,7 @@ import torch
 
 from cluster.cli import main as cli_main
 from drafter_service.checkpoint import hf_state_dict, load_drafter
-from drafter_service.registry import make_drafter
+from drafter_service.registry import drafter_domains, make_drafter
 from speculative import loading
 from speculative.decoding import generate
 from speculative.model import Transformer
@@ -55,7 +55,8 @@ def test_train_resume_and_decode_losslessly(tiny_target, tmp_path, monkeypatch, 
     text.write_text("Speculative decoding drafts tokens and verifies them. " * 40)
     out = tmp_path / "drafter"
     argv = ["train-drafter", "--target", str(tiny_target), "--corpus", str(corpus), str(text), "--out", str(out),
-            "--layers", "1", "--intermediate", "32", "--vocab-trim", "300", "--answer-tokens", "12"]
+            "--layers", "1", "--intermediate", "32", "--vocab-trim", "300", "--answer-tokens", "12",
+            "--domains", "math", "coding"]
     assert cli_main(argv + ["--minutes", "0.05"]) == 0
     first = json.loads((out / "drafter.json").read_text())["training"]
     assert first["steps"] >= 1 and (out / "work" / "checkpoint.pt").exists()
@@ -68,6 +69,7 @@ def test_train_resume_and_decode_losslessly(tiny_target, tmp_path, monkeypatch, 
     assert info["training"]["steps"] > first["steps"]
     assert info["training"]["command"].startswith("specserve train-drafter")
     assert len(info["vocab_ids"]) <= 300 and 2 in info["vocab_ids"]  # eos is always kept
+    assert drafter_domains(str(out)) == ("math", "coding")  # what routing's cold start reads
 
     # a standard checkpoint: transformers loads it as the same network
     from transformers import AutoModelForCausalLM
@@ -96,3 +98,5 @@ def test_bad_arguments_name_the_flag(capsys):
     assert "--layers" in capsys.readouterr().err
     assert cli_main(["train-drafter", "--corpus", "/no/such/file", "--out", "o", "--minutes", "1"]) == 2
     assert "/no/such/file" in capsys.readouterr().err
+    assert cli_main(["train-drafter", "--corpus", "x.jsonl", "--out", "o", "--domains", "poetry"]) == 2
+    assert "--domains" in capsys.readouterr().err
