@@ -35,12 +35,17 @@ REMOTE = (SERVED, PIPELINED)
 
 
 def served_drafter(mode: str) -> str | None:
-    """The drafter of a served mode (`ar` is plain decoding), or None for a mode run in process."""
+    """The drafter of a served mode (`ar` is plain decoding; `auto`, the server's own
+    choice by expertise routing), or None for a mode run in process."""
     for prefix in REMOTE:
         if mode.startswith(prefix):
             drafter = mode.removeprefix(prefix)
             return "none" if drafter == "ar" else drafter
     return None
+
+
+def _request_drafter(drafter: str) -> str:
+    return "" if drafter == "auto" else drafter  # a request that names none is routed
 
 
 def load_questions(path: str, limit_per_category: int) -> list[dict]:
@@ -98,7 +103,7 @@ class ServedRunner:
         start = time.perf_counter()
         out = self.client.generate(messages=[{"role": "user", "content": prompt}], max_tokens=params.max_tokens,
                                    temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
-                                   seed=params.seed, drafter=served_drafter(mode),
+                                   seed=params.seed, drafter=_request_drafter(served_drafter(mode)),
                                    pipelined=mode.startswith(PIPELINED))
         u = out.usage
         return (list(out.token_ids), time.perf_counter() - start, u.target_forward_passes,

@@ -238,6 +238,8 @@ def cmd_bench(args) -> int:
 
     def known(mode: str) -> bool:  # hf-*, ar, or a drafter (also served-<drafter>, pipelined-<drafter>)
         local = next((mode.removeprefix(p) for p in REMOTE if mode.startswith(p)), mode)
+        if local == "auto":  # served-auto, pipelined-auto: the server routes
+            return mode != local
         return mode in HF_MODES | {"ar"} or local == "ar" or (local not in HF_MODES and local != "none"
                                                                and is_drafter(local))
 

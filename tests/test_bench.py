@@ -39,6 +39,11 @@ def test_bench_reports_every_category_and_mode(tmp_path, capsys):
 def test_bench_rejects_unknown_modes(capsys):
     assert cli_main(["bench", "--questions", str(DEV_QUESTIONS), "--modes", "warp", "--out", "x.json"]) == 2
     assert "--modes" in capsys.readouterr().err
+    # `auto` (the server's routing) exists only served
+    assert cli_main(["bench", "--questions", str(DEV_QUESTIONS), "--modes", "auto", "--out", "x.json"]) == 2
+    assert "unknown mode(s) auto" in capsys.readouterr().err
+    assert cli_main(["bench", "--questions", str(DEV_QUESTIONS), "--modes", "served-auto", "--out", "x.json"]) == 2
+    assert "--server" in capsys.readouterr().err  # known, but it needs a server
 
 
 def test_draft_token_cost_is_measured_against_a_target_forward(smollm2):
