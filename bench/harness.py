@@ -35,17 +35,13 @@ REMOTE = (SERVED, PIPELINED)
 
 
 def served_drafter(mode: str) -> str | None:
-    """The drafter of a served mode (`ar` is plain decoding; `auto`, the server's own
-    choice by expertise routing), or None for a mode run in process."""
+    """The drafter a served mode's requests name (`ar`: "none", plain decoding; `auto`: "",
+    the server routes), or None for a mode run in process."""
     for prefix in REMOTE:
         if mode.startswith(prefix):
             drafter = mode.removeprefix(prefix)
-            return "none" if drafter == "ar" else drafter
+            return {"ar": "none", "auto": ""}.get(drafter, drafter)
     return None
-
-
-def _request_drafter(drafter: str) -> str:
-    return "" if drafter == "auto" else drafter  # a request that names none is routed
 
 
 def load_questions(path: str, limit_per_category: int) -> list[dict]:
@@ -103,7 +99,7 @@ class ServedRunner:
         start = time.perf_counter()
         out = self.client.generate(messages=[{"role": "user", "content": prompt}], max_tokens=params.max_tokens,
                                    temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
-                                   seed=params.seed, drafter=_request_drafter(served_drafter(mode)),
+                                   seed=params.seed, drafter=served_drafter(mode),
                                    pipelined=mode.startswith(PIPELINED))
         u = out.usage
         return (list(out.token_ids), time.perf_counter() - start, u.target_forward_passes,
@@ -198,7 +194,7 @@ def run_bench(args) -> dict:
         raise ValueError(f"--questions: no questions in {args.questions}")
     engine = LocalEngine.load(args.model, args.device, args.dtype)
     hf = HFRunner(loading.resolve_source(args.model), engine.model.dtype) if HF_MODES & set(args.modes) else None
-    served = ServedRunner(args.server) if any(served_drafter(m) for m in args.modes) else None
+    served = ServedRunner(args.server) if any(served_drafter(m) is not None for m in args.modes) else None
     temperature = getattr(args, "temperature", 0.0)
     # per (mode, category): tokens, seconds, target passes, draft tokens, accepted draft tokens;
     # and output agreement with hf-ar
@@ -217,7 +213,7 @@ def run_bench(args) -> dict:
             for _ in range(args.repeats):
                 if mode in HF_MODES:
                     tokens, seconds = hf.run(ids, params, mode)
-                elif served_drafter(mode):
+                elif served_drafter(mode) is not None:
                     tokens, seconds, passes, drafts = served.run(q["turns"][0], params, mode)
                 else:
                     drafter = "none" if mode == "ar" else mode

@@ -246,7 +246,7 @@ def cmd_bench(args) -> int:
     unknown = [m for m in args.modes if not known(m)]
     if unknown:
         raise InvalidArgument("modes", f"unknown mode(s) {', '.join(unknown)}")
-    if any(served_drafter(m) for m in args.modes) and not args.server:
+    if any(served_drafter(m) is not None for m in args.modes) and not args.server:
         raise InvalidArgument("server", "the served-* and pipelined-* modes need --server HOST:PORT")
     if not 0 <= args.temperature <= 2:
         raise InvalidArgument("temperature", f"must be in [0, 2], got {args.temperature}")
