@@ -38,6 +38,8 @@ class ServeConfig(BaseModel):
                                                                 "it drafted with less confidence (SpecDec++)")
     verify_token_cost: float = Field(0.06, gt=0, description="one more verified token as a share of a one-token "
                                                              "target pass: the goodput model's cost")
+    verify_pad_cost: float = Field(0.01, ge=0, description="attention over one more padded slot of one row of a "
+                                                           "verification pass, as a share of a one-token pass")
     metrics_port: int | None = Field(None, ge=0, le=65535, description="serve Prometheus /metrics of the router "
                                                                        "on this port")
     max_batch: int = Field(8, ge=1, description="requests one verifier holds and batches")

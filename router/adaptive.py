@@ -5,12 +5,14 @@ the verifier's batch gains per unit of time (SmartSpec). With a per-level
 acceptance rate a, k levels of draft gain (1 - a^(k+1)) / (1 - a) tokens per
 target pass. A tree drafter's k levels hold about `width` x k nodes,
 `width` learned from its trees (`observe_tree`; 1 for chains). The verifier
-scores the trees of all B requests of a batch in one pass, every row padded
-to the widest (`speculative.batching.verify_batch`), so this request's tree
-makes each of the B rows 1 + width x k slots wide, and the pass costs
-1 + `verify_token_cost` x (B x (1 + width x k) - 1) one-token passes. The
-other B - 1 rows gain one token each whatever this request drafts: under
-load a draft pays only if it gains more than it slows every other request.
+scores the trees of all B requests of a batch in one pass
+(`speculative.batching.verify_batch`): the linear layers and the head see
+the real tokens only, B - 1 + 1 + width x k of them, but attention pads every
+row to the widest tree, so this request's tree adds width x k slots to each
+of the B rows. The pass costs 1 + `verify_token_cost` x (B - 1 + width x k)
++ `verify_pad_cost` x B x width x k one-token passes. The other B - 1 rows
+gain one token each whatever this request drafts: under load a draft pays
+only if it gains more than it slows every other request.
 Each draft level also costs the drafter's time, `draft_token_cost` of a
 pass, measured as the request goes; pipelined, only when the round could not
 use the draft made ahead during the last verification (`reused`).
@@ -29,8 +31,8 @@ domain) as `prior_rounds` rounds' worth of evidence.
 When goodput says "do not speculate", every `probe_every`-th round still
 drafts one token, so a request whose text turns predictable gets drafts again,
 unless the load is such that even a drafter that is always right would not
-pay (with 8 requests each probing every 8th round, nearly every pass would be
-padded for somebody's probe).
+pay (with many requests each probing every 8th round, nearly every pass would
+be padded for somebody's probe).
 A `reproducible` control (seeded sampling) ignores load and timings, so that
 the same seed draws the same tokens however busy the server is.
 
@@ -57,6 +59,7 @@ class SpeculationControl:
     prior: float = 0.5  # acceptance rate before any round (the drafter's reliability)
     pipelined: bool = False  # drafting overlaps verification: it costs round time only when not reused
     verify_token_cost: float = 0.06  # one more scored token, as a fraction of a one-token pass
+    verify_pad_cost: float = 0.01  # attention of one more padded slot in one row, likewise
     draft_token_cost: float = 0.0  # one draft token, as a fraction of a pass (measured: `observe`)
     width: float = 1.0  # nodes the drafter's trees hold per level of depth (learned: `observe_tree`)
     prior_rounds: float = 2.0
@@ -91,9 +94,10 @@ class SpeculationControl:
             draft_cost *= 1.0 - self._reuse
 
         def goodput(k: int, a: float) -> float:  # the batch's tokens per one-token pass of time (see above)
-            slots = batch * (1.0 + width * k)
+            nodes = width * k
             return ((batch - 1 + expected_tokens(a, k))
-                    / (1.0 + self.verify_token_cost * (slots - 1) + draft_cost * k))
+                    / (1.0 + self.verify_token_cost * (batch - 1 + nodes) + self.verify_pad_cost * batch * nodes
+                       + draft_cost * k))
 
         lengths = range(self.max_length + 1)
         best = max(lengths, key=lambda k: (goodput(k, a), -k))

@@ -6,6 +6,11 @@ pass, verifies each row on its own, and keeps only the accepted entries.
 Rows up to the highest one in the batch take part (slicing the cache costs
 nothing, gathering rows would copy it); rows with no work get one dummy token
 that attends only to itself and is rolled back.
+
+Rows are padded to the widest tree for attention only: the linear layers
+and the head, most of a pass's work, run on the real tokens alone
+(`Transformer.forward`'s `real`), so one request's wide tree costs its own
+tokens, not its width times every row of the batch.
 """
 
 from __future__ import annotations
@@ -53,14 +58,16 @@ def verify_batch(model: Transformer, cache: KVCache, items: list[VerifyItem]) ->
             mask[r, :n, start:start + n] = it.tree.ancestors()
         for j in range(n, width):  # padding: sees only itself
             mask[r, j, start + j] = True
-    logits = model(tokens.to(device), positions.to(device), cache, mask.to(device))
-    results = []
+    real = [1 + len(by_row[r].tree) if r in by_row else 0 for r in range(rows)]
+    logits = model(tokens.to(device), positions.to(device), cache, mask.to(device), real=real)
+    results, offset = [], 0
     for r in range(rows):
         it = by_row.get(r)
         if it is None:
             cache.rollback(starts[r], row=r)
             continue
-        scores = logits[r, :1 + len(it.tree)]
+        scores = logits[offset:offset + real[r]]
+        offset += real[r]
         if it.params.greedy:
             path, bonus = verify_greedy(it.tree, scores)
         else:

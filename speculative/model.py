@@ -142,9 +142,12 @@ class Attention(nn.Module):
         self.o = nn.Linear(q_dim, cfg.hidden_size, bias=False)
         self.split = (q_dim, kv_dim, kv_dim)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, starts, mask):
-        b, t, _ = x.shape
-        q, k, v = self.qkv(x).split(self.split, dim=-1)
+    def forward(self, x, cos, sin, k_cache, v_cache, starts, mask, packing=None):
+        qkv = self.qkv(x)
+        if packing is not None:  # real tokens only [N, D]: attention works on the padded rows
+            qkv = packing.unpack(qkv)
+        b, t, _ = qkv.shape
+        q, k, v = qkv.split(self.split, dim=-1)
         q = q.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
         k = k.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
         v = v.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
@@ -156,7 +159,8 @@ class Attention(nn.Module):
         span = mask.shape[-1]
         out = F.scaled_dot_product_attention(
             q, k_cache[:b, :, :span], v_cache[:b, :, :span], attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
-        return self.o(out.transpose(1, 2).reshape(b, t, -1))
+        out = out.transpose(1, 2).reshape(b, t, -1)
+        return self.o(out if packing is None else packing.pack(out))
 
 
 class MLP(nn.Module):
@@ -178,8 +182,8 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, starts, mask):
-        x = x + self.attn(self.attn_norm(x), cos, sin, k_cache, v_cache, starts, mask)
+    def forward(self, x, cos, sin, k_cache, v_cache, starts, mask, packing=None):
+        x = x + self.attn(self.attn_norm(x), cos, sin, k_cache, v_cache, starts, mask, packing)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -220,7 +224,8 @@ class Transformer(nn.Module):
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, mask: torch.Tensor,
-                layers: Sequence[int] | None = None, logits_from: int = 0) -> torch.Tensor:
+                layers: Sequence[int] | None = None, logits_from: int = 0,
+                real: Sequence[int] | None = None) -> torch.Tensor:
         """Score `tokens` [B, T] at `positions` [B, T], appending their keys and values.
 
         Row b's new keys go to cache slots lengths[b].. and its length grows by T.
@@ -228,15 +233,24 @@ class Transformer(nn.Module):
         `layers` picks a subset of layers (layer-skip drafting; the cache then
         has one entry per picked layer). Logits are computed for tokens
         [logits_from:] only, which saves the large head on prefill.
+
+        `real[b]`: only the first real[b] tokens of row b matter, the rest pad the
+        rows to one width (each must attend to itself at least). The linear
+        layers and the head then run on the real tokens alone, packed, and the
+        logits come back packed too: [sum(real), V], row after row. A batch of
+        one wide tree and seven single tokens costs 13 tokens' work, not 48.
         """
         b, t = tokens.shape
-        pad = 4 - t if tokens.device.type == "cpu" and 1 < t < 4 else 0
+        packing = None if real is None or sum(real) == b * t else _Packing(b, t, real, tokens.device)
+        if packing is not None and logits_from:
+            raise ValueError("packed rows give logits for every real token")
+        pad = 4 - t if tokens.device.type == "cpu" and b == 1 and 1 < t < 4 else 0
         if pad:  # CPU BLAS takes a slow path for 2-3 rows; 4 rows cost less
             tokens, positions, mask = _pad_rows(tokens, positions, mask, pad)
             logits = self.forward(tokens, positions, cache, mask, layers, logits_from)
             for row in range(b):
                 cache.lengths[row] -= pad
-            return logits[:, : t - logits_from]
+            return logits[:, : t - logits_from] if real is None else logits[0, : t - logits_from][: real[0]]
         starts = cache.lengths[:b]
         if max(starts) + t > cache.max_len:
             raise ValueError(f"KV cache of {cache.max_len} slots is full")
@@ -244,13 +258,38 @@ class Transformer(nn.Module):
         cos = self.rope_cos[positions].unsqueeze(1).to(x.dtype)
         sin = self.rope_sin[positions].unsqueeze(1).to(x.dtype)
         mask = mask.unsqueeze(1)
+        if packing is not None:
+            x = packing.pack(x)
         picked = range(len(self.layers)) if layers is None else layers
         for i, layer_idx in enumerate(picked):
-            x = self.layers[layer_idx](x, cos, sin, cache.k[i], cache.v[i], starts, mask)
+            x = self.layers[layer_idx](x, cos, sin, cache.k[i], cache.v[i], starts, mask, packing)
         for row in range(b):
             cache.lengths[row] += t
-        x = self.norm(x[:, logits_from:])
-        return self.lm_head(x).float()
+        if packing is None:
+            x = x[:, logits_from:]
+            if real is not None:  # nothing was padded: the same packed layout
+                x = x.reshape(b * t, -1)
+        return self.lm_head(self.norm(x)).float()
+
+
+class _Packing:
+    """Where the real tokens of padded rows [B, T] lie, to drop the padding and put it back."""
+
+    def __init__(self, b: int, t: int, real: Sequence[int], device: torch.device):
+        if len(real) != b or any(not 0 <= n <= t for n in real):
+            raise ValueError(f"real token counts {list(real)} do not fit {b} rows of {t}")
+        self.b, self.t = b, t
+        self.index = torch.cat([torch.arange(n) + row * t for row, n in enumerate(real)]).to(device)
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, T, C] -> [N, C], the real tokens row after row."""
+        return x.reshape(self.b * self.t, -1).index_select(0, self.index)
+
+    def unpack(self, x: torch.Tensor) -> torch.Tensor:
+        """[N, C] -> [B, T, C], zeros where the padding was."""
+        out = x.new_zeros(self.b * self.t, x.shape[-1])
+        out.index_copy_(0, self.index, x)
+        return out.view(self.b, self.t, -1)
 
 
 class PackedLinear(nn.Module):

@@ -51,3 +51,35 @@ def test_batched_rows_match_single_requests():
         nxt = model(torch.tensor([[bonus]]), torch.tensor([[len(accepted)]]), view,
                     attention_mask(len(accepted), causal_ancestors(1)))[0, -1]
         assert torch.allclose(nxt, fresh_next_logits(model, accepted + [bonus]), atol=1e-5), f"row {row}"
+
+
+def test_packed_rows_score_like_padded_rows():
+    """With `real`, only the real tokens go through the linear layers and the head; their
+    logits and cache entries are those the padded forward gives."""
+    model = tiny_model(0)
+    prompts = [[1, 2, 3, 4, 5], [6, 7], [0, 3, 5]]
+    real = [4, 1, 0]  # a 4-node chain, one token, an idle row
+    width = max(real)
+    padded, packed = (model.new_cache(32, batch=3) for _ in range(2))
+    for cache in (padded, packed):
+        for row, p in enumerate(prompts):
+            prefill_row(model, cache, row, p)
+    starts = [len(p) for p in prompts]
+    span = max(starts) + width
+    tokens = torch.tensor([[7, 6, 5, 4], [3, 0, 0, 0], [0, 0, 0, 0]])
+    positions = torch.tensor([[s + j for j in range(width)] for s in starts])
+    mask = torch.zeros(3, width, span, dtype=torch.bool)
+    for row, (start, n) in enumerate(zip(starts, real)):
+        mask[row, :n, :start] = True
+        mask[row, :n, start:start + n] = causal_ancestors(n)
+        for j in range(n, width):
+            mask[row, j, start + j] = True
+    want = model(tokens, positions, padded, mask)
+    got = model(tokens, positions, packed, mask, real=real)
+    assert got.shape == (sum(real), want.shape[-1])
+    expected = torch.cat([want[row, :n] for row, n in enumerate(real)])
+    assert torch.allclose(got, expected, atol=1e-5)
+    for row, (start, n) in enumerate(zip(starts, real)):
+        assert packed.lengths[row] == padded.lengths[row] == start + width
+        assert torch.allclose(packed.k[:, row, :, :start + n], padded.k[:, row, :, :start + n], atol=1e-5)
+        assert torch.allclose(packed.v[:, row, :, :start + n], padded.v[:, row, :, :start + n], atol=1e-5)

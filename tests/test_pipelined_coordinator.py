@@ -166,7 +166,7 @@ def test_a_busy_verifier_gets_no_speculation_from_the_first_round(services):
     params = SamplingParams(max_tokens=16)
 
     def first_lengths() -> list[int]:
-        control = SpeculationControl(DRAFT_LENGTH, prior=0.9, verify_token_cost=0.5)
+        control = SpeculationControl(DRAFT_LENGTH, prior=0.9, verify_token_cost=0.5, verify_pad_cost=0.1)
         _, stats = served(coordinator, dataclasses.replace(
             job("busy", PROMPTS[0], params, (("layerskip", 1.0),), pipelined=False), speculation=control,
             tree_budget=DRAFT_LENGTH))  # chains: the width of trees costs more, as tested in test_adaptive
