@@ -8,7 +8,10 @@ request's arrival time is fixed in advance, and its latency is its completion
 time minus that arrival time, so time spent waiting behind the client's
 previous request counts. Every mode of a level replays the same arrival
 times and prompts, the modes back to back (their order alternating from
-level to level) so drift on the machine hits them alike.
+run to run) so drift on the machine hits them alike. With `--repeats R`
+each level runs R times, each run with its own arrivals and prompts, and the
+verdict is on the median of the runs' ratios: one run's p99 is nearly its
+slowest request, and moves by several percent from run to run.
 """
 
 from __future__ import annotations
@@ -109,14 +112,14 @@ def run_level(client: Client, arrivals: list[Arrival], prompts: list[str], draft
 
 
 def run_modes(client: Client, clients: int, arrivals: list[Arrival], prompts: list[str], modes: list[str],
-              max_tokens: int, bar: tqdm, reverse: bool) -> list[dict]:
-    """One load level: every mode replays the same arrivals (in reverse order of modes
-    if `reverse`); rows in the order of `modes`, with ratios to plain decoding."""
+              max_tokens: int, bar: tqdm, reverse: bool, run: int = 1) -> list[dict]:
+    """One run of a load level: every mode replays the same arrivals (in reverse order of
+    modes if `reverse`); rows in the order of `modes`, with ratios to plain decoding."""
     by_mode = {}
     for mode in modes[::-1] if reverse else modes:
         outcomes, wall = run_level(client, arrivals, prompts, "" if mode == AUTO else mode, max_tokens, bar)
         done = [o for o in outcomes if o.latency is not None]
-        by_mode[mode] = {"clients": clients, "mode": mode,
+        by_mode[mode] = {"clients": clients, "run": run, "mode": mode,
                          **summarize([o.latency for o in done], sum(o.tokens for o in done), wall,
                                      len(outcomes) - len(done)),
                          **_speculation(done), "served_by": sorted({o.drafter for o in done})}
@@ -126,6 +129,21 @@ def run_modes(client: Client, clients: int, arrivals: list[Arrival], prompts: li
         row["p99_ratio"] = _ratio(row["p99_s"], vs and vs["p99_s"])
         row["throughput_ratio"] = _ratio(row["tokens_per_s"], vs and vs["tokens_per_s"])
     return [by_mode[m] for m in modes]
+
+
+def medians(rows: list[dict]) -> list[dict]:
+    """Per (level, mode other than plain decoding): the median, lowest and highest of the
+    runs' p99 and throughput ratios."""
+    out = []
+    for key in dict.fromkeys((r["clients"], r["mode"]) for r in rows if r["mode"] != BASELINE):
+        runs = [r for r in rows if (r["clients"], r["mode"]) == key]
+        entry = {"clients": key[0], "mode": key[1], "runs": len(runs)}
+        for name in ("p99_ratio", "throughput_ratio"):
+            values = [r[name] for r in runs if r[name] is not None]
+            entry[name] = round(float(np.median(values)), 3) if values else None
+            entry[name + "_range"] = [min(values), max(values)] if values else None
+        out.append(entry)
+    return out
 
 
 WARM_UP = "Say hello in one short sentence."
@@ -149,21 +167,25 @@ def run_load(args) -> dict:
                                 drafter="" if mode == AUTO else mode)
             except SpecserveError as e:
                 raise ValueError(f"--server {args.server}: the warm-up request of mode {mode} failed: {e}") from e
-        total = len(args.clients) * len(args.load_modes) * args.requests
+        repeats = getattr(args, "repeats", 1) or 1
+        total = len(args.clients) * repeats * len(args.load_modes) * args.requests
         with tqdm(total=total, desc="load", unit="req") as bar:
             for level, clients in enumerate(args.clients):
-                arrivals = schedule(args.requests, clients, args.rate, rng)
-                # each level its own prompts (while the questions last): a server that learns from
-                # its traffic (the suffix drafter) must not have seen a level's answers before
-                own = [prompts[(level * args.requests + i) % len(prompts)] for i in range(args.requests)]
-                rows += run_modes(client, clients, arrivals, own, list(args.load_modes), args.max_tokens, bar,
-                                  reverse=level % 2 == 1)
+                for run in range(repeats):
+                    arrivals = schedule(args.requests, clients, args.rate, rng)
+                    # each run its own prompts (while the questions last): a server that learns from
+                    # its traffic (the suffix drafter) must not have seen a run's answers before
+                    first = (level * repeats + run) * args.requests
+                    own = [prompts[(first + i) % len(prompts)] for i in range(args.requests)]
+                    rows += run_modes(client, clients, arrivals, own, list(args.load_modes), args.max_tokens, bar,
+                                      reverse=(level * repeats + run) % 2 == 1, run=run + 1)
     report = {
         "command": "specserve " + " ".join(getattr(args, "argv", []) or []),
         "server": args.server, "max_tokens": args.max_tokens, "rate_per_client": args.rate,
         "requests_per_row": args.requests, "seed": args.seed or 0, "modes": list(args.load_modes),
-        "distinct_prompts_per_level": len(prompts) >= len(args.clients) * args.requests,
-        "percentiles": PERCENTILES, "results": rows,
+        "runs_per_level": repeats,
+        "distinct_prompts_per_level": len(prompts) >= len(args.clients) * repeats * args.requests,
+        "percentiles": PERCENTILES, "results": rows, "medians": medians(rows),
     }
     Path(args.out).write_text(json.dumps(report, indent=2))
     Path(args.out).with_suffix(".md").write_text(to_markdown(report))
@@ -171,7 +193,7 @@ def run_load(args) -> dict:
     return report
 
 
-COLUMNS = ("clients", "mode", "requests", "errors", "tokens", "tokens/s", "p50 s", "p99 s", "mean s",
+COLUMNS = ("clients", "run", "mode", "requests", "errors", "tokens", "tokens/s", "p50 s", "p99 s", "mean s",
            "p99 vs none", "tokens/s vs none", "tokens/pass", "drafted/token", "served by")
 
 
@@ -179,7 +201,7 @@ def _cells(row: dict) -> list[str]:
     def num(v: float | None, fmt: str) -> str:
         return "" if v is None else format(v, fmt)
 
-    return [str(row["clients"]), row["mode"], str(row["requests"]), str(row["errors"]), str(row["generated_tokens"]),
+    return [str(row["clients"]), str(row.get("run", 1)), row["mode"], str(row["requests"]), str(row["errors"]), str(row["generated_tokens"]),
             num(row["tokens_per_s"], ".1f"), num(row["p50_s"], ".3f"), num(row["p99_s"], ".3f"),
             num(row["mean_s"], ".3f"), num(row["p99_ratio"], ".2f"), num(row["throughput_ratio"], ".2f"),
             num(row.get("tokens_per_pass"), ".2f"), num(row.get("draft_tokens_per_token"), ".2f"),
@@ -191,21 +213,36 @@ def _notes(report: dict) -> list[str]:
              f"per client, max_tokens {report['max_tokens']}, greedy; latency = completion - scheduled arrival "
              f"(queueing included); percentiles: {report['percentiles']}."]
     if not report.get("distinct_prompts_per_level", True):
-        notes.append("Levels share prompts (too few questions for distinct ones): a server that learns from its "
-                     "traffic (the suffix drafter) has seen later levels' answers.")
-    rows = report["results"]
-    top = max((r["clients"] for r in rows), default=None)
-    for r in rows:
-        if r["clients"] == top and r["p99_ratio"] is not None:
-            verdict = "not worse" if r["p99_ratio"] <= 1 else "worse"
-            notes.append(f"Highest load ({top} clients): p99 of {r['mode']} / p99 of none = {r['p99_ratio']:.2f} "
-                         f"({verdict}).")
+        notes.append("Runs share prompts (too few questions for distinct ones): a server that learns from its "
+                     "traffic (the suffix drafter) has seen later runs' answers.")
+    runs = report.get("runs_per_level", 1)
+    summary = report.get("medians") or medians(report["results"])
+    if runs > 1:
+        for m in summary:
+            notes.append(f"{m['clients']} clients, {m['mode']}, median of {m['runs']} runs: p99 vs none "
+                         f"{_fmt(m['p99_ratio'])} (runs {_span(m['p99_ratio_range'])}), tokens/s vs none "
+                         f"{_fmt(m['throughput_ratio'])} (runs {_span(m['throughput_ratio_range'])}).")
+    top = max((m["clients"] for m in summary), default=None)
+    for m in summary:
+        if m["clients"] == top and m["p99_ratio"] is not None:
+            verdict = "not worse" if m["p99_ratio"] <= 1 else "worse"
+            of = f", median of {runs} runs" if runs > 1 else ""
+            notes.append(f"Highest load ({top} clients): p99 of {m['mode']} / p99 of none = {m['p99_ratio']:.2f}"
+                         f"{of} ({verdict}).")
     return notes
+
+
+def _fmt(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+def _span(r: list[float] | None) -> str:
+    return "-" if not r else f"{r[0]:.2f}-{r[1]:.2f}"
 
 
 def to_markdown(report: dict) -> str:
     lines = [f"Command: `{report['command']}`", "",
-             "| " + " | ".join(COLUMNS) + " |", "| --- | --- |" + " ---: |" * (len(COLUMNS) - 3) + " --- |"]
+             "| " + " | ".join(COLUMNS) + " |", "| ---: | ---: | --- |" + " ---: |" * (len(COLUMNS) - 4) + " --- |"]
     lines += ["| " + " | ".join(_cells(r)) + " |" for r in report["results"]]
     return "\n".join(lines + [""] + _notes(report)) + "\n"
 
@@ -216,7 +253,7 @@ def print_table(report: dict) -> None:
 
     table = Table(title="specserve bench --load (served, greedy)")
     for i, name in enumerate(COLUMNS):
-        table.add_column(name, justify="left" if i in (1, len(COLUMNS) - 1) else "right")
+        table.add_column(name, justify="left" if i in (2, len(COLUMNS) - 1) else "right")
     for r in report["results"]:
         table.add_row(*_cells(r))
     console = Console()

@@ -68,7 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--draft-length", type=int, default=5)
     b.add_argument("--tree-budget", type=int, default=None,
                    help="most draft nodes per round for the in-process modes (default: the draft length)")
-    b.add_argument("--repeats", type=int, default=1, help="time each generation this many times; report the median")
+    b.add_argument("--repeats", type=int, default=1,
+                   help="time each generation this many times and report the median; with --load: run each "
+                        "level this many times (own arrivals and prompts each) and judge the median ratio")
     b.add_argument("--micro", action="store_true", help="also time single forwards and model loading")
     b.add_argument("--temperature", type=float, default=0.0,
                    help="0 (default): greedy, outputs checked against hf-ar; above: a sampled run, "
@@ -265,7 +267,7 @@ def _bench_load(args) -> int:
         raise InvalidArgument("clients", f"must be positive, got {args.clients}")
     if not args.rate > 0:
         raise InvalidArgument("rate", f"must be positive, got {args.rate}")
-    for name in ("requests", "max_tokens", "limit_per_category"):
+    for name in ("requests", "max_tokens", "limit_per_category", "repeats"):
         if getattr(args, name) <= 0:
             raise InvalidArgument(name, f"must be positive, got {getattr(args, name)}")
     unknown = [m for m in args.load_modes if m != "auto" and not is_drafter(m)]  # is_drafter("none") holds

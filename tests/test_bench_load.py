@@ -115,8 +115,39 @@ def test_load_run_against_a_real_router(server, tmp_path, monkeypatch, capsys):
     assert [d for d, _, _ in replayed] == ["none", "", "", "none"]
     assert replayed[0][1:] == replayed[1][1:] and replayed[2][1:] == replayed[3][1:]
     assert {a.client for a in replayed[2][1]} == {0, 1}
-    assert "| 2 | auto |" in out.with_suffix(".md").read_text()
+    assert "| 2 | 1 | auto |" in out.with_suffix(".md").read_text()
     assert "Highest load (2 clients)" in capsys.readouterr().out
+
+
+def test_repeated_load_runs_each_get_their_own_prompts_and_the_verdict_is_their_median(server, tmp_path,
+                                                                                       monkeypatch):
+    replayed = []
+    real_run_level = load.run_level
+
+    def recording(client, arrivals, prompts, drafter, *rest):
+        replayed.append((drafter, arrivals, prompts))
+        return real_run_level(client, arrivals, prompts, drafter, *rest)
+
+    monkeypatch.setattr(load, "run_level", recording)
+    out = tmp_path / "load.json"
+    assert cli_main(["bench", "--load", "--server", server, "--questions", str(DEV_QUESTIONS),
+                     "--limit-per-category", "2", "--clients", "2", "--requests", "2", "--repeats", "3",
+                     "--rate", "20", "--max-tokens", "4", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert [(r["run"], r["mode"]) for r in report["results"]] == [
+        (run, mode) for run in (1, 2, 3) for mode in ("none", "auto")]
+    # the modes of a run replay one schedule; runs differ in prompts (a learning server saw none) and arrivals
+    assert [d for d, _, _ in replayed] == ["none", "", "", "none", "none", ""]
+    runs = [replayed[i][1:] for i in (0, 2, 4)]
+    assert runs[0] == replayed[1][1:] and runs[1] == replayed[3][1:] and runs[2] == replayed[5][1:]
+    prompts = [p for _, ps in runs for p in ps]
+    assert len(set(prompts)) == len(prompts) == 6
+    assert runs[0][0] != runs[1][0] != runs[2][0]
+    [median] = report["medians"]
+    ratios = sorted(r["p99_ratio"] for r in report["results"] if r["mode"] == "auto")
+    assert median["runs"] == 3 and median["p99_ratio"] == ratios[1]
+    assert median["p99_ratio_range"] == [ratios[0], ratios[2]]
+    assert f"p99 of auto / p99 of none = {ratios[1]:.2f}, median of 3 runs" in out.with_suffix(".md").read_text()
 
 
 @pytest.mark.parametrize("args, field", [
@@ -124,6 +155,7 @@ def test_load_run_against_a_real_router(server, tmp_path, monkeypatch, capsys):
     (["--server", "127.0.0.1:1", "--clients", "1", "0"], "--clients"),
     (["--server", "127.0.0.1:1", "--rate", "0"], "--rate"),
     (["--server", "127.0.0.1:1", "--requests", "0"], "--requests"),
+    (["--server", "127.0.0.1:1", "--repeats", "0"], "--repeats"),
     (["--server", "127.0.0.1:1", "--load-modes", "none", "warp"], "--load-modes"),
 ])
 def test_load_rejects_bad_input_naming_the_field(args, field, capsys):
