@@ -156,11 +156,29 @@ class Attention(nn.Module):
         for row, start in enumerate(starts):
             k_cache[row, :, start:start + t] = k[row]
             v_cache[row, :, start:start + t] = v[row]
-        span = mask.shape[-1]
-        out = F.scaled_dot_product_attention(
-            q, k_cache[:b, :, :span], v_cache[:b, :, :span], attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
+        span, gqa = mask.shape[-1], self.n_kv != self.n_heads
+        if packing is not None and packing.wide:
+            out = self._few_wide_rows(q, k_cache, v_cache, starts, mask, packing.wide)
+        else:
+            out = F.scaled_dot_product_attention(
+                q, k_cache[:b, :, :span], v_cache[:b, :, :span], attn_mask=mask, enable_gqa=gqa)
         out = out.transpose(1, 2).reshape(b, t, -1)
         return self.o(out if packing is None else packing.pack(out))
+
+    def _few_wide_rows(self, q, k_cache, v_cache, starts, mask, wide):
+        """Attention when few rows hold more than one real token: every row's first query
+        in one call, then each wide row's others alone, over its own slots only, so the
+        narrow rows do not attend for padding (the padded queries' outputs stay zero)."""
+        b, span, gqa = q.shape[0], mask.shape[-1], self.n_kv != self.n_heads
+        out = torch.zeros_like(q)
+        out[:, :, :1] = F.scaled_dot_product_attention(
+            q[:, :, :1], k_cache[:b, :, :span], v_cache[:b, :, :span], attn_mask=mask[:, :, :1], enable_gqa=gqa)
+        for row, n in wide:
+            end = starts[row] + n
+            out[row:row + 1, :, 1:n] = F.scaled_dot_product_attention(
+                q[row:row + 1, :, 1:n], k_cache[row:row + 1, :, :end], v_cache[row:row + 1, :, :end],
+                attn_mask=mask[row:row + 1, :, 1:n, :end], enable_gqa=gqa)
+        return out
 
 
 class MLP(nn.Module):
@@ -272,6 +290,10 @@ class Transformer(nn.Module):
         return self.lm_head(self.norm(x)).float()
 
 
+WIDE_ROWS_SHARE = 4  # attend for wide rows alone while at most 1 row in 4 is wide
+WIDE_ROWS_MIN_WIDTH = 4  # and the widest holds at least 4 tokens
+
+
 class _Packing:
     """Where the real tokens of padded rows [B, T] lie, to drop the padding and put it back."""
 
@@ -280,6 +302,10 @@ class _Packing:
             raise ValueError(f"real token counts {list(real)} do not fit {b} rows of {t}")
         self.b, self.t = b, t
         self.index = torch.cat([torch.arange(n) + row * t for row, n in enumerate(real)]).to(device)
+        # rows of more than one real token, when few and wide enough that attending for them
+        # alone costs less than padding every row's queries to their width (docs/DESIGN-NOTES.md)
+        wide = [(row, n) for row, n in enumerate(real) if n > 1]
+        self.wide = wide if len(wide) <= b // WIDE_ROWS_SHARE and t >= WIDE_ROWS_MIN_WIDTH else []
 
     def pack(self, x: torch.Tensor) -> torch.Tensor:
         """[B, T, C] -> [N, C], the real tokens row after row."""

@@ -3,8 +3,10 @@ what verifying it alone gives, and leaves each cache row exact."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from speculative import model as model_module
 from speculative.batching import VerifyItem, verify_batch
 from speculative.model import attention_mask, causal_ancestors
 from speculative.sampling import SamplingParams
@@ -53,9 +55,12 @@ def test_batched_rows_match_single_requests():
         assert torch.allclose(nxt, fresh_next_logits(model, accepted + [bonus]), atol=1e-5), f"row {row}"
 
 
-def test_packed_rows_score_like_padded_rows():
+@pytest.mark.parametrize("wide_rows_share", [1, 1000], ids=["wide rows attend alone", "all rows padded"])
+def test_packed_rows_score_like_padded_rows(wide_rows_share, monkeypatch):
     """With `real`, only the real tokens go through the linear layers and the head; their
-    logits and cache entries are those the padded forward gives."""
+    logits and cache entries are those the padded forward gives, whether attention runs on
+    the padded rows or on every row's first token and then each wide row alone."""
+    monkeypatch.setattr(model_module, "WIDE_ROWS_SHARE", wide_rows_share)
     model = tiny_model(0)
     prompts = [[1, 2, 3, 4, 5], [6, 7], [0, 3, 5]]
     real = [4, 1, 0]  # a 4-node chain, one token, an idle row
