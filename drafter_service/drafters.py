@@ -16,6 +16,7 @@ import torch
 from speculative.model import Transformer, attention_mask, causal_ancestors
 from speculative.fusion import fuse
 from speculative.ngram import lookup_continuation
+from speculative.recycling import RecycledCandidates
 from speculative.sampling import SamplingParams, probabilities, sample
 from speculative.suffix import SuffixIndex, SuffixStream
 from speculative.tree import DraftTree
@@ -73,6 +74,28 @@ class SuffixDrafter:
         tree = self.index.propose(context, max_tokens if max_nodes is None else max_nodes, max_depth=max_tokens)
         if not params.greedy and len(tree):
             tree.draw_q = _one_hot([tree.tokens[node] for node in tree.draw_nodes], self.vocab_size)
+        return tree
+
+
+class RecyclingDrafter:
+    """Model-free trees from the target's own earlier top-k predictions (Token
+    Recycling, `speculative.recycling`), a table shared by every request of the
+    process and fed after each verification pass (`observe`). Its tree is
+    deterministic, so each node's q is one-hot, as the suffix drafter's."""
+
+    name = "recycle"
+
+    def __init__(self, table: RecycledCandidates):
+        self.table = table
+
+    def observe(self, tokens: Sequence[int], ids: torch.Tensor, probs: torch.Tensor) -> None:
+        self.table.observe(tokens, ids, probs)
+
+    def propose(self, context: Sequence[int], max_tokens: int, params: SamplingParams,
+                generator: torch.Generator, verified: int | None = None, max_nodes: int | None = None) -> DraftTree:
+        tree = self.table.propose(context[-1], max_tokens if max_nodes is None else max_nodes, max_tokens)
+        if not params.greedy and len(tree):
+            tree.draw_q = _one_hot([tree.tokens[node] for node in tree.draw_nodes], self.table.vocab_size)
         return tree
 
 
@@ -348,3 +371,8 @@ class FusedDrafter:
                 int(torch.randint(2**62, (), generator=generator)))
             proposals.append((drafter.propose(context, tokens, params, own, verified, max_nodes), reliability))
         return fuse(proposals, max_nodes, params.greedy)
+
+    def observe(self, tokens: Sequence[int], ids: torch.Tensor, probs: torch.Tensor) -> None:
+        for drafter, _ in self.members:
+            if hasattr(drafter, "observe"):
+                drafter.observe(tokens, ids, probs)

@@ -27,6 +27,11 @@ from speculative.tree import DraftTree
 from .registry import is_drafter, make_drafter
 
 
+# what the target predicted at the positions it scored: their tokens, and its likeliest
+# next tokens [N, k] at each with their probabilities (Token Recycling)
+Observed = tuple[Sequence[int], torch.Tensor, torch.Tensor]
+
+
 @dataclass
 class _Request:
     drafter: Drafter
@@ -76,11 +81,13 @@ class DrafterPool:
 
     def propose(self, request_id: str, context_length: int, new_tokens: Sequence[int],
                 max_tokens: int, speculative: Sequence[int] = (), min_confidence: float = 0.0,
-                max_nodes: int | None = None) -> DraftTree | None:
+                max_nodes: int | None = None, observed: Observed | None = None) -> DraftTree | None:
         """Append the newly verified tokens and draft up to `max_tokens` deep (a tree of at most
         `max_nodes` nodes, default `max_tokens`) past them, or past
         `speculative` tokens after them (drafting ahead of a verdict; they stay unverified).
         A model drafter stops after a token it drew with less than `min_confidence`.
+        `observed` (tokens, ids [N, k], probs [N, k]): what the target predicted at the
+        positions it scored since the last call, for a drafter that learns from it.
 
         None means the state is lost (unknown or evicted request, or a context
         that is not `context_length` tokens long): the caller prefills again."""
@@ -92,6 +99,8 @@ class DrafterPool:
             raise InvalidArgument("min_confidence", f"must be in [0, 1], got {min_confidence}")
         self._check_vocabulary("new_tokens", new_tokens)
         self._check_vocabulary("speculative_tokens", speculative)
+        if observed is not None:
+            self._check_observed(*observed)
         with self._lock:
             self._evict_idle_locked()
             state = self._requests.get(request_id)
@@ -102,6 +111,8 @@ class DrafterPool:
             if len(state.context) != context_length:
                 return None
             state.context.extend(new_tokens)
+            if observed is not None and len(observed[0]) and hasattr(state.drafter, "observe"):
+                state.drafter.observe(*observed)
             return self._draft(state, max_tokens, list(speculative), min_confidence, max_nodes)
 
     def release(self, request_id: str) -> bool:
@@ -136,6 +147,15 @@ class DrafterPool:
             state.drafter.stop_below = min_confidence
         return state.drafter.propose(context, min(max_tokens, room), state.params, state.generator,
                                      verified=len(state.context), max_nodes=max_nodes)
+
+    def _check_observed(self, tokens: Sequence[int], ids: torch.Tensor, probs: torch.Tensor) -> None:
+        self._check_vocabulary("observed_tokens", tokens)
+        if ids.shape != probs.shape or ids.dim() != 2 or ids.shape[0] != len(tokens):
+            raise InvalidArgument("observed_ids", f"{tuple(ids.shape)} candidates and {tuple(probs.shape)} "
+                                  f"probabilities for {len(tokens)} observed tokens")
+        self._check_vocabulary("observed_ids", ids.flatten().tolist())
+        if not (probs.isfinite().all() and (probs >= 0).all() and (probs <= 1).all()):
+            raise InvalidArgument("observed_probs", "must be probabilities")
 
     def _check_vocabulary(self, name: str, tokens: Sequence[int]) -> None:
         vocab = self.target.config.vocab_size

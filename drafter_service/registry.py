@@ -1,6 +1,6 @@
 """Drafter kinds by name, so the CLI and services build them the same way.
 
-Names: the model-free kinds (`pld`, `suffix`), the target's own layers
+Names: the model-free kinds (`pld`, `suffix`, `recycle`), the target's own layers
 (`layerskip`), the small drafters shipped for the default target
 (`small-*`, docs/DRAFTERS.md), the path of any drafter directory written
 by `specserve train-drafter`, or several of these joined by `+`, fused into
@@ -15,10 +15,12 @@ from pathlib import Path
 
 from speculative.model import Transformer, pack_for_cpu
 from speculative.sampling import InvalidArgument
+from speculative.recycling import RecycledCandidates
 from speculative.suffix import SuffixIndex
 
 from .checkpoint import is_drafter_dir, load_drafter
-from .drafters import FusedDrafter, ModelDrafter, PromptLookupDrafter, SuffixDrafter, layer_skip_layers
+from .drafters import (FusedDrafter, ModelDrafter, PromptLookupDrafter, RecyclingDrafter, SuffixDrafter,
+                       layer_skip_layers)
 
 # Layer-skip default: the target's first layers and its last, with its head.
 # Argmax agreement with the full SmolLM2-135M, teacher-forced on 8 dev prompts:
@@ -32,10 +34,12 @@ PLD_MAX_NGRAM, PLD_MIN_NGRAM = 4, 2
 
 SHIPPED_DIR = Path(__file__).parent / "checkpoints"
 SHIPPED_DRAFTERS = ("small-general", "small-math", "small-extraction", "small-language")
-DRAFTER_NAMES = ("none", "pld", "layerskip", "suffix") + SHIPPED_DRAFTERS
+DRAFTER_NAMES = ("none", "pld", "layerskip", "suffix", "recycle") + SHIPPED_DRAFTERS
 
 # One suffix index per target in this process: every request feeds it and drafts from it.
 _suffix_indexes: dict[int, SuffixIndex] = {}
+# One Token Recycling table per target in this process, likewise shared.
+_recycled: dict[int, RecycledCandidates] = {}
 # Small drafter models, loaded once per process and target, shared by requests.
 _small_models: dict[tuple[str, int], tuple[Transformer, list[int] | None]] = {}
 _load_lock = threading.Lock()
@@ -88,6 +92,8 @@ def make_drafter(name: str, target: Transformer, draft_top_k: int | None = None)
     if name == "suffix":
         index = _suffix_indexes.setdefault(id(target), SuffixIndex())
         return SuffixDrafter(index, target.config.vocab_size)
+    if name == "recycle":
+        return RecyclingDrafter(_recycled.setdefault(id(target), RecycledCandidates(target.config.vocab_size)))
     model, vocab_ids = _small_model(name, target)
     return ModelDrafter(model, name=name, draft_top_k=draft_top_k, vocab_ids=vocab_ids,
                         target_vocab_size=target.config.vocab_size)

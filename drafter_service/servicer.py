@@ -7,6 +7,7 @@ import time
 from typing import Callable, TypeVar
 
 import grpc
+import torch
 
 from protos import specserve_pb2 as pb
 from protos import specserve_pb2_grpc as pb_grpc
@@ -15,7 +16,7 @@ from protos.convert import params_from_pb, tree_to_pb
 from speculative.model import own_torch_threads
 from speculative.sampling import InvalidArgument
 
-from .pool import DrafterPool
+from .pool import DrafterPool, Observed
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Drafter"].full_name
 
@@ -28,6 +29,18 @@ def _checked(context: grpc.ServicerContext, call: Callable[[], T]) -> T:
         return call()
     except InvalidArgument as err:
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+
+
+def _observed(request: pb.ProposeRequest) -> Observed | None:
+    """The request's observed target predictions as (tokens, ids [N, k], probs [N, k]), or None."""
+    n = len(request.observed_tokens)
+    if not n and not request.observed_ids:
+        return None
+    if not n or len(request.observed_ids) % n or len(request.observed_ids) != len(request.observed_probs):
+        raise InvalidArgument("observed_ids", f"{len(request.observed_ids)} candidates and "
+                                              f"{len(request.observed_probs)} probabilities for {n} observed tokens")
+    ids = torch.tensor(list(request.observed_ids), dtype=torch.int32).view(n, -1)
+    return list(request.observed_tokens), ids, torch.tensor(list(request.observed_probs)).view(n, -1)
 
 
 class DrafterServicer(pb_grpc.DrafterServicer):
@@ -45,7 +58,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         tree = _checked(context, lambda: self.pool.propose(
             request.request_id, request.context_length, list(request.new_tokens), request.max_tokens,
             speculative=list(request.speculative_tokens), min_confidence=request.min_confidence,
-            max_nodes=request.max_nodes or None))
+            max_nodes=request.max_nodes or None, observed=_observed(request)))
         if tree is None:
             return pb.ProposeResponse(state_lost=True)
         return pb.ProposeResponse(tree=tree_to_pb(tree), seconds=time.perf_counter() - started)

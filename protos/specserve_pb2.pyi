@@ -133,7 +133,7 @@ class DrafterPrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., drafter: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stream: _Optional[int] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("request_id", "context_length", "new_tokens", "max_tokens", "speculative_tokens", "min_confidence", "max_nodes")
+    __slots__ = ("request_id", "context_length", "new_tokens", "max_tokens", "speculative_tokens", "min_confidence", "max_nodes", "observed_tokens", "observed_ids", "observed_probs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -141,6 +141,9 @@ class ProposeRequest(_message.Message):
     SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MIN_CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
     MAX_NODES_FIELD_NUMBER: _ClassVar[int]
+    OBSERVED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    OBSERVED_IDS_FIELD_NUMBER: _ClassVar[int]
+    OBSERVED_PROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     context_length: int
     new_tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -148,7 +151,10 @@ class ProposeRequest(_message.Message):
     speculative_tokens: _containers.RepeatedScalarFieldContainer[int]
     min_confidence: float
     max_nodes: int
-    def __init__(self, request_id: _Optional[str] = ..., context_length: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., speculative_tokens: _Optional[_Iterable[int]] = ..., min_confidence: _Optional[float] = ..., max_nodes: _Optional[int] = ...) -> None: ...
+    observed_tokens: _containers.RepeatedScalarFieldContainer[int]
+    observed_ids: _containers.RepeatedScalarFieldContainer[int]
+    observed_probs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, request_id: _Optional[str] = ..., context_length: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., speculative_tokens: _Optional[_Iterable[int]] = ..., min_confidence: _Optional[float] = ..., max_nodes: _Optional[int] = ..., observed_tokens: _Optional[_Iterable[int]] = ..., observed_ids: _Optional[_Iterable[int]] = ..., observed_probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
     __slots__ = ("tree", "state_lost", "seconds")
@@ -197,30 +203,36 @@ class VerifierPrefillResponse(_message.Message):
     def __init__(self, next_token: _Optional[int] = ..., active_requests: _Optional[int] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("request_id", "tree", "context_length")
+    __slots__ = ("request_id", "tree", "context_length", "candidates")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TREE_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     tree: DraftTree
     context_length: int
-    def __init__(self, request_id: _Optional[str] = ..., tree: _Optional[_Union[DraftTree, _Mapping]] = ..., context_length: _Optional[int] = ...) -> None: ...
+    candidates: int
+    def __init__(self, request_id: _Optional[str] = ..., tree: _Optional[_Union[DraftTree, _Mapping]] = ..., context_length: _Optional[int] = ..., candidates: _Optional[int] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("accepted", "bonus", "state_lost", "batch_size", "queued", "active_requests")
+    __slots__ = ("accepted", "bonus", "state_lost", "batch_size", "queued", "active_requests", "candidate_ids", "candidate_probs")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     BONUS_FIELD_NUMBER: _ClassVar[int]
     STATE_LOST_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     QUEUED_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATE_IDS_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATE_PROBS_FIELD_NUMBER: _ClassVar[int]
     accepted: _containers.RepeatedScalarFieldContainer[int]
     bonus: int
     state_lost: bool
     batch_size: int
     queued: int
     active_requests: int
-    def __init__(self, accepted: _Optional[_Iterable[int]] = ..., bonus: _Optional[int] = ..., state_lost: _Optional[bool] = ..., batch_size: _Optional[int] = ..., queued: _Optional[int] = ..., active_requests: _Optional[int] = ...) -> None: ...
+    candidate_ids: _containers.RepeatedScalarFieldContainer[int]
+    candidate_probs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, accepted: _Optional[_Iterable[int]] = ..., bonus: _Optional[int] = ..., state_lost: _Optional[bool] = ..., batch_size: _Optional[int] = ..., queued: _Optional[int] = ..., active_requests: _Optional[int] = ..., candidate_ids: _Optional[_Iterable[int]] = ..., candidate_probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class VerifierStatsRequest(_message.Message):
     __slots__ = ()

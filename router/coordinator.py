@@ -52,6 +52,7 @@ from protos import specserve_pb2_grpc as pb_grpc
 from protos.convert import params_to_pb, tree_from_pb, tree_to_pb
 from speculative.fusion import fuse
 from speculative.pipeline import likeliest_path, reuse_ahead
+from speculative.recycling import CANDIDATES
 from speculative.sampling import SamplingParams
 from speculative.tree import DraftTree, nodes_for_depth
 
@@ -62,6 +63,10 @@ log = logging.getLogger(__name__)
 # Drafters whose shared index learns from every request's output (SuffixDecoding):
 # a request that asked one for little or nothing still gives it the whole output.
 LEARNS_FROM_OUTPUTS = frozenset({"suffix"})
+# Drafters that learn from the target's own predictions (Token Recycling): the verifier
+# reports its top candidates at every position it scores, and they get them.
+LEARNS_FROM_TARGET = frozenset({"recycle"})
+MAX_OBSERVED = 4096  # positions kept for a drafter not asked to draft for a while (newest kept)
 
 # gRPC failures after which another replica (or no drafting) is the answer
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
@@ -208,6 +213,7 @@ class Coordinator:
             dataclasses.replace(job.speculation, prior=reliability) if len(job.drafters) > 1 else job.speculation
             for _, reliability in job.drafters]
         ready: list[DraftTree] | None = None  # each drafter's tree for this round, drafted ahead
+        candidates = CANDIDATES if any(kind in LEARNS_FROM_TARGET for kind, _ in job.drafters) else 0
         rnd, load = 0, 1  # round; requests sharing the verifier
         try:
             while not self._finished(job, verified):
@@ -240,7 +246,7 @@ class Coordinator:
                     guess = [tree.tokens[n] for n in likeliest_path(tree)]
                     ahead = room - len(guess) - 1  # room left past a whole accepted guess and its bonus
                     if job.pipelined and len(tree) and ahead > 0:
-                        call = verifier.verify_async(tree, len(context))
+                        call = verifier.verify_async(tree, len(context), candidates)
                         with self._span(stats, "ahead", rnd):
                             drafted_ahead = drafting.propose(context, [min(n, ahead) for n in lengths],
                                                              speculative=guess)
@@ -252,10 +258,12 @@ class Coordinator:
                                 c.reused(ready is not None)
                     else:
                         with self._span(stats, "verify", rnd):
-                            resp = verifier.verify(tree, len(context))
+                            resp = verifier.verify(tree, len(context), candidates)
                     if resp is None:
                         ready = None
                         continue
+                    if candidates:
+                        drafting.observe([context[-1]] + tree.tokens, resp)
                     new = list(resp.accepted) + [resp.bonus]
                     stats.draft_tokens += len(tree)
                     stats.accepted_draft_tokens += len(resp.accepted)
@@ -358,15 +366,16 @@ class _VerifySide(_Side):
             return resp.next_token
         raise NoService("no verifier is available")
 
-    def verify(self, tree: DraftTree, context_length: int) -> pb.VerifyResponse | None:
+    def verify(self, tree: DraftTree, context_length: int, candidates: int = 0) -> pb.VerifyResponse | None:
         """The verdict, or None when the request must be prefilled again."""
-        return self.result(self.verify_async(tree, context_length))
+        return self.result(self.verify_async(tree, context_length, candidates))
 
-    def verify_async(self, tree: DraftTree, context_length: int) -> "_Call":
-        """Send the tree; `result` waits for the verdict."""
+    def verify_async(self, tree: DraftTree, context_length: int, candidates: int = 0) -> "_Call":
+        """Send the tree; `result` waits for the verdict (with the target's top `candidates`
+        next tokens at each scored position, if asked)."""
         started = time.monotonic()
         future = self.stub.Verify.future(pb.VerifyRequest(request_id=self.request_id, tree=tree_to_pb(tree),
-                                                          context_length=context_length),
+                                                          context_length=context_length, candidates=candidates),
                                          timeout=self.coord.timeout(self.job))
         call = _Call(future, started)
         future.add_done_callback(call.done)
@@ -454,6 +463,15 @@ class _Drafting:
             own.proposed += len(tree.tokens)
             own.accepted += _path_prefix(tree, accepted)
 
+    def observe(self, tokens: list[int], resp: pb.VerifyResponse) -> None:
+        """The target's candidates at the positions it scored (`tokens`: the root, then the
+        tree's nodes), kept for the drafters that learn from them until they next draft."""
+        if not resp.candidate_ids or len(resp.candidate_ids) % len(tokens):
+            return  # a verifier that did not report them: nothing to learn this round
+        for side in self.sides:
+            if side.drafter in LEARNS_FROM_TARGET:
+                side.observe(tokens, resp.candidate_ids, resp.candidate_probs)
+
     def give_output(self, context: list[int]) -> None:
         """A finished request's whole context, to the drafters that learn from every output,
         however little they drafted (a drafter skipped while its length was 0 lags behind)."""
@@ -493,6 +511,18 @@ class _DraftSide(_Side):
         self.synced = 0  # context length the drafter holds
         self.seconds = 0.0  # drafting time of the last Propose, as the pool measured it
         self.disabled = drafter == "none"
+        # the target's candidates since the last Propose: scored tokens, ids and probs (row-major)
+        self.observed: tuple[list[int], list[int], list[float]] = ([], [], [])
+
+    def observe(self, tokens: Sequence[int], ids: Sequence[int], probs: Sequence[float]) -> None:
+        own_tokens, own_ids, own_probs = self.observed
+        own_tokens += tokens
+        own_ids += ids
+        own_probs += probs
+        if len(own_tokens) > MAX_OBSERVED:
+            k = len(own_ids) // len(own_tokens)
+            cut = len(own_tokens) - MAX_OBSERVED
+            self.observed = (own_tokens[cut:], own_ids[cut * k:], own_probs[cut * k:])
 
     def _connect(self, context: list[int]) -> bool:
         """Prefill a pool with `context`; False when none is left."""
@@ -528,7 +558,8 @@ class _DraftSide(_Side):
                 resp = self.stub.Propose(pb.ProposeRequest(
                     request_id=self.request_id, context_length=self.synced, new_tokens=context[self.synced:],
                     max_tokens=budget, speculative_tokens=speculative, min_confidence=self.job.stop_confidence,
-                    max_nodes=max_nodes),
+                    max_nodes=max_nodes, observed_tokens=self.observed[0], observed_ids=self.observed[1],
+                    observed_probs=self.observed[2]),
                     timeout=self.coord.timeout(self.job))
             except grpc.RpcError as e:
                 if e.code() not in RETRYABLE:
@@ -540,5 +571,6 @@ class _DraftSide(_Side):
                 continue
             self.synced = len(context)
             self.seconds = resp.seconds
+            self.observed = ([], [], [])
             return resp.tree
         return pb.DraftTree()

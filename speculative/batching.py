@@ -16,6 +16,7 @@ tokens, not its width times every row of the batch.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, Sequence
 
 import torch
 
@@ -32,6 +33,9 @@ class VerifyItem:
     tree: DraftTree
     params: SamplingParams
     generator: torch.Generator  # the request's own verifier stream
+    # called with the tokens of the row's scored positions (root, then the tree's nodes)
+    # and their scores [1+N, V], for drafters that learn from the target (Token Recycling)
+    on_scores: Callable[[Sequence[int], torch.Tensor], None] | None = None
 
 
 def verify_batch(model: Transformer, cache: KVCache, items: list[VerifyItem]) -> list[tuple[list[int], int]]:
@@ -68,6 +72,8 @@ def verify_batch(model: Transformer, cache: KVCache, items: list[VerifyItem]) ->
             continue
         scores = logits[offset:offset + real[r]]
         offset += real[r]
+        if it.on_scores is not None:
+            it.on_scores([it.root_token] + it.tree.tokens, scores)
         if it.params.greedy:
             path, bonus = verify_greedy(it.tree, scores)
         else:

@@ -19,6 +19,7 @@ from .model import Transformer, attention_mask, causal_ancestors
 from .sampling import InvalidArgument, SamplingParams, make_generator, probabilities, sample
 from .batching import VerifyItem, verify_batch
 from .pipeline import likeliest_path, reuse_ahead
+from .recycling import top_candidates
 from .tree import DraftTree, nodes_for_depth
 
 
@@ -35,6 +36,12 @@ class Drafter(Protocol):
     `max_tokens` bounds the tree's depth (a chain's length); `max_nodes` its
     size (None: `max_tokens`). Chain drafters ignore `max_nodes`; tree
     drafters may branch to fill it.
+
+    A drafter may also have `observe(tokens, ids, probs)`: after each
+    verification pass it gets the tokens of the positions the target scored
+    (the root, then the tree's nodes) and the target's likeliest next tokens
+    at each (`speculative.recycling.top_candidates`), to learn from (Token
+    Recycling).
     """
 
     def propose(self, context: Sequence[int], max_tokens: int, params: SamplingParams,
@@ -123,6 +130,8 @@ def generate(target: Transformer, prompt_ids: Sequence[int], params: SamplingPar
 
     done = emit(out)
     ready: DraftTree | None = None  # this round's tree, drafted ahead last round
+    observe = getattr(drafter, "observe", None)  # a drafter that learns from the target's scores
+    on_scores = None if observe is None else lambda tokens, scores: observe(tokens, *top_candidates(scores))
     while not done:
         context = list(prompt_ids) + result.token_ids
         budget = min(draft_length, params.max_tokens - len(result.token_ids) - 1)
@@ -137,7 +146,8 @@ def generate(target: Transformer, prompt_ids: Sequence[int], params: SamplingPar
                 if room > 0:
                     ahead = drafter.propose(context + guess, room, params, drafter_rng, verified=len(context),
                                             max_nodes=nodes_for_depth(room, draft_length, nodes))
-        [(path, bonus)] = verify_batch(target, cache, [VerifyItem(0, context[-1], tree, params, verifier_rng)])
+        [(path, bonus)] = verify_batch(target, cache, [VerifyItem(0, context[-1], tree, params, verifier_rng,
+                                                                  on_scores=on_scores)])
         accepted = [tree.tokens[node] for node in path]
         ready = reuse_ahead(ahead, guess, accepted, bonus) if ahead is not None else None
         result.target_forward_passes += 1

@@ -25,7 +25,7 @@ PROMPT_COUNT = {name: 4 for name in SHIPPED_DRAFTERS if name != "small-general"}
 
 
 # token trees wider than a chain (--tree-budget): a small drafter's own tree, and fused trees
-TREE_CASES = [("small-general", 16), ("pld+suffix+small-general", 16)]
+TREE_CASES = [("small-general", 16), ("pld+suffix+small-general", 16), ("recycle", 16)]
 
 
 def cli_generate(capsys, prompt: str, drafter: str, *extra: str) -> dict:

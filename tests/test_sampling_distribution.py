@@ -16,9 +16,11 @@ from scipy.stats import chisquare
 
 import speculative.batching as batching
 import speculative.decoding as decoding
-from drafter_service.drafters import ModelDrafter, MultiSampleDrafter, PromptLookupDrafter, SuffixDrafter
+from drafter_service.drafters import (ModelDrafter, MultiSampleDrafter, PromptLookupDrafter, RecyclingDrafter,
+                                      SuffixDrafter)
 from speculative.model import attention_mask, causal_ancestors
 from speculative.sampling import SamplingParams, probabilities
+from speculative.recycling import RecycledCandidates
 from speculative.suffix import SuffixIndex
 from tiny import TINY, tiny_model
 
@@ -127,6 +129,9 @@ CASES = {
     "suffix_tree": (lambda d, index=SuffixIndex(depth=4, max_draft=4): SuffixDrafter(index, TINY.vocab_size),
                     SamplingParams(temperature=1.0), 3),
     "prompt_lookup": (lambda d: PromptLookupDrafter(TINY.vocab_size), SamplingParams(temperature=1.0), 2),
+    # one table across all runs (Token Recycling): the target's top-3 after each token it scored
+    "recycled_tree": (lambda d, table=RecycledCandidates(TINY.vocab_size, k=3): RecyclingDrafter(table),
+                      SamplingParams(temperature=1.0), (2, 4)),
     # a small drafter with a trimmed vocabulary: 5 of the target's 8 tokens, plus its "other" row
     "trimmed_vocab": (lambda d, m=tiny_model(seed=2, logit_scale=0.5, vocab_size=6): ModelDrafter(
         m, max_len=64, draft_top_k=4, vocab_ids=[0, 2, 3, 5, 7], target_vocab_size=TINY.vocab_size),

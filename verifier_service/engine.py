@@ -31,6 +31,7 @@ import torch
 
 from speculative.batching import VerifyItem, verify_batch
 from speculative.model import Transformer, attention_mask, causal_ancestors, own_torch_threads
+from speculative.recycling import top_candidates
 from speculative.sampling import InvalidArgument, SamplingParams, make_generator, probabilities, sample
 from speculative.tree import DraftTree
 
@@ -112,6 +113,8 @@ class CheckpointStore(Protocol):
 
     def delete_checkpoint(self, request_id: str) -> None: ...
 
+MAX_CANDIDATES = 64  # most next tokens a verify call may ask for per scored position
+
 
 @dataclass
 class VerifyOutcome:
@@ -120,6 +123,10 @@ class VerifyOutcome:
     batch_size: int      # requests that shared the forward pass
     queued: int = 0      # verify items still waiting when the pass began
     active: int = 0      # requests holding a row: the load a caller adapts to (some may be between rounds)
+    # with candidates asked: the target's likeliest next tokens [1+N, k] and their probabilities
+    # at the root and at each tree node (Token Recycling)
+    candidate_ids: torch.Tensor | None = None
+    candidate_probs: torch.Tensor | None = None
 
 
 @dataclass
@@ -146,7 +153,12 @@ class _Verify:
     tree: DraftTree
     context_length: int | None = None
     deadline: float = math.inf  # time.monotonic(); the earliest deadline is verified first
+    candidates: int = 0  # report the target's top-k next tokens at each scored position
+    top: tuple[torch.Tensor, torch.Tensor] | None = None  # ... which the pass writes here
     future: Future = field(default_factory=Future)
+
+    def keep_top(self, tokens, scores: torch.Tensor) -> None:
+        self.top = top_candidates(scores, self.candidates)
 
 
 @dataclass(eq=False)
@@ -217,20 +229,24 @@ class VerifierEngine:
         return self._submit(_Prefill(request_id, tokens, params))
 
     def verify(self, request_id: str, tree: DraftTree, context_length: int | None = None,
-               deadline: float | None = None) -> VerifyOutcome:
+               deadline: float | None = None, candidates: int = 0) -> VerifyOutcome:
         """Verify `tree` (well-formed, as protos.convert.tree_from_pb checks) below the pending token.
 
         Raises UnknownRequest when the request has neither a row nor a checkpoint,
         or when it holds other than `context_length` tokens (if given). Queued
-        work is verified earliest `deadline` (time.monotonic()) first.
+        work is verified earliest `deadline` (time.monotonic()) first. With
+        `candidates` k, the outcome also holds the target's k likeliest next
+        tokens at every scored position (for Token Recycling drafters).
         """
+        if not 0 <= candidates <= MAX_CANDIDATES:
+            raise InvalidArgument("candidates", f"must be in [0, {MAX_CANDIDATES}], got {candidates}")
         if 1 + len(tree) > self.max_batch_tokens:
             raise InvalidArgument("tree", f"{len(tree)} nodes exceed the verifier's budget of "
                                   f"{self.max_batch_tokens - 1} per request")
         if tree.draw_q is not None:
             tree = dataclasses.replace(tree, draw_q=tree.draw_q.to(self.model.device))
         return self._submit(_Verify(request_id, tree, context_length,
-                                    math.inf if deadline is None else deadline))
+                                    math.inf if deadline is None else deadline, candidates))
 
     def release(self, request_id: str) -> bool:
         """Free the request's row and delete its checkpoint; False if no row held it."""
@@ -354,7 +370,8 @@ class VerifierEngine:
                 ready.append((work, state))
         if not ready:
             return
-        items = [VerifyItem(state.row, state.tokens[-1], work.tree, state.params, state.generator)
+        items = [VerifyItem(state.row, state.tokens[-1], work.tree, state.params, state.generator,
+                            on_scores=work.keep_top if work.candidates else None)
                  for work, state in ready]
         try:
             started = time.monotonic()
@@ -375,7 +392,9 @@ class VerifierEngine:
             state.tokens += accepted + [bonus]
             state.last_used = self.clock()
             self._checkpoint(work.request_id, state)
-            work.future.set_result(VerifyOutcome(accepted, bonus, len(ready), self._waiting, len(self._requests)))
+            ids, probs = work.top or (None, None)
+            work.future.set_result(VerifyOutcome(accepted, bonus, len(ready), self._waiting, len(self._requests),
+                                                 ids, probs))
 
     def _check_tree(self, tree: DraftTree, state: _Request) -> None:
         """What a well-formed tree still needs: room in the row, and when sampling, its draws' q."""

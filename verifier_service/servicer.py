@@ -65,11 +65,15 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                 remaining = context.time_remaining()  # None, or huge, without a deadline
                 deadline = time.monotonic() + remaining if remaining is not None and remaining < 1e7 else None
                 out = self.engine.verify(request.request_id, _parse_tree(request.tree, self.engine.vocab_size),
-                                         request.context_length or None, deadline)
+                                         request.context_length or None, deadline, request.candidates)
             except UnknownRequest:
                 return pb.VerifyResponse(state_lost=True)
-            return pb.VerifyResponse(accepted=out.accepted, bonus=out.bonus, batch_size=out.batch_size,
+            resp = pb.VerifyResponse(accepted=out.accepted, bonus=out.bonus, batch_size=out.batch_size,
                                      queued=out.queued, active_requests=out.active)
+            if out.candidate_ids is not None:
+                resp.candidate_ids.extend(out.candidate_ids.flatten().tolist())
+                resp.candidate_probs.extend(out.candidate_probs.flatten().tolist())
+            return resp
 
         return _checked(context, verify)
 

@@ -1,0 +1,127 @@
+"""Token Recycling: the table of the target's own top-k next tokens, and its trees."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import speculative.decoding as decoding
+from drafter_service.drafters import RecyclingDrafter
+from speculative.model import attention_mask, causal_ancestors
+from speculative.recycling import RecycledCandidates, top_candidates
+from speculative.sampling import SamplingParams
+from tiny import TINY, tiny_model
+
+
+def table_with(rows: dict[int, list[tuple[int, float]]], vocab: int = 50, k: int = 3) -> RecycledCandidates:
+    table = RecycledCandidates(vocab, k)
+    for token, cands in rows.items():
+        table.observe([token], torch.tensor([[t for t, _ in cands]]), torch.tensor([[p for _, p in cands]]))
+    return table
+
+
+def test_tree_grows_best_first_by_path_probability():
+    table = table_with({1: [(2, 0.6), (3, 0.3)], 2: [(4, 0.9), (5, 0.05)], 3: [(6, 0.5)], 4: [(7, 0.2)]})
+    tree = table.propose(1, max_nodes=5, max_depth=3)
+    # path probabilities: 2 .6, 2-4 .54, 3 .3, 3-6 .15, 2-4-7 .108, 2-5 .03
+    assert [tree.tokens[i] for i in range(len(tree))] == [2, 4, 3, 6, 7]
+    assert [tree.tokens[p] if p >= 0 else None for p in tree.parents] == [None, 2, None, 3, 4]
+    assert tree.confidence == pytest.approx([0.6, 0.9, 0.3, 0.5, 0.2])
+    assert max(tree.depths) == 3
+    assert table.propose(1, max_nodes=10, max_depth=1).tokens == [2, 3]
+    assert len(table.propose(9, max_nodes=5, max_depth=3)) == 0  # never seen: nothing to draft
+
+
+def test_newer_observation_replaces_the_row():
+    table = table_with({1: [(2, 0.6), (3, 0.3), (4, 0.1)]})
+    table.observe([1], torch.tensor([[5]]), torch.tensor([[0.7]]))
+    assert table.propose(1, max_nodes=5, max_depth=1).tokens == [5]
+    with pytest.raises(ValueError):
+        table.observe([1, 2], torch.tensor([[5]]), torch.tensor([[0.7]]))
+    with pytest.raises(ValueError):
+        table.observe([50], torch.tensor([[5]]), torch.tensor([[0.7]]))
+
+
+def test_the_decoding_loop_feeds_the_targets_top_k():
+    """One round with an empty table drafts nothing and scores only the root (the first
+    generated token): its row must then hold the target's own top-k after prompt + root."""
+    torch.manual_seed(0)
+    target = tiny_model(seed=0, logit_scale=0.5)
+    prompt = [1, 2, 3]
+    table = RecycledCandidates(TINY.vocab_size, k=3)
+    out = decoding.generate(target, prompt, SamplingParams(max_tokens=2), RecyclingDrafter(table), 3)
+    assert out.draft_tokens == 0
+    root = out.token_ids[0]
+    seq = prompt + [root]
+    logits = target(torch.tensor([seq]), torch.arange(len(seq))[None], target.new_cache(len(seq)),
+                    attention_mask(0, causal_ancestors(len(seq))), logits_from=len(seq) - 1)[0, -1]
+    ids, probs = top_candidates(logits[None], 3)
+    assert table.ids[root].tolist() == ids[0].tolist()
+    assert torch.allclose(table.probs[root], probs[0], atol=1e-5)
+    # and the next request drafts from it
+    again = decoding.generate(target, prompt, SamplingParams(max_tokens=8), RecyclingDrafter(table), 3)
+    assert again.draft_tokens > 0
+
+
+# ---- served: the verifier reports its candidates, the coordinator passes them to the pool ----
+
+SERVED_PROMPTS = [[1, 2, 3, 1, 2], [5, 6, 7, 5], [0, 3, 3, 3, 3], [4, 4, 1, 2]]
+
+
+def test_served_recycling_learns_from_the_verifier_and_stays_exact():
+    from drafter_service import registry
+    from drafter_service.pool import DrafterPool
+    from loopback import loopback
+    from router.coordinator import Job, RoundStats
+    from verifier_service.engine import VerifierEngine
+
+    torch.set_num_threads(1)
+    target = tiny_model(0)
+    pool = DrafterPool(target, kinds=["recycle", "pld"])
+    engine = VerifierEngine(target, max_batch=4, max_len=64)
+    table = registry._recycled.setdefault(id(target), RecycledCandidates(TINY.vocab_size))
+    params = SamplingParams(max_tokens=24)
+    drafted = accepted = 0
+    with loopback(pool, engine) as coordinator:
+        for i, prompt in enumerate(SERVED_PROMPTS):
+            for drafters in ((("recycle", 1.0),), (("recycle", 0.8), ("pld", 0.6))):
+                stats = RoundStats()
+                job = Job(request_id=f"r{i}-{len(drafters)}", prompt_ids=prompt, params=params, drafters=drafters,
+                          draft_length=4, tree_budget=6, vocab_size=TINY.vocab_size, eos_token_ids=())
+                tokens = [t for new in coordinator.run(job, stats) for t in new]
+                assert tokens == decoding.generate(target, prompt, params).token_ids, (prompt, drafters)
+                drafted += stats.draft_tokens
+                accepted += stats.accepted_draft_tokens
+    assert int((table.ids[:, 0] >= 0).sum()) >= 4, "the pool's table learned nothing from the verifier"
+    assert drafted > 0 and accepted > 0, (drafted, accepted)
+
+
+def test_malformed_observations_are_invalid_argument():
+    import grpc
+
+    from drafter_service.pool import DrafterPool
+    from drafter_service.servicer import serve
+    from protos import specserve_pb2 as pb
+    from protos import specserve_pb2_grpc as pb_grpc
+    from protos.convert import params_to_pb
+
+    pool = DrafterPool(tiny_model(0), kinds=["recycle"])
+    server, port = serve(pool)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = pb_grpc.DrafterStub(channel)
+            stub.Prefill(pb.DrafterPrefillRequest(request_id="a", drafter="recycle", token_ids=[1, 2],
+                                                  sampling=params_to_pb(SamplingParams(max_tokens=4))))
+            bad = [dict(observed_tokens=[1, 2], observed_ids=[3, 4, 5], observed_probs=[0.5, 0.3, 0.2]),
+                   dict(observed_tokens=[1], observed_ids=[3, 99], observed_probs=[0.5, 0.3]),
+                   dict(observed_tokens=[1], observed_ids=[3, 4], observed_probs=[0.5, 2.0])]
+            for fields, name in zip(bad, ["observed_ids", "observed_ids", "observed_probs"]):
+                with pytest.raises(grpc.RpcError) as err:
+                    stub.Propose(pb.ProposeRequest(request_id="a", context_length=2, max_tokens=3, **fields))
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert err.value.details().startswith(name), err.value.details()
+            ok = stub.Propose(pb.ProposeRequest(request_id="a", context_length=2, max_tokens=3, observed_tokens=[2],
+                                                observed_ids=[5, 6], observed_probs=[0.7, 0.2]))
+            assert list(ok.tree.tokens)[:1] == [5]  # drafted from what it was just told
+    finally:
+        server.stop(None)
