@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import math
 import os
+import statistics
+import time
 from typing import Sequence
 
 import torch
@@ -322,9 +324,11 @@ class PackedLinear(nn.Module):
     """`nn.Linear` for CPU float32 inference, its weight prepacked in oneDNN's blocked layout.
 
     With the default BLAS path a forward of 4 new tokens cost 1.6x one of 1 token and 8
-    tokens 2.0x on a 2-core AVX-512 CPU; prepacked, 1.27x and 1.45x (docs/DESIGN-NOTES.md). One row (plain
-    decoding, a chain drafter's step) keeps the BLAS path, which is faster for it. The
-    results differ from `nn.Linear`'s by float32 rounding only."""
+    tokens 2.0x on a 2-core AVX-512 CPU; prepacked, 1.27x and 1.45x (docs/DESIGN-NOTES.md).
+    For one row (plain decoding, a chain drafter's step) the faster path depends on the
+    CPU: BLAS was on that Intel machine, oneDNN is on an AMD EPYC, where MKL's one-row
+    product is slow; `pack_for_cpu` measures which (`one_row_blas`). The results differ
+    from `nn.Linear`'s by float32 rounding only."""
 
     def __init__(self, linear: nn.Linear, rows: int = 16):
         super().__init__()
@@ -332,11 +336,46 @@ class PackedLinear(nn.Module):
         self.weight = linear.weight.detach()
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, rows)
         self.bias = None if linear.bias is None else linear.bias.detach()
+        self.one_row_blas = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() == self.in_features:
+        if self.one_row_blas and x.numel() == self.in_features:
             return F.linear(x, self.weight, self.bias)
+        return self._packed(x)
+
+    def _packed(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
+
+
+# (out, in, bias, torch threads) -> seconds of one row by (BLAS, packed), measured once a process
+_one_row_seconds: dict[tuple[int, int, bool, int], tuple[float, float]] = {}
+
+
+def _one_row_blas_wins(layers: Sequence[PackedLinear], repeats: int = 9) -> bool:
+    """Whether one row through all of `layers` costs less by BLAS than by oneDNN's packed
+    path on this CPU: each shape timed once (median of `repeats`), weighed by how many
+    layers have it. One path for every layer: switching between the two inside a
+    forward cost more than either (a 1-token forward of the default target on an AMD
+    EPYC: 23.0 ms mixed, 21.5 all packed, 40.2 all BLAS)."""
+    totals = [0.0, 0.0]
+    for layer in layers:
+        key = (layer.out_features, layer.in_features, layer.bias is not None, torch.get_num_threads())
+        if key not in _one_row_seconds:
+            x = torch.randn(1, 1, layer.in_features)
+
+            def median_s(fn) -> float:
+                times = []
+                for _ in range(repeats + 2):  # the first two warm up
+                    start = time.perf_counter()
+                    fn(x)
+                    times.append(time.perf_counter() - start)
+                return statistics.median(times[2:])
+
+            with torch.inference_mode():
+                _one_row_seconds[key] = (median_s(lambda v: F.linear(v, layer.weight, layer.bias)),
+                                         median_s(layer._packed))
+        totals = [total + s for total, s in zip(totals, _one_row_seconds[key])]
+    return totals[0] < totals[1]
 
 
 def own_torch_threads(n: int) -> None:
@@ -356,7 +395,9 @@ def own_torch_threads(n: int) -> None:
 def pack_for_cpu(model: Transformer) -> bool:
     """Prepack every linear layer of an inference-only CPU float32 model (`PackedLinear`).
     Returns False, changing nothing, for another device or dtype, or a torch without
-    oneDNN's packed linear (or with SPECSERVE_PACKED_LINEAR=0). Not for training."""
+    oneDNN's packed linear (or with SPECSERVE_PACKED_LINEAR=0). Not for training.
+    One row takes the path this CPU runs faster (`_one_row_blas_wins`), unless
+    SPECSERVE_ONE_ROW_LINEAR is `blas` or `packed`."""
     ops = torch.ops.mkldnn
     usable = (model.device.type == "cpu" and model.dtype == torch.float32 and torch.backends.mkldnn.is_available()
               and hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise")
@@ -367,6 +408,13 @@ def pack_for_cpu(model: Transformer) -> bool:
         layer.attn.qkv, layer.attn.o = PackedLinear(layer.attn.qkv), PackedLinear(layer.attn.o)
         layer.mlp.gate_up, layer.mlp.down = PackedLinear(layer.mlp.gate_up), PackedLinear(layer.mlp.down)
     model.lm_head = PackedLinear(model.lm_head)  # a packed copy: the embedding stays for lookups
+    packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    choice = os.environ.get("SPECSERVE_ONE_ROW_LINEAR", "auto")  # auto: measured here
+    if choice not in ("auto", "blas", "packed"):
+        raise ValueError(f"SPECSERVE_ONE_ROW_LINEAR must be auto, blas or packed, got {choice!r}")
+    blas = _one_row_blas_wins(packed) if choice == "auto" else choice == "blas"
+    for m in packed:
+        m.one_row_blas = blas
     return True
 
 
