@@ -183,24 +183,30 @@ class Ack(_message.Message):
     def __init__(self) -> None: ...
 
 class VerifierPrefillRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "sampling", "max_len")
+    __slots__ = ("request_id", "token_ids", "sampling", "max_len", "candidates")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MAX_LEN_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     max_len: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_len: _Optional[int] = ...) -> None: ...
+    candidates: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_len: _Optional[int] = ..., candidates: _Optional[int] = ...) -> None: ...
 
 class VerifierPrefillResponse(_message.Message):
-    __slots__ = ("next_token", "active_requests")
+    __slots__ = ("next_token", "active_requests", "candidate_ids", "candidate_probs")
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATE_IDS_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATE_PROBS_FIELD_NUMBER: _ClassVar[int]
     next_token: int
     active_requests: int
-    def __init__(self, next_token: _Optional[int] = ..., active_requests: _Optional[int] = ...) -> None: ...
+    candidate_ids: _containers.RepeatedScalarFieldContainer[int]
+    candidate_probs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, next_token: _Optional[int] = ..., active_requests: _Optional[int] = ..., candidate_ids: _Optional[_Iterable[int]] = ..., candidate_probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("request_id", "tree", "context_length", "candidates")

@@ -225,8 +225,11 @@ class Coordinator:
                     # first round, or the verifier lost the request: prefill every verified token;
                     # the answer is the next token, exactly as a round would give it
                     with self._span(stats, "prefill", rnd):
-                        new = [verifier.prefill(context)]
-                    ready, load = None, max(1, verifier.active_requests)
+                        prefilled = verifier.prefill(context, candidates)
+                    new, ready, load = [prefilled.next_token], None, max(1, verifier.active_requests)
+                    seeded = len(prefilled.candidate_ids) // candidates if candidates else 0
+                    if seeded:  # the target's predictions after the prompt's last tokens
+                        drafting.observe(context[len(context) - seeded:], prefilled)
                 else:
                     room, costs = job.params.max_tokens - len(verified) - 1, None
                     lengths = ([job.draft_length] * len(job.drafters) if controls is None
@@ -343,10 +346,13 @@ class _VerifySide(_Side):
     kind = "verifier"
     active_requests = 0  # the verifier's load when it last answered a prefill
 
-    def prefill(self, tokens: list[int]) -> int:
+    def prefill(self, tokens: list[int], candidates: int = 0) -> pb.VerifierPrefillResponse:
+        """The answer holds the target's next token (and, with `candidates`, its top candidates
+        after the last tokens)."""
         reserve = len(tokens) + self.job.params.max_tokens + self.job.max_tree_nodes + 4
         req = pb.VerifierPrefillRequest(request_id=self.request_id, token_ids=tokens,
-                                        sampling=params_to_pb(self.job.params), max_len=reserve)
+                                        sampling=params_to_pb(self.job.params), max_len=reserve,
+                                        candidates=candidates)
         for address in self.coord.verifiers():
             if address in self.failed:
                 continue
@@ -363,7 +369,7 @@ class _VerifySide(_Side):
                 self._fail(address, e)
                 continue
             self.address, self.stub, self.active_requests = address, stub, resp.active_requests
-            return resp.next_token
+            return resp
         raise NoService("no verifier is available")
 
     def verify(self, tree: DraftTree, context_length: int, candidates: int = 0) -> pb.VerifyResponse | None:
@@ -463,9 +469,10 @@ class _Drafting:
             own.proposed += len(tree.tokens)
             own.accepted += _path_prefix(tree, accepted)
 
-    def observe(self, tokens: list[int], resp: pb.VerifyResponse) -> None:
-        """The target's candidates at the positions it scored (`tokens`: the root, then the
-        tree's nodes), kept for the drafters that learn from them until they next draft."""
+    def observe(self, tokens: list[int], resp: pb.VerifyResponse | pb.VerifierPrefillResponse) -> None:
+        """The target's candidates at the positions it scored (`tokens`: a verify's root, then
+        the tree's nodes; a prefill's last tokens), kept for the drafters that learn from them
+        until they next draft."""
         if not resp.candidate_ids or len(resp.candidate_ids) % len(tokens):
             return  # a verifier that did not report them: nothing to learn this round
         for side in self.sides:

@@ -19,7 +19,7 @@ from .model import Transformer, attention_mask, causal_ancestors
 from .sampling import InvalidArgument, SamplingParams, make_generator, probabilities, sample
 from .batching import VerifyItem, verify_batch
 from .pipeline import likeliest_path, reuse_ahead
-from .recycling import top_candidates
+from .recycling import PROMPT_SEED, top_candidates
 from .tree import DraftTree, nodes_for_depth
 
 
@@ -105,10 +105,15 @@ def generate(target: Transformer, prompt_ids: Sequence[int], params: SamplingPar
             return int(scores.argmax())
         return sample(probabilities(scores, params), verifier_rng)
 
+    observe = getattr(drafter, "observe", None)  # a drafter that learns from the target's scores
     prompt = torch.tensor([list(prompt_ids)], device=device)
     n = prompt.shape[1]
+    # such a drafter also gets the target's predictions after the prompt's last tokens
+    seed = min(n, PROMPT_SEED) if observe is not None else 1
     logits = target(prompt, torch.arange(n, device=device)[None], cache,
-                    attention_mask(0, causal_ancestors(n, device)), logits_from=n - 1)
+                    attention_mask(0, causal_ancestors(n, device)), logits_from=n - seed)
+    if observe is not None:
+        observe(list(prompt_ids[n - seed:]), *top_candidates(logits[0]))
     out = [choose(logits[0, -1])]
     result = GenerationResult([], "length", n, target_forward_passes=1)
 
@@ -130,7 +135,6 @@ def generate(target: Transformer, prompt_ids: Sequence[int], params: SamplingPar
 
     done = emit(out)
     ready: DraftTree | None = None  # this round's tree, drafted ahead last round
-    observe = getattr(drafter, "observe", None)  # a drafter that learns from the target's scores
     on_scores = None if observe is None else lambda tokens, scores: observe(tokens, *top_candidates(scores))
     while not done:
         context = list(prompt_ids) + result.token_ids

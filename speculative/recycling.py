@@ -22,6 +22,9 @@ import torch
 from .tree import DraftTree
 
 CANDIDATES = 8  # next tokens kept per token (the paper's k)
+# The prefill's last positions whose predictions seed the table: the head over them costs
+# a little of the prefill, and the answer often goes on in the prompt's words.
+PROMPT_SEED = 256
 
 
 def top_candidates(scores: torch.Tensor, k: int = CANDIDATES) -> tuple[torch.Tensor, torch.Tensor]:

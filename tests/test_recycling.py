@@ -42,22 +42,32 @@ def test_newer_observation_replaces_the_row():
         table.observe([50], torch.tensor([[5]]), torch.tensor([[0.7]]))
 
 
+def next_top(target, seq: list[int], k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's own top-k next tokens after `seq`, and their probabilities."""
+    logits = target(torch.tensor([seq]), torch.arange(len(seq))[None], target.new_cache(len(seq) + 4),
+                    attention_mask(0, causal_ancestors(len(seq))), logits_from=len(seq) - 1)[0, -1]
+    ids, probs = top_candidates(logits[None], k)
+    return ids[0], probs[0]
+
+
 def test_the_decoding_loop_feeds_the_targets_top_k():
-    """One round with an empty table drafts nothing and scores only the root (the first
-    generated token): its row must then hold the target's own top-k after prompt + root."""
+    """The prefill seeds the table with the target's predictions after each prompt token,
+    and a round (here drafting nothing, so it scores only its root, the first generated
+    token) adds the prediction after the root."""
     torch.manual_seed(0)
     target = tiny_model(seed=0, logit_scale=0.5)
     prompt = [1, 2, 3]
     table = RecycledCandidates(TINY.vocab_size, k=3)
-    out = decoding.generate(target, prompt, SamplingParams(max_tokens=2), RecyclingDrafter(table), 3)
-    assert out.draft_tokens == 0
+    out = decoding.generate(target, prompt, SamplingParams(max_tokens=2), RecyclingDrafter(table), draft_length=0)
     root = out.token_ids[0]
-    seq = prompt + [root]
-    logits = target(torch.tensor([seq]), torch.arange(len(seq))[None], target.new_cache(len(seq)),
-                    attention_mask(0, causal_ancestors(len(seq))), logits_from=len(seq) - 1)[0, -1]
-    ids, probs = top_candidates(logits[None], 3)
-    assert table.ids[root].tolist() == ids[0].tolist()
-    assert torch.allclose(table.probs[root], probs[0], atol=1e-5)
+    for i, token in enumerate(prompt):
+        if token != root:
+            ids, probs = next_top(target, prompt[:i + 1], 3)
+            assert table.ids[token].tolist() == ids.tolist(), f"prompt token {token}"
+            assert torch.allclose(table.probs[token], probs, atol=1e-5)
+    ids, probs = next_top(target, prompt + [root], 3)
+    assert table.ids[root].tolist() == ids.tolist()
+    assert torch.allclose(table.probs[root], probs, atol=1e-5)
     # and the next request drafts from it
     again = decoding.generate(target, prompt, SamplingParams(max_tokens=8), RecyclingDrafter(table), 3)
     assert again.draft_tokens > 0
@@ -69,31 +79,71 @@ SERVED_PROMPTS = [[1, 2, 3, 1, 2], [5, 6, 7, 5], [0, 3, 3, 3, 3], [4, 4, 1, 2]]
 
 
 def test_served_recycling_learns_from_the_verifier_and_stays_exact():
-    from drafter_service import registry
+    """Each recycling drafter's first Propose carries the target's predictions after the
+    prompt (the prefill's seed), each later one those of the round just verified (at least
+    its root); the output is the target's own, alone or fused with prompt lookup."""
     from drafter_service.pool import DrafterPool
     from loopback import loopback
     from router.coordinator import Job, RoundStats
     from verifier_service.engine import VerifierEngine
 
+    class RecordingPool(DrafterPool):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.observed: dict[str, list[int]] = {}  # request id -> observed positions per Propose
+
+        def propose(self, request_id, *args, observed=None, **kwargs):
+            self.observed.setdefault(request_id, []).append(0 if observed is None else len(observed[0]))
+            return super().propose(request_id, *args, observed=observed, **kwargs)
+
     torch.set_num_threads(1)
     target = tiny_model(0)
-    pool = DrafterPool(target, kinds=["recycle", "pld"])
+    pool = RecordingPool(target, kinds=["recycle", "pld"])
     engine = VerifierEngine(target, max_batch=4, max_len=64)
-    table = registry._recycled.setdefault(id(target), RecycledCandidates(TINY.vocab_size))
     params = SamplingParams(max_tokens=24)
     drafted = accepted = 0
     with loopback(pool, engine) as coordinator:
         for i, prompt in enumerate(SERVED_PROMPTS):
             for drafters in ((("recycle", 1.0),), (("recycle", 0.8), ("pld", 0.6))):
                 stats = RoundStats()
-                job = Job(request_id=f"r{i}-{len(drafters)}", prompt_ids=prompt, params=params, drafters=drafters,
+                rid = f"r{i}-{len(drafters)}"
+                job = Job(request_id=rid, prompt_ids=prompt, params=params, drafters=drafters,
                           draft_length=4, tree_budget=6, vocab_size=TINY.vocab_size, eos_token_ids=())
                 tokens = [t for new in coordinator.run(job, stats) for t in new]
                 assert tokens == decoding.generate(target, prompt, params).token_ids, (prompt, drafters)
                 drafted += stats.draft_tokens
                 accepted += stats.accepted_draft_tokens
-    assert int((table.ids[:, 0] >= 0).sum()) >= 4, "the pool's table learned nothing from the verifier"
+                first, *later = pool.observed[rid if len(drafters) == 1 else f"{rid}/recycle"]
+                assert first == len(prompt), "the prefill's predictions did not reach the drafter"
+                assert later and min(later) >= 1, "a round's predictions did not reach the drafter"
+                assert not any(pool.observed.get(f"{rid}/pld", [])), "prompt lookup got what it cannot use"
     assert drafted > 0 and accepted > 0, (drafted, accepted)
+
+
+def test_the_verifier_reports_the_targets_own_candidates():
+    """Prefill: the top-k after each prompt token; verify: after the root and each node."""
+    from speculative.tree import DraftTree
+    from verifier_service.engine import VerifierEngine
+
+    torch.set_num_threads(1)
+    target = tiny_model(0)
+    engine = VerifierEngine(target, max_batch=2, max_len=64)
+    try:
+        prompt = [1, 2, 3, 4]
+        out = engine.prefill("a", prompt, SamplingParams(max_tokens=8), candidates=3)
+        for i in range(len(prompt)):
+            ids, probs = next_top(target, prompt[:i + 1], 3)
+            assert out.candidate_ids[i].tolist() == ids.tolist()
+            assert torch.allclose(out.candidate_probs[i], probs, atol=1e-5)
+        draft = [5, 6]
+        verdict = engine.verify("a", DraftTree.chain(draft), candidates=3)
+        scored = prompt + [out.next_token] + draft
+        for i in range(3):  # root, then each node, whatever was accepted
+            ids, _ = next_top(target, scored[:len(prompt) + 1 + i], 3)
+            assert verdict.candidate_ids[i].tolist() == ids.tolist()
+        assert engine.prefill("b", prompt, SamplingParams(max_tokens=8)).candidate_ids is None
+    finally:
+        engine.close()
 
 
 def test_malformed_observations_are_invalid_argument():

@@ -31,7 +31,7 @@ import torch
 
 from speculative.batching import VerifyItem, verify_batch
 from speculative.model import Transformer, attention_mask, causal_ancestors, own_torch_threads
-from speculative.recycling import top_candidates
+from speculative.recycling import PROMPT_SEED, top_candidates
 from speculative.sampling import InvalidArgument, SamplingParams, make_generator, probabilities, sample
 from speculative.tree import DraftTree
 
@@ -117,6 +117,15 @@ MAX_CANDIDATES = 64  # most next tokens a verify call may ask for per scored pos
 
 
 @dataclass
+class PrefillOutcome:
+    next_token: int  # the target's first token after the prompt
+    # with candidates asked: the target's likeliest next tokens [m, k] and their probabilities
+    # after each of the prompt's last m tokens (Token Recycling)
+    candidate_ids: torch.Tensor | None = None
+    candidate_probs: torch.Tensor | None = None
+
+
+@dataclass
 class VerifyOutcome:
     accepted: list[int]  # accepted draft tokens, root to leaf
     bonus: int           # the target's own next token
@@ -144,6 +153,7 @@ class _Prefill:
     request_id: str
     tokens: list[int]
     params: SamplingParams
+    candidates: int = 0
     future: Future = field(default_factory=Future)
 
 
@@ -208,13 +218,18 @@ class VerifierEngine:
 
     # ---- called from any thread ---------------------------------------------
 
-    def prefill(self, request_id: str, token_ids: Sequence[int], params: SamplingParams, reserve: int = 0) -> int:
-        """Fill the lowest free row with `token_ids`; returns the target's next token.
+    def prefill(self, request_id: str, token_ids: Sequence[int], params: SamplingParams, reserve: int = 0,
+                candidates: int = 0) -> PrefillOutcome:
+        """Fill the lowest free row with `token_ids`; returns the target's next token, and with
+        `candidates` k its k likeliest next tokens after each of the last (up to
+        PROMPT_SEED) tokens.
 
         `reserve` more KV slots must fit after the tokens. Prefilling a request
         this engine holds starts it over. Raises ResourceExhausted when no row is free.
         """
         tokens = list(token_ids)
+        if not 0 <= candidates <= MAX_CANDIDATES:
+            raise InvalidArgument("candidates", f"must be in [0, {MAX_CANDIDATES}], got {candidates}")
         if not request_id:
             raise InvalidArgument("request_id", "must not be empty")
         if not tokens:
@@ -226,7 +241,7 @@ class VerifierEngine:
         if len(tokens) + reserve > self.max_len:
             raise InvalidArgument("max_len", f"{len(tokens)} tokens + {reserve} reserved slots exceed the "
                                   f"verifier's {self.max_len} KV slots per request")
-        return self._submit(_Prefill(request_id, tokens, params))
+        return self._submit(_Prefill(request_id, tokens, params, candidates))
 
     def verify(self, request_id: str, tree: DraftTree, context_length: int | None = None,
                deadline: float | None = None, candidates: int = 0) -> VerifyOutcome:
@@ -342,19 +357,23 @@ class VerifierEngine:
                 tokens += 1 + len(work.tree)
         return batch
 
-    def _prefill(self, work: _Prefill) -> int:
+    def _prefill(self, work: _Prefill) -> PrefillOutcome:
         self._drop(work.request_id)
         params = work.params
         generator = make_generator(params.seed, self.model.device, stream=0)
         started = time.monotonic()
-        row, logits = self._fill_free_row(work.tokens)
+        seed = min(len(work.tokens), PROMPT_SEED) if work.candidates else 1
+        row, logits = self._fill_free_row(work.tokens, seed)
         self._busy_s += time.monotonic() - started
         # the first token exactly as speculative.decoding.generate chooses it
-        first = int(logits.argmax()) if params.greedy else sample(probabilities(logits, params), generator)
+        last = logits[-1]
+        first = int(last.argmax()) if params.greedy else sample(probabilities(last, params), generator)
         state = _Request(row, params, generator, work.tokens + [first], self.clock())
         self._requests[work.request_id] = state
         self._checkpoint(work.request_id, state)
-        return first
+        if not work.candidates:
+            return PrefillOutcome(first)
+        return PrefillOutcome(first, *top_candidates(logits, work.candidates))
 
     def _verify(self, batch: list[_Verify]) -> None:
         ready: list[tuple[_Verify, _Request]] = []
@@ -413,8 +432,9 @@ class VerifierEngine:
             raise InvalidArgument("tree.draw_q", "each draw's q must be a distribution giving its token a "
                                   "positive probability")
 
-    def _fill_free_row(self, tokens: list[int]) -> tuple[int, torch.Tensor]:
-        """Prefill `tokens` into the lowest free row (keeping batches narrow); returns it and the next logits."""
+    def _fill_free_row(self, tokens: list[int], last: int = 1) -> tuple[int, torch.Tensor]:
+        """Prefill `tokens` into the lowest free row (keeping batches narrow); returns it and the
+        logits [last, V] after each of the `last` last tokens."""
         taken = {state.row for state in self._requests.values()}
         row = next((r for r in range(self.max_batch) if r not in taken), None)
         if row is None:
@@ -423,12 +443,12 @@ class VerifierEngine:
         try:
             logits = self.model(torch.tensor([tokens], device=device), torch.arange(n, device=device)[None],
                                 self._cache.row_view(row), attention_mask(0, causal_ancestors(n, device)),
-                                logits_from=n - 1)
+                                logits_from=n - last)
         except Exception:
             self._cache.rollback(0, row=row)  # free rows hold nothing
             raise
         self._count_pass(0)
-        return row, logits[0, -1]
+        return row, logits[0]
 
     def _restore(self, request_id: str) -> _Request:
         """A request this engine does not hold, rebuilt from its checkpoint (a restarted verifier)."""

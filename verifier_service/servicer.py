@@ -16,7 +16,7 @@ from speculative.model import own_torch_threads
 from speculative.sampling import InvalidArgument
 from speculative.tree import DraftTree
 
-from .engine import ResourceExhausted, UnknownRequest, VerifierEngine
+from .engine import PrefillOutcome, ResourceExhausted, UnknownRequest, VerifierEngine
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Verifier"].full_name
 
@@ -49,15 +49,20 @@ class VerifierServicer(pb_grpc.VerifierServicer):
 
     def Prefill(self, request: pb.VerifierPrefillRequest,
                 context: grpc.ServicerContext) -> pb.VerifierPrefillResponse:
-        def prefill() -> int:
+        def prefill() -> PrefillOutcome:
             tokens = list(request.token_ids)
             if request.max_len and request.max_len < len(tokens):
                 raise InvalidArgument("max_len", f"{request.max_len} is less than the {len(tokens)} token_ids")
             reserve = request.max_len - len(tokens) if request.max_len else 0  # 0: unset, reserve nothing
-            return self.engine.prefill(request.request_id, tokens, params_from_pb(request.sampling), reserve)
+            return self.engine.prefill(request.request_id, tokens, params_from_pb(request.sampling), reserve,
+                                       request.candidates)
 
-        next_token = _checked(context, prefill)
-        return pb.VerifierPrefillResponse(next_token=next_token, active_requests=self.engine.active_requests())
+        out = _checked(context, prefill)
+        resp = pb.VerifierPrefillResponse(next_token=out.next_token, active_requests=self.engine.active_requests())
+        if out.candidate_ids is not None:
+            resp.candidate_ids.extend(out.candidate_ids.flatten().tolist())
+            resp.candidate_probs.extend(out.candidate_probs.flatten().tolist())
+        return resp
 
     def Verify(self, request: pb.VerifyRequest, context: grpc.ServicerContext) -> pb.VerifyResponse:
         def verify() -> pb.VerifyResponse:
