@@ -21,7 +21,7 @@ class ServeConfig(BaseModel):
     verifiers: int = Field(1, ge=1)
     drafter_pools: int = Field(1, ge=0)
     drafter_kinds: list[str] = Field(
-        ["pld", "suffix", "small-general", "small-math", "small-extraction", "small-language"],
+        ["pld", "suffix", "recycle", "small-general", "small-math", "small-extraction", "small-language"],
         description="drafters the pools host; with default_drafter 'auto' the router picks among them")
     default_drafter: str = Field("auto", description="drafter of requests that name none; 'auto' = expertise routing")
     routing_refresh_s: float = Field(5.0, ge=0, description="how often a router syncs drafter statistics")
