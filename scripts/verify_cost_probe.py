@@ -1,0 +1,73 @@
+"""Measure the goodput model's two costs (router/adaptive.py) on this machine.
+
+A verification pass of B rows, one holding a draft of `nodes` tokens, costs
+1 + verify_token_cost x (B - 1 + nodes) + verify_pad_cost x B x nodes
+one-row, one-token passes. This times `speculative.batching.verify_batch`
+on the default target, every row after `--context` cached tokens: one row
+with one token (the unit), `--rows` rows of one token each (gives
+verify_token_cost), and the same rows with one of them holding a
+`--nodes`-token chain (gives verify_pad_cost). Medians of `--repeats`, the
+three passes alternating within one run.
+
+    python scripts/verify_cost_probe.py --rows 8 --nodes 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from cluster.local import LocalEngine, set_cpu_threads
+from speculative.batching import VerifyItem, verify_batch
+from speculative.model import attention_mask, causal_ancestors
+from speculative.sampling import SamplingParams
+from speculative.tree import DraftTree
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, default=8)
+    parser.add_argument("--nodes", type=int, default=5)
+    parser.add_argument("--context", type=int, default=400)
+    parser.add_argument("--repeats", type=int, default=21)
+    args = parser.parse_args()
+    set_cpu_threads()
+    m = LocalEngine.load().model
+    rows, n = args.rows, args.context
+    cache = m.new_cache(n + args.nodes + 8, batch=rows)
+    ids = (torch.arange(n) * 7 % 1000 + 100)[None].expand(rows, n)
+    with torch.inference_mode():
+        m(ids, torch.arange(n)[None].expand(rows, n), cache, attention_mask(0, causal_ancestors(n)).expand(rows, -1, -1))
+    chain = [int(t) for t in torch.arange(args.nodes) * 11 + 200]
+
+    def one_pass(batch: int, draft: list[int]) -> float:
+        items = [VerifyItem(row, 42, DraftTree.chain(draft if row == 0 else []), SamplingParams(), torch.Generator())
+                 for row in range(batch)]
+        start = time.perf_counter()
+        with torch.inference_mode():
+            verify_batch(m, cache, items)
+        elapsed = time.perf_counter() - start
+        for row in range(rows):
+            cache.rollback(n, row=row)
+        return elapsed
+
+    cases = {"unit": (1, []), "rows": (rows, []), "draft": (rows, chain)}
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for i in range(args.repeats + 3):
+        for name, (batch, draft) in cases.items():
+            t = one_pass(batch, draft)
+            if i >= 3:  # warm-up
+                times[name].append(t)
+    unit, full, drafted = (statistics.median(times[name]) for name in cases)
+    token_cost = (full / unit - 1) / (rows - 1)
+    pad_cost = ((drafted - full) / unit / args.nodes - token_cost) / rows
+    print(f"one row, one token {unit * 1e3:.1f} ms; {rows} rows {full * 1e3:.1f} ms; with a {args.nodes}-token "
+          f"draft in one row {drafted * 1e3:.1f} ms (medians of {args.repeats})")
+    print(f"verify_token_cost {token_cost:.3f}  verify_pad_cost {pad_cost:.4f}")
+
+
+if __name__ == "__main__":
+    main()
