@@ -360,6 +360,11 @@ class FusedDrafter:
     def __init__(self, members: Sequence[tuple[object, float]], member_tokens: int | None = None):
         self.members, self.member_tokens = list(members), member_tokens  # (drafter, reliability in [0, 1])
         self.name = "+".join(getattr(d, "name", "drafter") for d, _ in self.members)
+        # only a fusion with a member that learns from the target's scores asks for them
+        # (the decoding loop pays for the prompt's and each round's top candidates)
+        self._learners = [d for d, _ in self.members if hasattr(d, "observe")]
+        if self._learners:
+            self.observe = self._observe
 
     def propose(self, context: Sequence[int], max_tokens: int, params: SamplingParams,
                 generator: torch.Generator, verified: int | None = None, max_nodes: int | None = None) -> DraftTree:
@@ -372,7 +377,6 @@ class FusedDrafter:
             proposals.append((drafter.propose(context, tokens, params, own, verified, max_nodes), reliability))
         return fuse(proposals, max_nodes, params.greedy)
 
-    def observe(self, tokens: Sequence[int], ids: torch.Tensor, probs: torch.Tensor) -> None:
-        for drafter, _ in self.members:
-            if hasattr(drafter, "observe"):
-                drafter.observe(tokens, ids, probs)
+    def _observe(self, tokens: Sequence[int], ids: torch.Tensor, probs: torch.Tensor) -> None:
+        for drafter in self._learners:
+            drafter.observe(tokens, ids, probs)

@@ -73,6 +73,17 @@ def test_the_decoding_loop_feeds_the_targets_top_k():
     assert again.draft_tokens > 0
 
 
+def test_only_a_fusion_with_a_learner_asks_for_the_targets_scores():
+    from drafter_service.drafters import FusedDrafter, PromptLookupDrafter
+
+    table = RecycledCandidates(TINY.vocab_size, k=3)
+    plain = FusedDrafter([(PromptLookupDrafter(TINY.vocab_size), 1.0)] * 2)
+    assert not hasattr(plain, "observe")  # the decoding loop then computes no candidates
+    fused = FusedDrafter([(PromptLookupDrafter(TINY.vocab_size), 1.0), (RecyclingDrafter(table), 1.0)])
+    fused.observe([1], torch.tensor([[2, 3]]), torch.tensor([[0.6, 0.3]]))
+    assert table.ids[1, :2].tolist() == [2, 3]
+
+
 # ---- served: the verifier reports its candidates, the coordinator passes them to the pool ----
 
 SERVED_PROMPTS = [[1, 2, 3, 1, 2], [5, 6, 7, 5], [0, 3, 3, 3, 3], [4, 4, 1, 2]]
