@@ -127,6 +127,19 @@ def forward_ms(engine: LocalEngine, sizes=(1, 4, 8, 16, 24, 32), prefix: int = 1
     return out
 
 
+def verify_pass_seconds(model, cache, items, context: int) -> float:
+    """Time one `verify_batch` pass of `items`, then roll every cache row back to `context` tokens."""
+    from speculative.batching import verify_batch
+
+    start = time.perf_counter()
+    with torch.inference_mode():
+        verify_batch(model, cache, items)
+    elapsed = time.perf_counter() - start
+    for row in range(len(cache.lengths)):
+        cache.rollback(context, row=row)
+    return elapsed
+
+
 def draft_token_ms(engine: LocalEngine, drafters: list[str], target_ms: float, prefix: int = 128,
                    tokens: int = 5, repeats: int = 10, tree_nodes: int | None = None) -> dict[str, dict[str, float]]:
     """Median time of one draft token of each model drafter after a cached prefix,

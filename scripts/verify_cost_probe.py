@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 
+from bench.harness import verify_pass_seconds
 from cluster.local import LocalEngine, set_cpu_threads
-from speculative.batching import VerifyItem, verify_batch
+from speculative.batching import VerifyItem
 from speculative.model import attention_mask, causal_ancestors
 from speculative.sampling import SamplingParams
 from speculative.tree import DraftTree
@@ -46,13 +46,7 @@ def main() -> None:
     def one_pass(batch: int, draft: list[int]) -> float:
         items = [VerifyItem(row, 42, DraftTree.chain(draft if row == 0 else []), SamplingParams(), torch.Generator())
                  for row in range(batch)]
-        start = time.perf_counter()
-        with torch.inference_mode():
-            verify_batch(m, cache, items)
-        elapsed = time.perf_counter() - start
-        for row in range(rows):
-            cache.rollback(n, row=row)
-        return elapsed
+        return verify_pass_seconds(m, cache, items, n)
 
     cases = {"unit": (1, []), "rows": (rows, []), "draft": (rows, chain)}
     times: dict[str, list[float]] = {name: [] for name in cases}

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 
+from bench.harness import verify_pass_seconds
 from cluster.local import LocalEngine, set_cpu_threads
 from speculative import model as model_module
-from speculative.batching import VerifyItem, verify_batch
+from speculative.batching import VerifyItem
 from speculative.model import attention_mask, causal_ancestors
 from speculative.sampling import SamplingParams
 from speculative.tree import DraftTree
@@ -48,13 +48,7 @@ def main() -> None:
         model_module.WIDE_ROWS_SHARE = share
         items = [VerifyItem(row, 42, DraftTree.chain(chain if row < args.wide_rows else []), greedy,
                             torch.Generator()) for row in range(ROWS)]
-        start = time.perf_counter()
-        with torch.inference_mode():
-            verify_batch(m, cache, items)
-        elapsed = time.perf_counter() - start
-        for row in range(ROWS):
-            cache.rollback(PREFIX, row=row)
-        return elapsed * 1000
+        return verify_pass_seconds(m, cache, items, PREFIX) * 1000
 
     split, padded = [], []
     for _ in range(3):  # warm-up

@@ -82,15 +82,21 @@ def test_summary_of_known_latencies():
     assert empty["p50_s"] is None and empty["p99_s"] is None and empty["requests"] == 3
 
 
-def test_load_run_against_a_real_router(server, tmp_path, monkeypatch, capsys):
-    replayed = []  # (drafter, arrivals) of every (level, mode), as run_level got them
+@pytest.fixture
+def replayed(monkeypatch) -> list:
+    """(drafter, arrivals, prompts) of every (level, mode) run, as run_level got them."""
+    calls = []
     real_run_level = load.run_level
 
     def recording(client, arrivals, prompts, drafter, *rest):
-        replayed.append((drafter, arrivals, prompts))
+        calls.append((drafter, arrivals, prompts))
         return real_run_level(client, arrivals, prompts, drafter, *rest)
 
     monkeypatch.setattr(load, "run_level", recording)
+    return calls
+
+
+def test_load_run_against_a_real_router(server, replayed, tmp_path, capsys):
     out = tmp_path / "load.json"
     argv = ["bench", "--load", "--server", server, "--questions", str(DEV_QUESTIONS), "--limit-per-category", "1",
             "--clients", "1", "2", "--requests", "3", "--rate", "20", "--max-tokens", "4", "--out", str(out)]
@@ -119,16 +125,8 @@ def test_load_run_against_a_real_router(server, tmp_path, monkeypatch, capsys):
     assert "Highest load (2 clients)" in capsys.readouterr().out
 
 
-def test_repeated_load_runs_each_get_their_own_prompts_and_the_verdict_is_their_median(server, tmp_path,
-                                                                                       monkeypatch):
-    replayed = []
-    real_run_level = load.run_level
-
-    def recording(client, arrivals, prompts, drafter, *rest):
-        replayed.append((drafter, arrivals, prompts))
-        return real_run_level(client, arrivals, prompts, drafter, *rest)
-
-    monkeypatch.setattr(load, "run_level", recording)
+def test_repeated_load_runs_each_get_their_own_prompts_and_the_verdict_is_their_median(server, replayed,
+                                                                                       tmp_path):
     out = tmp_path / "load.json"
     assert cli_main(["bench", "--load", "--server", server, "--questions", str(DEV_QUESTIONS),
                      "--limit-per-category", "2", "--clients", "2", "--requests", "2", "--repeats", "3",
