@@ -215,6 +215,7 @@ def run_bench(args) -> dict:
     same_as_hf: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     suffix_indexes: dict[str, dict] = defaultdict(dict)
     recycled: dict[str, dict] = defaultdict(dict)
+    calibrations: dict[str, dict] = defaultdict(dict)
     bar = tqdm(total=len(questions) * len(args.modes) * args.repeats, desc="bench", unit="gen")
     for qi, q in enumerate(questions):
         ids = engine.prompt_ids(q["turns"][0], chat=True)
@@ -231,9 +232,10 @@ def run_bench(args) -> dict:
                     tokens, seconds, passes, drafts = served.run(q["turns"][0], params, mode)
                 else:
                     drafter = "none" if mode == "ar" else mode
-                    # each mode has its own suffix index and recycling table: one fed by another
+                    # each mode has its own suffix index, recycling table and calibrations: one fed by another
                     # mode's run of this very question would draft its answer from memory
                     registry._suffix_indexes, registry._recycled = suffix_indexes[mode], recycled[mode]
+                    registry._calibrations = calibrations[mode]
                     r = engine.run(Request(q["turns"][0], True, params, drafter, args.draft_length,
                                            getattr(args, "tree_budget", None)))
                     tokens, seconds, passes = r.token_ids, r.seconds, r.target_forward_passes

@@ -14,6 +14,7 @@ from typing import Sequence
 import torch
 
 from speculative.model import Transformer, attention_mask, causal_ancestors
+from speculative.calibration import Calibration
 from speculative.fusion import fuse
 from speculative.ngram import lookup_continuation
 from speculative.recycling import RecycledCandidates
@@ -355,11 +356,20 @@ class FusedDrafter:
     pools, for the CLI, the benchmarks and the tests. Each member draws from
     its own random stream, seeded each round from the request's (fused
     sampling is exact only if members draw independently), and drafts up to
-    `member_tokens` (default: the round's budget)."""
+    `member_tokens` (default: the round's budget).
 
-    def __init__(self, members: Sequence[tuple[object, float]], member_tokens: int | None = None):
+    Greedy, a member with a `Calibration` has its confidences mapped to the
+    target's measured acceptance rates before fusion, and the calibration
+    learns from each verdict, read off the next call's context."""
+
+    def __init__(self, members: Sequence[tuple[object, float]], member_tokens: int | None = None,
+                 calibrations: Sequence[Calibration | None] | None = None):
         self.members, self.member_tokens = list(members), member_tokens  # (drafter, reliability in [0, 1])
+        self.calibrations = list(calibrations) if calibrations is not None else [None] * len(self.members)
+        if len(self.calibrations) != len(self.members):
+            raise ValueError("one calibration (or None) per member")
         self.name = "+".join(getattr(d, "name", "drafter") for d, _ in self.members)
+        self._last: tuple[list[int], list[DraftTree]] | None = None  # last round's context and proposals
         # only a fusion with a member that learns from the target's scores asks for them
         # (the decoding loop pays for the prompt's and each round's top candidates)
         self._learners = [d for d, _ in self.members if hasattr(d, "observe")]
@@ -370,12 +380,31 @@ class FusedDrafter:
                 generator: torch.Generator, verified: int | None = None, max_nodes: int | None = None) -> DraftTree:
         tokens = min(max_tokens, self.member_tokens or max_tokens)
         max_nodes = max_tokens if max_nodes is None else max_nodes
+        if params.greedy:
+            self._learn(context[:len(context) if verified is None else verified])
         proposals = []
         for drafter, reliability in self.members:
             own = None if params.greedy else torch.Generator().manual_seed(
                 int(torch.randint(2**62, (), generator=generator)))
             proposals.append((drafter.propose(context, tokens, params, own, verified, max_nodes), reliability))
-        return fuse(proposals, max_nodes, params.greedy)
+        if not params.greedy:
+            return fuse(proposals, max_nodes, greedy=False)
+        if verified is None or verified == len(context):  # not a draft ahead of an unverified guess
+            self._last = (list(context), [tree for tree, _ in proposals])
+        return fuse([(cal.calibrated(tree) if cal else tree, reliability)
+                     for (tree, reliability), cal in zip(proposals, self.calibrations)], max_nodes, greedy=True)
+
+    def _learn(self, known: Sequence[int]) -> None:
+        """Teach the calibrations last round's verdict: what the target took after its context."""
+        if self._last is None:
+            return
+        context, trees = self._last
+        n = len(context)
+        if len(known) > n and known[n - 1] == context[-1]:
+            for tree, cal in zip(trees, self.calibrations):
+                if cal is not None:
+                    cal.learn(tree, known[n:])
+        self._last = None
 
     def _observe(self, tokens: Sequence[int], ids: torch.Tensor, probs: torch.Tensor) -> None:
         for drafter in self._learners:

@@ -13,6 +13,7 @@ import json
 import threading
 from pathlib import Path
 
+from speculative.calibration import Calibration, enabled as calibration_enabled
 from speculative.model import Transformer, pack_for_cpu
 from speculative.sampling import InvalidArgument
 from speculative.recycling import RecycledCandidates
@@ -40,6 +41,8 @@ DRAFTER_NAMES = ("none", "pld", "layerskip", "suffix", "recycle") + SHIPPED_DRAF
 _suffix_indexes: dict[int, SuffixIndex] = {}
 # One Token Recycling table per target in this process, likewise shared.
 _recycled: dict[int, RecycledCandidates] = {}
+# Confidence calibration of each drafter kind in fused trees, per target, likewise shared.
+_calibrations: dict[tuple[str, int], Calibration] = {}
 # Small drafter models, loaded once per process and target, shared by requests.
 _small_models: dict[tuple[str, int], tuple[Transformer, list[int] | None]] = {}
 _load_lock = threading.Lock()
@@ -80,8 +83,10 @@ def make_drafter(name: str, target: Transformer, draft_top_k: int | None = None)
     `draft_top_k` makes a model drafter sample from its top-k renormalised
     distribution, so its q is exactly sparse (k pairs on the wire)."""
     check_drafter(name)
-    if "+" in name:  # no statistics in one process: every member trusted alike
-        return FusedDrafter([(make_drafter(part, target, draft_top_k), 1.0) for part in name.split("+")])
+    if "+" in name:  # every member trusted alike; greedy, their confidences are calibrated
+        parts = name.split("+")
+        return FusedDrafter([(make_drafter(part, target, draft_top_k), 1.0) for part in parts],
+                            calibrations=[calibration(part, target) for part in parts])
     if name == "none":
         return None
     if name == "pld":
@@ -97,6 +102,15 @@ def make_drafter(name: str, target: Transformer, draft_top_k: int | None = None)
     model, vocab_ids = _small_model(name, target)
     return ModelDrafter(model, name=name, draft_top_k=draft_top_k, vocab_ids=vocab_ids,
                         target_vocab_size=target.config.vocab_size)
+
+
+def calibration(name: str, target: Transformer) -> Calibration | None:
+    """The process's calibration of drafter kind `name`'s confidences for `target`
+    (None: SPECSERVE_CALIBRATE=0)."""
+    if not calibration_enabled():
+        return None
+    with _load_lock:
+        return _calibrations.setdefault((name, id(target)), Calibration())
 
 
 def _small_model(name: str, target: Transformer) -> tuple[Transformer, list[int] | None]:

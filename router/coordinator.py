@@ -50,6 +50,7 @@ import grpc
 from protos import specserve_pb2 as pb
 from protos import specserve_pb2_grpc as pb_grpc
 from protos.convert import params_to_pb, tree_from_pb, tree_to_pb
+from speculative.calibration import Calibration, enabled as calibration_enabled
 from speculative.fusion import fuse
 from speculative.pipeline import likeliest_path, reuse_ahead
 from speculative.recycling import CANDIDATES
@@ -188,6 +189,13 @@ class Coordinator:
                  channels: Channels | None = None):
         self.verifiers, self.drafters = verifiers, drafters
         self.channels = channels or Channels()
+        # each drafter kind's confidence calibration (greedy fusion), learned from every request here
+        self._calibrations: dict[str, Calibration] = {}
+        self._calibrations_lock = threading.Lock()
+
+    def calibration(self, kind: str) -> Calibration:
+        with self._calibrations_lock:
+            return self._calibrations.setdefault(kind, Calibration())
 
     def timeout(self, job: Job) -> float | None:
         """Seconds left before the job's deadline, for the next downstream call."""
@@ -268,6 +276,7 @@ class Coordinator:
                     if candidates:
                         drafting.observe([context[-1]] + tree.tokens, resp)
                     new = list(resp.accepted) + [resp.bonus]
+                    drafting.learn(proposals, new)
                     stats.draft_tokens += len(tree)
                     stats.accepted_draft_tokens += len(resp.accepted)
                     drafting.count(proposals, resp.accepted, stats)
@@ -424,6 +433,9 @@ class _Drafting:
                                  request_id=f"{job.request_id}/{kind}" if several else job.request_id)
                       for i, (kind, _) in enumerate(job.drafters)]
         self._threads = ThreadPoolExecutor(len(self.sides), thread_name_prefix="draft") if several else None
+        # greedy fusion ranks nodes by each drafter's calibrated confidence (`speculative.calibration`)
+        self.calibrations = ([coord.calibration(kind) for kind, _ in job.drafters]
+                             if several and job.params.greedy and calibration_enabled() else None)
 
     def propose(self, context: list[int], budgets: list[int], speculative: list[int] = ()) -> list[DraftTree]:
         """Each drafter's own tree of up to its budget (empty for one that cannot draft),
@@ -451,10 +463,19 @@ class _Drafting:
         nodes = [self.job.tree_nodes(budget) for budget in budgets]
         if self._threads is None:
             return proposals[0].truncated(nodes[0])
-        # a sampled fused tree keeps its draws in fuse's order: the verifier tests them in it
-        return fuse([(tree.truncated(n), reliability) for tree, n, (_, reliability)
-                     in zip(proposals, nodes, self.job.drafters)],
-                    max(min(self.job.tree_budget, sum(nodes)), 1), self.job.params.greedy)
+        budget = max(min(self.job.tree_budget, sum(nodes)), 1)
+        if self.calibrations is None:
+            # a sampled fused tree keeps its draws in fuse's order: the verifier tests them in it
+            return fuse([(tree.truncated(n), reliability) for tree, n, (_, reliability)
+                         in zip(proposals, nodes, self.job.drafters)], budget, self.job.params.greedy)
+        # greedy: a calibrated confidence is already the drafter's acceptance rate at it
+        return fuse([(cal.calibrated(tree.truncated(n)), 1.0)
+                     for tree, n, cal in zip(proposals, nodes, self.calibrations)], budget, greedy=True)
+
+    def learn(self, proposals: list[DraftTree], continuation: list[int]) -> None:
+        """Teach the calibrations a verdict: the target's tokens after this round's context."""
+        for tree, cal in zip(proposals, self.calibrations or ()):
+            cal.learn(tree, continuation)
 
     def reuse(self, ahead: list[DraftTree], guess: list[int], accepted: list[int],
               bonus: int) -> list[DraftTree] | None:

@@ -8,8 +8,11 @@ Each proposal comes with its drafter's reliability on the request's domain
 the proposals share become one node. A node's *score* is the product, along
 its path, of confidence x reliability per token: the chance that the target
 accepts every token up to it, if each drafter's confidence is calibrated and
-its reliability scales it to the domain. A merged node takes the best score
-a proposal gives it. A proposal without confidence (prompt lookup) counts
+its reliability scales it to the domain. Proposals that agree on a node are
+independent evidence for it: its conditional chance is 1 - prod(1 - confidence
+x reliability) over the proposals that give it (noisy-OR), at least the best
+of them, so a token two drafters agree on ranks above one only one of them
+gives at the same confidence. A proposal without confidence (prompt lookup) counts
 each of its tokens at `default_confidence` (1.0: its reliability alone,
 which already is the acceptance rate of its tokens). The fused tree carries
 score(node) / score(parent) as each node's confidence, so the product along a
@@ -135,7 +138,7 @@ def _check_draws(tree: DraftTree) -> None:
 
 class _Union:
     """The proposals' trees merged, built up node by node: one node per
-    distinct token path, with the best score any proposal gives it."""
+    distinct token path, scored by the noisy-OR of what the proposals giving it say."""
 
     def __init__(self, ranked: Sequence[tuple[DraftTree, float]], default_confidence: float):
         self.ranked = ranked
@@ -143,10 +146,9 @@ class _Union:
                            for tree, _ in ranked]
         self.tokens: list[int] = []
         self.parents: list[int] = []
-        self.scores: list[float] = []
+        self.miss: list[float] = []  # per node: prod(1 - confidence x reliability) over the proposals giving it
         self.index: dict[tuple[int, int], int] = {}  # (parent, token) -> node
         self.fused: list[dict[int, int]] = [{} for _ in ranked]  # per proposal: its node -> fused node
-        self.path_score: list[dict[int, float]] = [{} for _ in ranked]  # per proposal: its node -> its score
         self.draw_nodes: list[int] = []
         self.draw_q: list[torch.Tensor] = []
 
@@ -156,30 +158,31 @@ class _Union:
             return -1
         if node not in self.fused[p]:
             tree, reliability = self.ranked[p]
-            parent = tree.parents[node]
-            up = self.node_of(p, parent)
-            score = self.path_score[p].get(parent, 1.0) * self.confidence[p][node] * reliability
-            key = (up, tree.tokens[node])
+            key = (self.node_of(p, tree.parents[node]), tree.tokens[node])
             if key not in self.index:
                 self.index[key] = len(self.tokens)
-                self.tokens.append(tree.tokens[node])
-                self.parents.append(up)
-                self.scores.append(score)
-            merged = self.index[key]
-            self.scores[merged] = max(self.scores[merged], score)
-            self.fused[p][node], self.path_score[p][node] = merged, score
+                self.tokens.append(key[1])
+                self.parents.append(key[0])
+                self.miss.append(1.0)
+            merged = self.fused[p][node] = self.index[key]
+            self.miss[merged] *= 1.0 - min(self.confidence[p][node] * reliability, 1.0)
         return self.fused[p][node]
+
+    def conditional(self, node: int) -> float:
+        """score(node) / score(parent): the chance the target takes `node` after its parent."""
+        return 1.0 - self.miss[node]
+
+    def scores(self) -> list[float]:
+        """Each node's score: the product of the conditionals along its path."""
+        scores: list[float] = []
+        for node, parent in enumerate(self.parents):  # parents come first
+            scores.append((1.0 if parent < 0 else scores[parent]) * self.conditional(node))
+        return scores
 
     def add_draw(self, p: int, d: int) -> None:
         tree, _ = self.ranked[p]
         self.draw_nodes.append(self.node_of(p, tree.draw_nodes[d]))
         self.draw_q.append(tree.draw_q[d])
-
-    def conditional(self, node: int) -> float:
-        """score(node) / score(parent): the fused tree's confidence of `node`."""
-        parent = self.parents[node]
-        above = 1.0 if parent < 0 else self.scores[parent]
-        return self.scores[node] / above if above > 0 else 0.0
 
     def tree(self) -> DraftTree:
         q = torch.stack(self.draw_q) if self.draw_q else None
@@ -188,17 +191,18 @@ class _Union:
 
     def best_first(self, budget: int) -> DraftTree:
         """The `budget` best-scoring nodes, each with its parent, in the order taken."""
+        scores = self.scores()
         children: dict[int, list[int]] = defaultdict(list)
         for node, parent in enumerate(self.parents):
             children[parent].append(node)
-        frontier = [(-self.scores[c], c) for c in children[-1]]  # ties: the earlier node (better-ranked drafter)
+        frontier = [(-scores[c], c) for c in children[-1]]  # ties: the earlier node (better-ranked drafter)
         heapq.heapify(frontier)
         kept: list[int] = []
         while frontier and len(kept) < budget:
             _, node = heapq.heappop(frontier)
             kept.append(node)
             for c in children[node]:
-                heapq.heappush(frontier, (-self.scores[c], c))
+                heapq.heappush(frontier, (-scores[c], c))
         new = {-1: -1, **{node: i for i, node in enumerate(kept)}}
         return DraftTree([self.tokens[n] for n in kept], [new[self.parents[n]] for n in kept],
                          confidence=[self.conditional(n) for n in kept])

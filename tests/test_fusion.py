@@ -91,16 +91,14 @@ def random_proposals(rng: random.Random, v=4, confident=True):
 
 
 def reference_scores(proposals, default=1.0):
-    """Path -> best product of confidence x reliability along it, over the proposals."""
-    best = {}
+    """Path -> product along it of each step's noisy-OR, 1 - prod(1 - confidence x
+    reliability), over the proposals that hold the step's path."""
+    miss = {}
     for tree, r in proposals:
         conf = tree.confidence or [default] * len(tree)
         for node, path in enumerate(paths(tree)):
-            score = 1.0
-            for n in tree.path_to(node):
-                score *= conf[n] * r
-            best[path] = max(best.get(path, 0.0), score)
-    return best
+            miss[path] = miss.get(path, 1.0) * (1.0 - conf[node] * r)
+    return {path: math.prod(1.0 - miss[path[:i]] for i in range(1, len(path) + 1)) for path in miss}
 
 
 @pytest.mark.parametrize("greedy", [True, False])
@@ -130,6 +128,14 @@ def test_greedy_keeps_the_best_nodes_and_their_scores():
         assert min(best[p] for p in kept) >= max(frontier, default=0.0) - 1e-12
         for node, path in enumerate(paths(fused)):  # confidence along a path multiplies back to its score
             assert math.prod(fused.confidence[n] for n in fused.path_to(node)) == pytest.approx(best[path], abs=1e-12)
+
+
+def test_drafters_that_agree_outrank_one_more_confident_drafter():
+    a, b = tree_of([[1, 5]], confidence=[[0.6, 0.5]]), tree_of([[1, 6]], confidence=[[0.6, 0.5]])
+    c = tree_of([[2]], confidence=[[0.8]])
+    fused = fuse([(c, 1.0), (a, 1.0), (b, 1.0)], 1, greedy=True)
+    assert fused.tokens == [1] and fused.confidence == pytest.approx([1 - 0.4 * 0.4])  # 0.84 > 0.8
+    assert fuse([(c, 1.0), (a, 1.0)], 1, greedy=True).tokens == [2]  # alone, 0.6 < 0.8
 
 
 def test_missing_confidence_counts_as_the_default():
