@@ -14,8 +14,11 @@ of the B rows. The pass costs 1 + `verify_token_cost` x (B - 1 + width x k)
 gain one token each whatever this request drafts: under load a draft pays
 only if it gains more than it slows every other request.
 Each draft level also costs the drafter's time, `draft_token_cost` of a
-pass, measured as the request goes; pipelined, only when the round could not
-use the draft made ahead during the last verification (`reused`).
+pass, and asking the drafters at all costs `draft_round_cost` (the calls'
+round trips, threads and trees on the wire: what a one-token draft pays
+as much as a five-token one, and on shared cores what it takes from the
+verifier), both measured as the request goes; pipelined, only when the round
+could not use the draft made ahead during the last verification (`reused`).
 
     control = SpeculationControl(max_length=5, prior=0.6)
     k = control.length(batch=3)          # before a round
@@ -61,6 +64,7 @@ class SpeculationControl:
     verify_token_cost: float = 0.06  # one more scored token, as a fraction of a one-token pass
     verify_pad_cost: float = 0.01  # attention of one more padded slot in one row, likewise
     draft_token_cost: float = 0.0  # one draft token, as a fraction of a pass (measured: `observe`)
+    draft_round_cost: float = 0.0  # asking the drafters at all, likewise (measured: `observe_round`)
     width: float = 1.0  # nodes the drafter's trees hold per level of depth (learned: `observe_tree`)
     prior_rounds: float = 2.0
     decay: float = 0.9  # weight of older rounds' evidence
@@ -89,15 +93,17 @@ class SpeculationControl:
         a = self.acceptance
         batch = 1 if self.reproducible else max(batch, 1)
         draft_cost = 0.0 if self.reproducible else self.draft_token_cost
+        round_cost = 0.0 if self.reproducible else self.draft_round_cost
         width = 1.0 if self.reproducible else self.width  # a suffix tree's width depends on other requests
         if self.pipelined:
             draft_cost *= 1.0 - self._reuse
+            round_cost *= 1.0 - self._reuse
 
         def goodput(k: int, a: float) -> float:  # the batch's tokens per one-token pass of time (see above)
             nodes = width * k
             return ((batch - 1 + expected_tokens(a, k))
                     / (1.0 + self.verify_token_cost * (batch - 1 + nodes) + self.verify_pad_cost * batch * nodes
-                       + draft_cost * k))
+                       + draft_cost * k + (round_cost if k else 0.0)))
 
         lengths = range(self.max_length + 1)
         best = max(lengths, key=lambda k: (goodput(k, a), -k))
@@ -129,3 +135,9 @@ class SpeculationControl:
         if draft_seconds_per_token > 0 and pass_seconds > 0:
             ratio = draft_seconds_per_token / pass_seconds
             self.draft_token_cost = ratio if self.draft_token_cost == 0 else 0.8 * self.draft_token_cost + 0.2 * ratio
+
+    def observe_round(self, overhead_seconds: float, pass_seconds: float) -> None:
+        """Learn what asking the drafters costs beyond their drafting (a running mean)."""
+        if overhead_seconds >= 0 and pass_seconds > 0:
+            ratio = overhead_seconds / pass_seconds
+            self.draft_round_cost = 0.8 * self.draft_round_cost + 0.2 * ratio

@@ -239,7 +239,7 @@ class Coordinator:
                     if seeded:  # the target's predictions after the prompt's last tokens
                         drafting.observe(context[len(context) - seeded:], prefilled)
                 else:
-                    room, costs = job.params.max_tokens - len(verified) - 1, None
+                    room, costs, round_cost = job.params.max_tokens - len(verified) - 1, None, None
                     lengths = ([job.draft_length] * len(job.drafters) if controls is None
                                else [c.length(load) for c in controls])
                     budgets = [max(0, min(n, room)) for n in lengths]
@@ -253,6 +253,7 @@ class Coordinator:
                         with self._span(stats, "draft", rnd):
                             proposals = drafting.propose(context, budgets)
                         costs = drafting.seconds_per_token(proposals)
+                        round_cost = drafting.overhead(stats.trace[-1].end - stats.trace[-1].start, budgets)
                     tree = drafting.merge(proposals, budgets)
                     guess = [tree.tokens[n] for n in likeliest_path(tree)]
                     ahead = room - len(guess) - 1  # room left past a whole accepted guess and its bonus
@@ -292,6 +293,8 @@ class Coordinator:
                             c.observe_tree(len(own), depth)
                         if costs and costs[i]:
                             c.observe(costs[i], verify_s)
+                        if round_cost is not None and budgets[i] > 0:
+                            c.observe_round(round_cost, verify_s)
                 stats.target_forward_passes += 1
                 new = self._clip(job, verified, new)
                 verified.extend(new)
@@ -454,6 +457,12 @@ class _Drafting:
         """Each drafter's drafting time per token of depth in its last call (0 when it drafted
         nothing): a tree's levels cost what a chain's tokens do, whatever their width."""
         return [side.seconds / max(tree.depths) if len(tree) else 0.0 for side, tree in zip(self.sides, trees)]
+
+    def overhead(self, wall: float, budgets: list[int]) -> float:
+        """What a drafting round took beyond the drafting the pools measured: the calls'
+        round trips, their threads, trees (de)serialised."""
+        asked = [side.seconds for side, budget in zip(self.sides, budgets) if budget > 0]
+        return max(0.0, wall - max(asked, default=0.0))
 
     def merge(self, proposals: list[DraftTree], budgets: list[int]) -> DraftTree:
         """The tree to verify: one drafter's, cut to its node budget; several fused, each cut

@@ -55,6 +55,19 @@ def test_under_load_a_good_draft_still_pays_for_its_own_tokens():
     assert control.length(batch=8) >= 2
 
 
+def test_the_cost_of_asking_the_drafters_at_all_stops_one_token_drafts_under_load():
+    """A one-token draft pays the round trips to the drafters as a five-token one does:
+    at 0.8 acceptance in a batch of 8 a one-token draft barely pays for its tokens, and
+    not once asking costs 6% of a pass; alone, a full draft still pays well."""
+    control = SpeculationControl(max_length=5, prior=0.8, verify_token_cost=0.06, verify_pad_cost=0.01)
+    assert control.length(batch=8) == 1
+    for _ in range(20):
+        control.observe_round(overhead_seconds=0.005, pass_seconds=0.08)
+    assert control.draft_round_cost == pytest.approx(0.0625, rel=0.02)
+    assert control.length(batch=8) == 0
+    assert control.length(batch=1) == 5
+
+
 def test_drafting_cost_shortens_drafts_unless_drafts_made_ahead_are_reused():
     seq = SpeculationControl(max_length=5, prior=0.7)
     piped = SpeculationControl(max_length=5, prior=0.7, pipelined=True)

@@ -33,6 +33,7 @@ from router.expertise import ExpertiseRouter
 from router.servicer import RouterConfig, RouterServicer
 from router.servicer import serve as serve_router
 from speculative.batching import VerifyItem, verify_batch
+from speculative.calibration import Calibration
 from speculative.decoding import generate
 from speculative.fusion import fuse
 from speculative.model import attention_mask, causal_ancestors
@@ -179,6 +180,24 @@ def test_each_drafter_is_credited_with_its_own_tokens(services, fused, greedy_ru
         assert stats.accepted_draft_tokens == accepted_total
         assert stats.draft_tokens == sum(len(t) for t in engine.trees[rid])
         assert all(proposed > 0 for proposed, _ in want.values())
+
+
+def test_greedy_fusion_calibrates_each_drafter_from_every_verdict(services, fused, greedy_runs):
+    """The router's calibration of each drafter kind holds exactly what replaying every
+    round's verdict (accepted path, then bonus) on that drafter's own tree teaches."""
+    coordinator, pool, engine = services
+    replay = {kind: Calibration() for kind, _ in fused}
+    for rid, _, tokens, _ in greedy_runs:
+        pos = 1
+        for i, tree in enumerate(engine.trees[rid]):
+            took = tokens[pos:pos + held(tree, tokens[pos:]) + 1]
+            for kind, _ in fused:
+                replay[kind].learn(proposal(pool, rid, kind, i), took)
+            pos += len(took)
+    for kind, _ in fused:
+        learned = coordinator.calibration(kind)
+        assert sum(learned.labels) > 0
+        assert learned.hits == pytest.approx(replay[kind].hits) and learned.labels == pytest.approx(replay[kind].labels)
 
 
 def held(tree: DraftTree, tokens: list[int]) -> int:
