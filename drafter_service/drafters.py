@@ -369,7 +369,8 @@ class FusedDrafter:
         if len(self.calibrations) != len(self.members):
             raise ValueError("one calibration (or None) per member")
         self.name = "+".join(getattr(d, "name", "drafter") for d, _ in self.members)
-        self._last: tuple[list[int], list[DraftTree]] | None = None  # last round's context and proposals
+        # last round's context (its length and last token) and proposals, to learn its verdict from
+        self._last: tuple[int, int, list[DraftTree]] | None = None
         # only a fusion with a member that learns from the target's scores asks for them
         # (the decoding loop pays for the prompt's and each round's top candidates)
         self._learners = [d for d, _ in self.members if hasattr(d, "observe")]
@@ -390,7 +391,7 @@ class FusedDrafter:
         if not params.greedy:
             return fuse(proposals, max_nodes, greedy=False)
         if verified is None or verified == len(context):  # not a draft ahead of an unverified guess
-            self._last = (list(context), [tree for tree, _ in proposals])
+            self._last = (len(context), context[-1], [tree for tree, _ in proposals])
         return fuse([(cal.calibrated(tree) if cal else tree, reliability)
                      for (tree, reliability), cal in zip(proposals, self.calibrations)], max_nodes, greedy=True)
 
@@ -398,9 +399,8 @@ class FusedDrafter:
         """Teach the calibrations last round's verdict: what the target took after its context."""
         if self._last is None:
             return
-        context, trees = self._last
-        n = len(context)
-        if len(known) > n and known[n - 1] == context[-1]:
+        n, last, trees = self._last
+        if len(known) > n and known[n - 1] == last:
             for tree, cal in zip(trees, self.calibrations):
                 if cal is not None:
                     cal.learn(tree, known[n:])

@@ -45,6 +45,11 @@ def enabled() -> bool:
     return os.environ.get("SPECSERVE_CALIBRATE", "1") != "0"
 
 
+def _confidences(tree: DraftTree, default: float) -> list[float]:
+    """The tree's node confidences; `default` for each node of a drafter that gives none."""
+    return tree.confidence if tree.confidence is not None else [default] * len(tree)
+
+
 class Calibration:
     """Acceptance rate per confidence bucket of one drafter, learned from verdicts.
     Thread-safe: one instance may be shared by every request a drafter serves."""
@@ -69,7 +74,7 @@ class Calibration:
 
     def calibrated(self, tree: DraftTree, default_confidence: float = 1.0) -> DraftTree:
         """The same tree with each node's confidence replaced by its bucket's learned rate."""
-        confidence = tree.confidence if tree.confidence is not None else [default_confidence] * len(tree)
+        confidence = _confidences(tree, default_confidence)
         with self._lock:
             rates = [self._rate(b) for b in map(self.bucket, confidence)]
         return replace(tree, confidence=rates)
@@ -80,7 +85,7 @@ class Calibration:
         how many nodes were labelled."""
         if not len(tree) or not continuation:
             return 0
-        confidence = tree.confidence if tree.confidence is not None else [default_confidence] * len(tree)
+        confidence = _confidences(tree, default_confidence)
         on_path = {-1: 0}  # node -> depth, for nodes whose path the target took (root: 0)
         labels: list[tuple[int, bool]] = []
         for node, (tok, parent) in enumerate(zip(tree.tokens, tree.parents)):  # parents come first
