@@ -194,7 +194,7 @@ class RouterActor(_ServiceActor):
                               fused_drafters=cfg.fused_drafters, draft_length=cfg.draft_length,
                               tree_budget=cfg.tree_budget, max_prompt_tokens=cfg.max_prompt_tokens,
                               pipelined=cfg.pipelined, adaptive=cfg.adaptive, stop_confidence=cfg.stop_confidence,
-                              verify_token_cost=cfg.verify_token_cost,
+                              verify_row_cost=cfg.verify_row_cost, verify_token_cost=cfg.verify_token_cost,
                               verify_pad_cost=cfg.verify_pad_cost)
         # expertise statistics live in the shared store: every router replica learns from all traffic
         # a drafter trained for a domain is tried first there before there is any evidence

@@ -36,8 +36,12 @@ class ServeConfig(BaseModel):
                                              "load (goodput); off: always draft_length")
     stop_confidence: float = Field(0.3, ge=0, le=1, description="a model drafter ends its draft after a token "
                                                                 "it drafted with less confidence (SpecDec++)")
-    verify_token_cost: float = Field(0.06, gt=0, description="one more verified token as a share of a one-token "
-                                                             "target pass: the goodput model's cost")
+    verify_row_cost: float = Field(0.06, gt=0, description="one more request's row (one token) in a verification "
+                                                           "pass as a share of a one-row, one-token pass: the "
+                                                           "goodput model's cost of batching")
+    verify_token_cost: float = Field(0.06, gt=0, description="one more verified token in a row as a share of a "
+                                                             "one-token target pass: the goodput model's cost "
+                                                             "of a draft")
     verify_pad_cost: float = Field(0.01, ge=0, description="attention over one more padded slot of one row of a "
                                                            "verification pass, as a share of a one-token pass")
     metrics_port: int | None = Field(None, ge=0, le=65535, description="serve Prometheus /metrics of the router "

@@ -9,8 +9,11 @@ scores the trees of all B requests of a batch in one pass
 (`speculative.batching.verify_batch`): the linear layers and the head see
 the real tokens only, B - 1 + 1 + width x k of them, but attention pads every
 row to the widest tree, so this request's tree adds width x k slots to each
-of the B rows. The pass costs 1 + `verify_token_cost` x (B - 1 + width x k)
-+ `verify_pad_cost` x B x width x k one-token passes. The other B - 1 rows
+of the B rows. The pass costs 1 + `verify_row_cost` x (B - 1)
++ `verify_token_cost` x width x k + `verify_pad_cost` x B x width x k one-token
+passes: another request's row costs more than another token in a row (its
+own attention over its own context, its cache writes), measured apart by
+`scripts/verify_cost_probe.py`. The other B - 1 rows
 gain one token each whatever this request drafts: under load a draft pays
 only if it gains more than it slows every other request.
 Each draft level also costs the drafter's time, `draft_token_cost` of a
@@ -61,7 +64,8 @@ class SpeculationControl:
     max_length: int
     prior: float = 0.5  # acceptance rate before any round (the drafter's reliability)
     pipelined: bool = False  # drafting overlaps verification: it costs round time only when not reused
-    verify_token_cost: float = 0.06  # one more scored token, as a fraction of a one-token pass
+    verify_row_cost: float = 0.06  # one more request's row (one token) in the pass, as a fraction of a one-row pass
+    verify_token_cost: float = 0.06  # one more scored token in a row, likewise
     verify_pad_cost: float = 0.01  # attention of one more padded slot in one row, likewise
     draft_token_cost: float = 0.0  # one draft token, as a fraction of a pass (measured: `observe`)
     draft_round_cost: float = 0.0  # asking the drafters at all, likewise (measured: `observe_round`)
@@ -102,7 +106,8 @@ class SpeculationControl:
         def goodput(k: int, a: float) -> float:  # the batch's tokens per one-token pass of time (see above)
             nodes = width * k
             return ((batch - 1 + expected_tokens(a, k))
-                    / (1.0 + self.verify_token_cost * (batch - 1 + nodes) + self.verify_pad_cost * batch * nodes
+                    / (1.0 + self.verify_row_cost * (batch - 1) + self.verify_token_cost * nodes
+                       + self.verify_pad_cost * batch * nodes
                        + draft_cost * k + (round_cost if k else 0.0)))
 
         lengths = range(self.max_length + 1)

@@ -42,7 +42,8 @@ class RouterConfig:
     pipelined: bool = False  # draft the next round while this one is verified (a request may override)
     adaptive: bool = False  # draft length per request and load (router.adaptive); else always draft_length
     stop_confidence: float = 0.0  # model drafters end a draft after a token drafted with less confidence
-    verify_token_cost: float = 0.06  # one more verified token, as a share of a one-token target pass
+    verify_row_cost: float = 0.06  # one more request's row in a pass, as a share of a one-row, one-token pass
+    verify_token_cost: float = 0.06  # one more verified token in a row, likewise
     verify_pad_cost: float = 0.01  # attention over one more padded slot of one row, likewise
 
 
@@ -102,6 +103,7 @@ class RouterServicer(pb_grpc.SpecserveServicer):
             # a routed drafter's reliability on the domain is the best first guess of its acceptance
             prior = drafters[0][1] if req.drafter == "" and cfg.default_drafter == "auto" else 0.5
             speculation = SpeculationControl(cfg.draft_length, prior=prior, pipelined=pipelined,
+                                             verify_row_cost=cfg.verify_row_cost,
                                              verify_token_cost=cfg.verify_token_cost, verify_pad_cost=cfg.verify_pad_cost,
                                              reproducible=params.seed is not None and not params.greedy)
         return Job(request_id=req.request_id or uuid.uuid4().hex, prompt_ids=ids, params=params,

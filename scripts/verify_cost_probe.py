@@ -1,13 +1,14 @@
 """Measure the goodput model's two costs (router/adaptive.py) on this machine.
 
 A verification pass of B rows, one holding a draft of `nodes` tokens, costs
-1 + verify_token_cost x (B - 1 + nodes) + verify_pad_cost x B x nodes
-one-row, one-token passes. This times `speculative.batching.verify_batch`
-on the default target, every row after `--context` cached tokens: one row
-with one token (the unit), `--rows` rows of one token each (gives
-verify_token_cost), and the same rows with one of them holding a
-`--nodes`-token chain (gives verify_pad_cost). Medians of `--repeats`, the
-three passes alternating within one run.
+1 + verify_row_cost x (B - 1) + verify_token_cost x nodes
++ verify_pad_cost x B x nodes one-row, one-token passes. This times
+`speculative.batching.verify_batch` on the default target, every row after
+`--context` cached tokens: one row with one token (the unit), one row with a
+`--nodes`-token chain after it (gives verify_token_cost), `--rows` rows of one
+token each (gives verify_row_cost), and the same rows with one of them holding
+the chain (what the draft adds beyond its tokens gives verify_pad_cost).
+Medians of `--repeats`, the four passes alternating within one run.
 
     python scripts/verify_cost_probe.py --rows 8 --nodes 5
 """
@@ -48,19 +49,21 @@ def main() -> None:
                  for row in range(batch)]
         return verify_pass_seconds(m, cache, items, n)
 
-    cases = {"unit": (1, []), "rows": (rows, []), "draft": (rows, chain)}
+    cases = {"unit": (1, []), "alone": (1, chain), "rows": (rows, []), "draft": (rows, chain)}
     times: dict[str, list[float]] = {name: [] for name in cases}
     for i in range(args.repeats + 3):
         for name, (batch, draft) in cases.items():
             t = one_pass(batch, draft)
             if i >= 3:  # warm-up
                 times[name].append(t)
-    unit, full, drafted = (statistics.median(times[name]) for name in cases)
-    token_cost = (full / unit - 1) / (rows - 1)
+    unit, alone, full, drafted = (statistics.median(times[name]) for name in cases)
+    row_cost = (full / unit - 1) / (rows - 1)
+    token_cost = (alone / unit - 1) / args.nodes
     pad_cost = ((drafted - full) / unit / args.nodes - token_cost) / rows
-    print(f"one row, one token {unit * 1e3:.1f} ms; {rows} rows {full * 1e3:.1f} ms; with a {args.nodes}-token "
-          f"draft in one row {drafted * 1e3:.1f} ms (medians of {args.repeats})")
-    print(f"verify_token_cost {token_cost:.3f}  verify_pad_cost {pad_cost:.4f}")
+    print(f"one row, one token {unit * 1e3:.1f} ms; with a {args.nodes}-token draft {alone * 1e3:.1f} ms; "
+          f"{rows} rows {full * 1e3:.1f} ms; with the draft in one of them {drafted * 1e3:.1f} ms "
+          f"(medians of {args.repeats})")
+    print(f"verify_row_cost {row_cost:.3f}  verify_token_cost {token_cost:.3f}  verify_pad_cost {pad_cost:.4f}")
 
 
 if __name__ == "__main__":
