@@ -18,9 +18,11 @@ from oracle import MAX_TOKENS, PROMPTS, near_tie_or_equal
 
 # layer-skip drafting costs most of a target pass per token; short drafts keep the test quick
 DRAFT_LENGTH = {"layerskip": 2}
-# every prompt for each kind of drafter; the specialised small drafters (the
-# same kind as small-general, which has every prompt) on the first four; the
-# slow layer-skip drafter (the model drafter's code, on the target's own layers) on six
+# one prompt of each of the 13 dev categories for each kind of drafter (PROMPTS holds 20;
+# the first 13 are one per category); the specialised small drafters (the same kind as
+# small-general, which has all 13) on the first four; the slow layer-skip drafter (the
+# model drafter's code, on the target's own layers) on six
+EVERY_CATEGORY = 13
 PROMPT_COUNT = {name: 4 for name in SHIPPED_DRAFTERS if name != "small-general"} | {"layerskip": 6}
 
 
@@ -38,7 +40,7 @@ def cli_generate(capsys, prompt: str, drafter: str, *extra: str) -> dict:
 @pytest.mark.parametrize("drafter", DRAFTER_NAMES)
 def test_greedy_matches_hf_generate(hf_oracle, smollm2, capsys, drafter):
     ties = []
-    for i, (_, prompt) in enumerate(PROMPTS[:PROMPT_COUNT.get(drafter)]):
+    for i, (_, prompt) in enumerate(PROMPTS[:PROMPT_COUNT.get(drafter, EVERY_CATEGORY)]):
         tie = near_tie_or_equal(hf_oracle, i, cli_generate(capsys, prompt, drafter)["token_ids"], drafter)
         if tie:
             ties.append(tie)
