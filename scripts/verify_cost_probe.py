@@ -1,4 +1,4 @@
-"""Measure the goodput model's two costs (router/adaptive.py) on this machine.
+"""Measure the goodput model's three costs (router/adaptive.py) on this machine.
 
 A verification pass of B rows, one holding a draft of `nodes` tokens, costs
 1 + verify_row_cost x (B - 1) + verify_token_cost x nodes

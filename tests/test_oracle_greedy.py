@@ -18,11 +18,11 @@ from oracle import MAX_TOKENS, PROMPTS, near_tie_or_equal
 
 # layer-skip drafting costs most of a target pass per token; short drafts keep the test quick
 DRAFT_LENGTH = {"layerskip": 2}
-# one prompt of each of the 13 dev categories for each kind of drafter (PROMPTS holds 20;
-# the first 13 are one per category); the specialised small drafters (the same kind as
-# small-general, which has all 13) on the first four; the slow layer-skip drafter (the
-# model drafter's code, on the target's own layers) on six
-EVERY_CATEGORY = 13
+# one prompt of each dev category for each kind of drafter (PROMPTS takes the categories
+# round-robin, so its first prompts are one per category); the specialised small drafters
+# (the same kind as small-general, which has them all) on the first four; the slow
+# layer-skip drafter (the model drafter's code, on the target's own layers) on six
+EVERY_CATEGORY = len({category for category, _ in PROMPTS})
 PROMPT_COUNT = {name: 4 for name in SHIPPED_DRAFTERS if name != "small-general"} | {"layerskip": 6}
 
 
