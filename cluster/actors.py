@@ -166,6 +166,7 @@ class RouterActor(_ServiceActor):
         import torch
 
         from drafter_service.registry import drafter_domains
+        from router.adaptive import PassCostModel
         from router.coordinator import Coordinator
         from router.expertise import ExpertiseRouter
         from router.metrics import RouterMetrics
@@ -182,7 +183,10 @@ class RouterActor(_ServiceActor):
         def live(kind):
             return lambda: [s.address for s in store.list_services(kind)]
 
-        coordinator = Coordinator(verifiers=live("verifier"), drafters=live("drafter"))
+        # verify costs, learned from the verifiers' pass timings with the settings as priors
+        pass_costs = (PassCostModel(cfg.verify_row_cost, cfg.verify_token_cost, cfg.verify_pad_cost)
+                      if cfg.learn_verify_costs else None)
+        coordinator = Coordinator(verifiers=live("verifier"), drafters=live("drafter"), pass_costs=pass_costs)
         # a request, and the largest tree a round can send, must fit the verifier's KV slots
         # as well as the model's context
         largest_tree = max(cfg.draft_length, cfg.tree_budget)

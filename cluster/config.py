@@ -44,6 +44,9 @@ class ServeConfig(BaseModel):
                                                              "of a draft")
     verify_pad_cost: float = Field(0.01, ge=0, description="attention over one more padded slot of one row of a "
                                                            "verification pass, as a share of a one-token pass")
+    learn_verify_costs: bool = Field(True, description="learn the three verify costs from the verifiers' pass "
+                                                      "timings, starting from the settings above; off: the "
+                                                      "settings as they are")
     metrics_port: int | None = Field(None, ge=0, le=65535, description="serve Prometheus /metrics of the router "
                                                                        "on this port")
     max_batch: int = Field(8, ge=1, description="requests one verifier holds and batches")

@@ -13,7 +13,8 @@ of the B rows. The pass costs 1 + `verify_row_cost` x (B - 1)
 + `verify_token_cost` x width x k + `verify_pad_cost` x B x width x k one-token
 passes: another request's row costs more than another token in a row (its
 own attention over its own context, its cache writes), measured apart by
-`scripts/verify_cost_probe.py`. The other B - 1 rows
+`scripts/verify_cost_probe.py`, and learned online from the verifier's own
+pass timings (`PassCostModel`) when a control is given one. The other B - 1 rows
 gain one token each whatever this request drafts: under load a draft pays
 only if it gains more than it slows every other request.
 Each draft level also costs the drafter's time, `draft_token_cost` of a
@@ -49,7 +50,11 @@ after a token it drew with less confidence than that.
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
+
+import torch
 
 
 def expected_tokens(acceptance: float, k: int) -> float:
@@ -76,6 +81,8 @@ class SpeculationControl:
     # A seeded sampled request must draw the same tokens every time: its length may then
     # depend on its own history only, not on timings or on other requests' load.
     reproducible: bool = False
+    # learned verify costs, shared by every request of a router; None: the three settings above
+    pass_costs: "PassCostModel | None" = None
     _accepted: float = field(init=False, default=0.0)  # decayed accepted tokens
     _rejections: float = field(init=False, default=0.0)  # decayed rounds that ended in a rejection
     _rounds: int = field(init=False, default=0)
@@ -102,12 +109,14 @@ class SpeculationControl:
         if self.pipelined:
             draft_cost *= 1.0 - self._reuse
             round_cost *= 1.0 - self._reuse
+        row_cost, token_cost, pad_cost = (self.verify_row_cost, self.verify_token_cost, self.verify_pad_cost)
+        if self.pass_costs is not None and not self.reproducible:
+            row_cost, token_cost, pad_cost = self.pass_costs.costs()
 
         def goodput(k: int, a: float) -> float:  # the batch's tokens per one-token pass of time (see above)
             nodes = width * k
             return ((batch - 1 + expected_tokens(a, k))
-                    / (1.0 + self.verify_row_cost * (batch - 1) + self.verify_token_cost * nodes
-                       + self.verify_pad_cost * batch * nodes
+                    / (1.0 + row_cost * (batch - 1) + token_cost * nodes + pad_cost * batch * nodes
                        + draft_cost * k + (round_cost if k else 0.0)))
 
         lengths = range(self.max_length + 1)
@@ -146,3 +155,86 @@ class SpeculationControl:
         if overhead_seconds >= 0 and pass_seconds > 0:
             ratio = overhead_seconds / pass_seconds
             self.draft_round_cost = 0.8 * self.draft_round_cost + 0.2 * ratio
+
+
+class PassCostModel:
+    """The verifier's pass time, learned online from the passes it reports, as the three
+    relative costs the goodput model uses (`SpeculationControl`).
+
+    A verification pass of B rows holding N scored tokens in all, W in the widest row,
+    takes about t = c0 + c_row (B - 1) + c_token (N - B) + c_pad (B W - N) seconds: c0
+    is a one-row, one-token pass, and the costs are c_row / c0, c_token / c0 and
+    c_pad / c0. Least squares over the reported passes, older ones forgotten at
+    `1 - 1/window` a pass, each cost held towards its prior (the configured setting) by
+    `prior_weight` passes' worth of evidence, so a shape the traffic never shows (a
+    second row, at one client) keeps its prior. Until `min_passes` passes are in, the
+    priors are the costs. Every request of a batch reports the same pass: `observe`
+    counts each (verifier, pass id) once. The model is linear: on CPU a lone row's 2- to
+    3-token draft costs as much as a 4-token one, which the fit averages over what the
+    traffic drafts. Thread-safe: one model serves every request of a router."""
+
+    FEATURES = 4  # intercept, extra rows, extra tokens, padded slots
+
+    def __init__(self, row_cost: float = 0.06, token_cost: float = 0.06, pad_cost: float = 0.01,
+                 window: float = 1000.0, prior_weight: float = 10.0, min_passes: int = 20):
+        if window < 1 or prior_weight <= 0 or min_passes < 1:
+            raise ValueError("window must be at least 1, prior_weight positive, min_passes at least 1")
+        self.priors = (row_cost, token_cost, pad_cost)
+        self.forget, self.prior_weight, self.min_passes = 1.0 - 1.0 / window, prior_weight, min_passes
+        self._xtx = torch.zeros(self.FEATURES, self.FEATURES, dtype=torch.float64)
+        self._xty = torch.zeros(self.FEATURES, dtype=torch.float64)
+        self._weight = 0.0  # forgotten count of passes seen
+        self._passes = 0
+        self._seen: OrderedDict = OrderedDict()  # recent (verifier, pass id) keys
+        self._costs: tuple[float, float, float] | None = None  # cached solution, None: stale
+        self._lock = threading.Lock()
+
+    @property
+    def passes(self) -> int:
+        """Passes observed (each counted once)."""
+        return self._passes
+
+    def observe(self, key, rows: int, tokens: int, width: int, seconds: float) -> None:
+        """One verification pass: `rows` requests, `tokens` scored tokens in all (each row's
+        last verified token and its tree), `width` tokens in the widest row. `key` names the
+        pass (verifier address, pass id); a key seen lately is not counted again."""
+        if rows < 1 or tokens < rows or width < 1 or rows * width < tokens or not seconds > 0:
+            return
+        x = torch.tensor([1.0, rows - 1, tokens - rows, rows * width - tokens], dtype=torch.float64)
+        with self._lock:
+            if key in self._seen:
+                return
+            self._seen[key] = None
+            if len(self._seen) > 4096:
+                self._seen.popitem(last=False)
+            self._xtx.mul_(self.forget).add_(torch.outer(x, x))
+            self._xty.mul_(self.forget).add_(x * seconds)
+            self._weight = self._weight * self.forget + 1.0
+            self._passes += 1
+            self._costs = None
+
+    def costs(self) -> tuple[float, float, float]:
+        """(row, token, pad) costs, each a share of a one-row, one-token pass."""
+        with self._lock:
+            if self._passes < self.min_passes:
+                return self.priors
+            if self._costs is None:
+                self._costs = self._solve()
+            return self._costs
+
+    def _solve(self) -> tuple[float, float, float]:
+        # each prior as a penalty row: prior_weight x (c_j - prior_j x c0)^2
+        xtx, xty = self._xtx.clone(), self._xty.clone()
+        for j, prior in enumerate(self.priors, start=1):
+            r = torch.zeros(self.FEATURES, dtype=torch.float64)
+            r[0], r[j] = -prior, 1.0
+            xtx += self.prior_weight * torch.outer(r, r)
+        xtx += 1e-12 * torch.eye(self.FEATURES, dtype=torch.float64)
+        try:
+            beta = torch.linalg.solve(xtx, xty)
+        except RuntimeError:  # singular: keep the priors
+            return self.priors
+        c0 = float(beta[0])
+        if not c0 > 0:
+            return self.priors
+        return tuple(max(0.0, float(b) / c0) for b in beta[1:])

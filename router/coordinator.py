@@ -57,7 +57,7 @@ from speculative.recycling import CANDIDATES
 from speculative.sampling import SamplingParams
 from speculative.tree import DraftTree, nodes_for_depth
 
-from .adaptive import SpeculationControl
+from .adaptive import PassCostModel, SpeculationControl
 
 log = logging.getLogger(__name__)
 
@@ -186,9 +186,11 @@ class Coordinator:
     """Runs jobs against the services that `verifiers()` and `drafters()` list."""
 
     def __init__(self, verifiers: Callable[[], list[str]], drafters: Callable[[], list[str]],
-                 channels: Channels | None = None):
+                 channels: Channels | None = None, pass_costs: PassCostModel | None = None):
         self.verifiers, self.drafters = verifiers, drafters
         self.channels = channels or Channels()
+        # what verification passes cost, learned from every verdict here (adaptive lengths read it)
+        self.pass_costs = pass_costs
         # each drafter kind's confidence calibration (greedy fusion), learned from every request here
         self._calibrations: dict[str, Calibration] = {}
         self._calibrations_lock = threading.Lock()
@@ -411,6 +413,9 @@ class _VerifySide(_Side):
         if resp.state_lost:
             self.stub = None
             return None
+        if self.coord.pass_costs is not None and resp.pass_id:
+            self.coord.pass_costs.observe((self.address, resp.pass_id), resp.batch_size, resp.pass_tokens,
+                                          resp.pass_width, resp.pass_seconds)
         return resp
 
 

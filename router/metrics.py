@@ -14,6 +14,7 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
+from .adaptive import PassCostModel
 from .coordinator import RoundStats
 
 
@@ -37,6 +38,15 @@ class RouterMetrics:
         self._busy = {"drafter": 0.0, "verifier": 0.0}
         for side in self._busy:
             self.idle.labels(side).set_function(lambda side=side: self.idle_fraction(side))
+
+    def watch_pass_costs(self, model: PassCostModel) -> None:
+        """Export the verify costs adaptive lengths use, as learned (`router.adaptive.PassCostModel`)."""
+        gauge = Gauge("specserve_verify_cost", "Cost of one more row, token or padded slot in a verification "
+                      "pass, as a share of a one-row, one-token pass (learned)", ["term"], registry=self.registry)
+        for i, term in enumerate(("row", "token", "pad")):
+            gauge.labels(term).set_function(lambda i=i: model.costs()[i])
+        Gauge("specserve_verify_cost_passes", "Verification passes the verify costs were learned from",
+              registry=self.registry).set_function(lambda: model.passes)
 
     def observe(self, stats: RoundStats, drafter: str, tokens: int) -> None:
         wall = max((stats.finished or time.monotonic()) - stats.started, 0.0)  # a stop string ends it early

@@ -61,6 +61,8 @@ class RouterServicer(pb_grpc.SpecserveServicer):
                  expertise: ExpertiseRouter | None = None, metrics: RouterMetrics | None = None):
         self.tokenizer, self.coordinator, self.config, self.expertise = tokenizer, coordinator, config, expertise
         self.metrics = metrics or RouterMetrics()
+        if coordinator.pass_costs is not None:
+            self.metrics.watch_pass_costs(coordinator.pass_costs)
         if config.default_drafter == "auto" and (expertise is None or not config.routed_drafters):
             raise ValueError("default_drafter 'auto' needs an expertise router and routed_drafters")
         if config.fused_drafters < 1 or config.tree_budget < 1:
@@ -105,6 +107,7 @@ class RouterServicer(pb_grpc.SpecserveServicer):
             speculation = SpeculationControl(cfg.draft_length, prior=prior, pipelined=pipelined,
                                              verify_row_cost=cfg.verify_row_cost,
                                              verify_token_cost=cfg.verify_token_cost, verify_pad_cost=cfg.verify_pad_cost,
+                                             pass_costs=self.coordinator.pass_costs,
                                              reproducible=params.seed is not None and not params.greedy)
         return Job(request_id=req.request_id or uuid.uuid4().hex, prompt_ids=ids, params=params,
                    drafters=drafters, draft_length=cfg.draft_length, tree_budget=cfg.tree_budget,

@@ -3,10 +3,21 @@
 from __future__ import annotations
 
 import random
+from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import pytest
+from prometheus_client import generate_latest
 
-from router.adaptive import SpeculationControl, expected_tokens
+from drafter_service.pool import DrafterPool
+from loopback import loopback
+from protos import specserve_pb2 as pb
+from protos import specserve_pb2_grpc as pb_grpc
+from router.adaptive import PassCostModel, SpeculationControl, expected_tokens
+from router.servicer import RouterConfig, RouterServicer
+from router.servicer import serve as serve_router
+from tiny import TINY, tiny_model
+from verifier_service.engine import VerifierEngine
 
 
 def test_expected_tokens_of_a_chain():
@@ -130,3 +141,114 @@ def test_a_wide_tree_costs_its_nodes_so_load_stops_it_sooner():
     reproducible = SpeculationControl(max_length=5, prior=0.7, reproducible=True)
     reproducible.observe_tree(nodes=16, depth=5)  # another request's suffix tree could make it wider
     assert reproducible.length() == SpeculationControl(max_length=5, prior=0.7, reproducible=True).length()
+
+
+def pass_seconds(rows: int, tokens: int, width: int, c0=0.033, row=0.13, token=0.09, pad=0.01) -> float:
+    """A pass that costs exactly what the linear model says."""
+    return c0 * (1 + row * (rows - 1) + token * (tokens - rows) + pad * (rows * width - tokens))
+
+
+def random_passes(n: int, rng: random.Random, max_rows: int = 8, noise: float = 0.05, **costs):
+    """Passes of 1 to `max_rows` rows, each row 0 to 5 draft tokens, timed with +-`noise`."""
+    for i in range(n):
+        drafts = [rng.randint(0, 5) for _ in range(rng.randint(1, max_rows))]
+        rows, tokens, width = len(drafts), len(drafts) + sum(drafts), 1 + max(drafts)
+        yield ("v", i), rows, tokens, width, pass_seconds(rows, tokens, width, **costs) * rng.uniform(1 - noise,
+                                                                                                     1 + noise)
+
+
+def test_pass_costs_are_learned_from_the_verifiers_timings():
+    """From the defaults (0.06, 0.06, 0.01), 300 noisy passes of mixed shapes give back the
+    costs they were timed with, within 0.02."""
+    model = PassCostModel()
+    for p in random_passes(300, random.Random(0)):
+        model.observe(*p)
+    assert model.passes == 300
+    assert model.costs() == pytest.approx((0.13, 0.09, 0.01), abs=0.02)
+
+
+def test_a_cost_the_traffic_never_shows_keeps_its_prior():
+    """One client: every pass has one row, so what another row costs stays the setting, while
+    the token cost is learned; before `min_passes` passes all three are the settings."""
+    model = PassCostModel(row_cost=0.2, token_cost=0.05, pad_cost=0.01, min_passes=20)
+    passes = list(random_passes(200, random.Random(1), max_rows=1, token=0.15))
+    for p in passes[:19]:
+        model.observe(*p)
+    assert model.costs() == (0.2, 0.05, 0.01)
+    for p in passes[19:]:
+        model.observe(*p)
+    row, token, _ = model.costs()
+    assert row == pytest.approx(0.2, abs=1e-6) and token == pytest.approx(0.15, abs=0.02)
+
+
+def test_every_request_of_a_batch_reports_its_pass_but_it_counts_once():
+    model = PassCostModel(min_passes=1)
+    for _ in range(8):  # the 8 requests of one pass
+        model.observe(("v", 7), 8, 8, 1, 0.06)
+    model.observe(("other verifier", 7), 1, 1, 1, 0.03)
+    assert model.passes == 2
+    for bad in [(0, 1, 1, 0.03), (2, 1, 1, 0.03), (1, 3, 2, 0.03), (1, 1, 1, 0.0)]:  # impossible shapes, no time
+        model.observe(("v", 99), *bad)
+    assert model.passes == 2
+
+
+def test_a_control_drafts_by_the_learned_costs():
+    """A verifier where every draft token costs 0.5 of a pass: once that is learned, a
+    request at 0.7 acceptance drafts less than the 0.06 setting would have it draft."""
+    model = PassCostModel(min_passes=20)
+    control = SpeculationControl(max_length=5, prior=0.7, pass_costs=model)
+    before = control.length(batch=1)
+    assert before == SpeculationControl(max_length=5, prior=0.7).length(batch=1) == 5
+    for p in random_passes(100, random.Random(2), token=0.5):
+        model.observe(*p)
+    assert model.costs()[1] == pytest.approx(0.5, abs=0.05)
+    after = control.length(batch=1)
+    assert after == SpeculationControl(max_length=5, prior=0.7, verify_token_cost=0.5).length() < before
+    seeded = SpeculationControl(max_length=5, prior=0.7, pass_costs=model, reproducible=True)
+    assert seeded.length(batch=1) == before  # seeded sampling ignores timings
+
+
+class DigitTokenizer:
+    """Text of digits, one token each (mod the tiny vocabulary)."""
+
+    def encode(self, text: str) -> list[int]:
+        return [int(c) % TINY.vocab_size for c in text if c.isdigit()]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(map(str, ids))
+
+
+def test_a_served_router_learns_from_each_verification_pass_once_and_exports_the_costs():
+    """Four concurrent requests through a real router, verifier and drafter pool on loopback:
+    every verification pass the verifier ran is learned from once, however many requests
+    shared it, and /metrics shows the costs the adaptive lengths now use."""
+    target = tiny_model(0)
+    pool, engine = DrafterPool(target, kinds=["pld"]), VerifierEngine(target, max_batch=4, max_len=64,
+                                                                     batch_wait_s=0.02)
+    model = PassCostModel(min_passes=1)
+    config = RouterConfig(context_length=TINY.max_position_embeddings - 12, eos_token_ids=[],
+                          vocab_size=TINY.vocab_size, default_drafter="pld", draft_length=3, adaptive=True)
+    with loopback(pool, engine, pass_costs=model) as coordinator:
+        servicer = RouterServicer(DigitTokenizer(), coordinator, config)
+        router, port = serve_router(servicer, "127.0.0.1", 0)
+        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        try:
+            stub = pb_grpc.SpecserveStub(channel)
+
+            def ask(i: int) -> pb.GenerateResponse:
+                return stub.Generate(pb.GenerateRequest(prompt="1231231" + str(i),
+                                                        sampling=pb.SamplingParams(max_tokens=24)), timeout=60)
+
+            with ThreadPoolExecutor(4) as clients:
+                responses = list(clients.map(ask, range(4)))
+            stats = engine.stats()
+        finally:
+            channel.close()
+            router.stop(None)
+    assert all(len(r.token_ids) == 24 for r in responses)
+    verification_passes = sum(stats["batch_size_histogram"].values())
+    assert stats["max_batch_size"] > 1, "no pass was shared: the once-per-pass count was not exercised"
+    assert model.passes == verification_passes
+    exported = generate_latest(servicer.metrics.registry).decode()
+    assert f"specserve_verify_cost_passes {float(verification_passes)}" in exported
+    assert f'specserve_verify_cost{{term="token"}} {model.costs()[1]!r}' in exported

@@ -78,6 +78,7 @@ class Remote:
         self.done = False
         self.accepted_drafts = 0
         self.batch_sizes: list[int] = []
+        self.passes: list[tuple] = []  # (pass id, batch size, seconds, tokens, width) and this row's tokens
         first = stub.Prefill(pb.VerifierPrefillRequest(
             request_id=request_id, token_ids=self.prompt, sampling=params_to_pb(params),
             max_len=len(self.prompt) + params.max_tokens + DRAFT_LENGTH + 1)).next_token
@@ -103,6 +104,8 @@ class Remote:
         assert not resp.state_lost
         self.accepted_drafts += len(resp.accepted)
         self.batch_sizes.append(resp.batch_size)
+        self.passes.append(((resp.pass_id, resp.batch_size, resp.pass_seconds, resp.pass_tokens, resp.pass_width),
+                            1 + len(tree)))
         self._emit(list(resp.accepted) + [resp.bonus])
 
     def run(self) -> list[int]:
@@ -153,6 +156,16 @@ def test_concurrent_requests_share_passes_and_match_single_runs(tiny):
     assert stats.forward_passes == n + sum(stats.batch_size_histogram.values())  # prefills + verification passes
     assert max(max(r.batch_sizes) for r in remotes) == stats.max_batch_size
     assert 0 < stats.busy_seconds < stats.uptime_seconds  # idle fraction: 1 - busy / uptime
+    # every request of a pass reports the same pass, whose tokens are its rows' (for learning pass costs)
+    rows: dict[tuple, list[int]] = {}
+    for remote in remotes:
+        for shape, row_tokens in remote.passes:
+            rows.setdefault(shape, []).append(row_tokens)
+    assert len({shape[0] for shape in rows}) == len(rows) == sum(stats.batch_size_histogram.values())
+    for (pass_id, batch_size, seconds, tokens, width), row_tokens in rows.items():
+        assert 0 < pass_id <= stats.forward_passes and 0 < seconds <= stats.busy_seconds
+        assert (batch_size, tokens, width) == (len(row_tokens), sum(row_tokens), max(row_tokens))
+    assert any(width > 1 for _, _, _, _, width in rows), "no pass held a draft"
 
 
 def test_queued_verification_goes_earliest_deadline_first_within_the_token_budget(tiny):

@@ -136,6 +136,16 @@ class VerifyOutcome:
     # at the root and at each tree node (Token Recycling)
     candidate_ids: torch.Tensor | None = None
     candidate_probs: torch.Tensor | None = None
+    pass_shape: "PassShape | None" = None  # the forward pass it went into
+
+
+@dataclass(frozen=True)
+class PassShape:
+    """One verification pass as its requests see it: what routers learn pass costs from."""
+    pass_id: int  # this engine's count of forward passes, this one included
+    seconds: float
+    tokens: int  # scored tokens of all rows: each row's last verified token and its tree
+    width: int  # tokens of the widest row
 
 
 @dataclass
@@ -395,7 +405,8 @@ class VerifierEngine:
         try:
             started = time.monotonic()
             results = verify_batch(self.model, self._cache, items)
-            self._busy_s += time.monotonic() - started
+            seconds = time.monotonic() - started
+            self._busy_s += seconds
         except Exception as exc:
             # The pass may have left rows half-written and random streams advanced: drop its
             # requests (they resume from their checkpoints or are prefilled again) and cut
@@ -405,7 +416,8 @@ class VerifierEngine:
                 work.future.set_exception(exc)
             self._resync_rows()
             return
-        self._count_pass(len(ready))
+        sizes = [1 + len(work.tree) for work, _ in ready]
+        shape = PassShape(self._count_pass(len(ready)), seconds, sum(sizes), max(sizes))
         for (work, state), (path, bonus) in zip(ready, results):
             accepted = [work.tree.tokens[node] for node in path]
             state.tokens += accepted + [bonus]
@@ -413,7 +425,7 @@ class VerifierEngine:
             self._checkpoint(work.request_id, state)
             ids, probs = work.top or (None, None)
             work.future.set_result(VerifyOutcome(accepted, bonus, len(ready), self._waiting, len(self._requests),
-                                                 ids, probs))
+                                                 ids, probs, shape))
 
     def _check_tree(self, tree: DraftTree, state: _Request) -> None:
         """What a well-formed tree still needs: room in the row, and when sampling, its draws' q."""
@@ -499,10 +511,11 @@ class VerifierEngine:
         for row in range(self.max_batch):
             self._cache.rollback(committed.get(row, 0), row=row)
 
-    def _count_pass(self, batch_size: int) -> None:
-        """One target forward; batch_size > 0 for a verification pass."""
+    def _count_pass(self, batch_size: int) -> int:
+        """One target forward; batch_size > 0 for a verification pass. Returns its number."""
         with self._stats_lock:
             self._forward_passes += 1
             if batch_size:
                 self._verified_requests += batch_size
                 self._batch_sizes[batch_size] += 1
+            return self._forward_passes

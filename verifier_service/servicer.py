@@ -75,6 +75,10 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                 return pb.VerifyResponse(state_lost=True)
             resp = pb.VerifyResponse(accepted=out.accepted, bonus=out.bonus, batch_size=out.batch_size,
                                      queued=out.queued, active_requests=out.active)
+            if out.pass_shape is not None:
+                shape = out.pass_shape
+                resp.pass_id, resp.pass_seconds = shape.pass_id, shape.seconds
+                resp.pass_tokens, resp.pass_width = shape.tokens, shape.width
             if out.candidate_ids is not None:
                 resp.candidate_ids.extend(out.candidate_ids.flatten().tolist())
                 resp.candidate_probs.extend(out.candidate_probs.flatten().tolist())
