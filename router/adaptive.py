@@ -180,10 +180,15 @@ class PassCostModel:
         if window < 1 or prior_weight <= 0 or min_passes < 1:
             raise ValueError("window must be at least 1, prior_weight positive, min_passes at least 1")
         self.priors = (row_cost, token_cost, pad_cost)
-        self.forget, self.prior_weight, self.min_passes = 1.0 - 1.0 / window, prior_weight, min_passes
+        self.forget, self.min_passes = 1.0 - 1.0 / window, min_passes
         self._xtx = torch.zeros(self.FEATURES, self.FEATURES, dtype=torch.float64)
         self._xty = torch.zeros(self.FEATURES, dtype=torch.float64)
-        self._weight = 0.0  # forgotten count of passes seen
+        # each prior as a penalty row, prior_weight x (c_j - prior_j x c0)^2, added at every solve
+        self._prior_xtx = 1e-12 * torch.eye(self.FEATURES, dtype=torch.float64)
+        for j, prior in enumerate(self.priors, start=1):
+            r = torch.zeros(self.FEATURES, dtype=torch.float64)
+            r[0], r[j] = -prior, 1.0
+            self._prior_xtx += prior_weight * torch.outer(r, r)
         self._passes = 0
         self._seen: OrderedDict = OrderedDict()  # recent (verifier, pass id) keys
         self._costs: tuple[float, float, float] | None = None  # cached solution, None: stale
@@ -200,16 +205,15 @@ class PassCostModel:
         pass (verifier address, pass id); a key seen lately is not counted again."""
         if rows < 1 or tokens < rows or width < 1 or rows * width < tokens or not seconds > 0:
             return
-        x = torch.tensor([1.0, rows - 1, tokens - rows, rows * width - tokens], dtype=torch.float64)
         with self._lock:
             if key in self._seen:
                 return
             self._seen[key] = None
             if len(self._seen) > 4096:
                 self._seen.popitem(last=False)
+            x = torch.tensor([1.0, rows - 1, tokens - rows, rows * width - tokens], dtype=torch.float64)
             self._xtx.mul_(self.forget).add_(torch.outer(x, x))
             self._xty.mul_(self.forget).add_(x * seconds)
-            self._weight = self._weight * self.forget + 1.0
             self._passes += 1
             self._costs = None
 
@@ -223,15 +227,8 @@ class PassCostModel:
             return self._costs
 
     def _solve(self) -> tuple[float, float, float]:
-        # each prior as a penalty row: prior_weight x (c_j - prior_j x c0)^2
-        xtx, xty = self._xtx.clone(), self._xty.clone()
-        for j, prior in enumerate(self.priors, start=1):
-            r = torch.zeros(self.FEATURES, dtype=torch.float64)
-            r[0], r[j] = -prior, 1.0
-            xtx += self.prior_weight * torch.outer(r, r)
-        xtx += 1e-12 * torch.eye(self.FEATURES, dtype=torch.float64)
         try:
-            beta = torch.linalg.solve(xtx, xty)
+            beta = torch.linalg.solve(self._xtx + self._prior_xtx, self._xty)
         except RuntimeError:  # singular: keep the priors
             return self.priors
         c0 = float(beta[0])
