@@ -40,7 +40,7 @@ import dataclasses
 import logging
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
@@ -194,6 +194,8 @@ class Coordinator:
         # each drafter kind's confidence calibration (greedy fusion), learned from every request here
         self._calibrations: dict[str, Calibration] = {}
         self._calibrations_lock = threading.Lock()
+        # pipelined rounds send their verify calls from here while their own thread drafts ahead
+        self.calls = ThreadPoolExecutor(max_workers=64, thread_name_prefix="verify-call")
 
     def calibration(self, kind: str) -> Calibration:
         with self._calibrations_lock:
@@ -387,24 +389,38 @@ class _VerifySide(_Side):
         raise NoService("no verifier is available")
 
     def verify(self, tree: DraftTree, context_length: int, candidates: int = 0) -> pb.VerifyResponse | None:
-        """The verdict, or None when the request must be prefilled again."""
-        return self.result(self.verify_async(tree, context_length, candidates))
+        """The verdict, or None when the request must be prefilled again. The call blocks this
+        thread: a `future` call would start a gRPC polling thread every round."""
+        req, timeout = self._request(tree, context_length, candidates), self.coord.timeout(self.job)
+        return self._verdict(lambda: self.stub.Verify(req, timeout=timeout))
 
     def verify_async(self, tree: DraftTree, context_length: int, candidates: int = 0) -> "_Call":
-        """Send the tree; `result` waits for the verdict (with the target's top `candidates`
-        next tokens at each scored position, if asked)."""
-        started = time.monotonic()
-        future = self.stub.Verify.future(pb.VerifyRequest(request_id=self.request_id, tree=tree_to_pb(tree),
-                                                          context_length=context_length, candidates=candidates),
-                                         timeout=self.coord.timeout(self.job))
-        call = _Call(future, started)
-        future.add_done_callback(call.done)
+        """Send the tree from one of the coordinator's threads; `result` waits for the verdict
+        (with the target's top `candidates` next tokens at each scored position, if asked)."""
+        stub, req, timeout = self.stub, self._request(tree, context_length, candidates), self.coord.timeout(self.job)
+        call = _Call()
+
+        def send() -> pb.VerifyResponse:
+            call.started = time.monotonic()
+            try:
+                return stub.Verify(req, timeout=timeout)
+            finally:
+                call.ended = time.monotonic()
+
+        call.future = self.coord.calls.submit(send)
         return call
 
     def result(self, call: "_Call") -> pb.VerifyResponse | None:
-        """The verdict, or None when the request must be prefilled again."""
+        """The verdict of `verify_async`, or None when the request must be prefilled again."""
+        return self._verdict(call.future.result)
+
+    def _request(self, tree: DraftTree, context_length: int, candidates: int) -> pb.VerifyRequest:
+        return pb.VerifyRequest(request_id=self.request_id, tree=tree_to_pb(tree), context_length=context_length,
+                                candidates=candidates)
+
+    def _verdict(self, answer: Callable[[], pb.VerifyResponse]) -> pb.VerifyResponse | None:
         try:
-            resp = call.future.result()
+            resp = answer()
         except grpc.RpcError as e:
             if e.code() not in RETRYABLE or e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise
@@ -421,13 +437,10 @@ class _VerifySide(_Side):
 
 @dataclass
 class _Call:
-    """A verify call in flight, timed from send to answer."""
-    future: grpc.Future
-    started: float
+    """A verify call in flight (`_VerifySide.verify_async`), timed from send to answer."""
+    future: Future | None = None
+    started: float = 0.0
     ended: float = 0.0
-
-    def done(self, _future) -> None:
-        self.ended = time.monotonic()
 
 
 class _Drafting:
