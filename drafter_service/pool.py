@@ -55,9 +55,10 @@ class DrafterPool:
         self._lock = threading.Lock()  # guards the dict only; drafting holds a request's own lock
 
     def prefill(self, request_id: str, kind: str, token_ids: Sequence[int], params: SamplingParams,
-                stream: int = 1) -> None:
+                stream: int = 1, resumed: int = 0) -> None:
         """Start (or restart) drafting for a request whose verified tokens are `token_ids`,
-        drawing from random stream `stream` of its seed (1 is the single-process loop's drafter)."""
+        drawing from random stream `stream` of its seed (1 is the single-process loop's drafter);
+        `resumed` > 0 (earlier prefills of this drafter of the request) makes that stream fresh."""
         if not request_id:
             raise InvalidArgument("request_id", "must not be empty")
         if kind not in self.kinds:
@@ -67,8 +68,10 @@ class DrafterPool:
         self._check_vocabulary("token_ids", token_ids)
         if stream < 1:
             raise InvalidArgument("stream", f"must be >= 1 (stream 0 is the verifier's), got {stream}")
+        if resumed < 0:
+            raise InvalidArgument("resumed", f"must be >= 0, got {resumed}")
         params.validate()
-        generator = make_generator(params.seed, self.target.device, stream=stream)
+        generator = make_generator(params.seed, self.target.device, stream=stream, resumed=resumed)
         state = _Request(make_drafter(kind, self.target, draft_top_k=self.draft_top_k), list(token_ids),
                          params, generator, self.clock())
         with state.lock:

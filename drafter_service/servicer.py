@@ -50,7 +50,8 @@ class DrafterServicer(pb_grpc.DrafterServicer):
     def Prefill(self, request: pb.DrafterPrefillRequest, context: grpc.ServicerContext) -> pb.Ack:
         # stream 0 on the wire is unset: the default drafter stream
         _checked(context, lambda: self.pool.prefill(request.request_id, request.drafter, list(request.token_ids),
-                                                    params_from_pb(request.sampling), request.stream or 1))
+                                                    params_from_pb(request.sampling), request.stream or 1,
+                                                    request.resumed))
         return pb.Ack()
 
     def Propose(self, request: pb.ProposeRequest, context: grpc.ServicerContext) -> pb.ProposeResponse:

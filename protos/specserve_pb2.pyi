@@ -119,18 +119,20 @@ class GenerateChunk(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
 
 class DrafterPrefillRequest(_message.Message):
-    __slots__ = ("request_id", "drafter", "token_ids", "sampling", "stream")
+    __slots__ = ("request_id", "drafter", "token_ids", "sampling", "stream", "resumed")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     STREAM_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     drafter: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     stream: int
-    def __init__(self, request_id: _Optional[str] = ..., drafter: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stream: _Optional[int] = ...) -> None: ...
+    resumed: int
+    def __init__(self, request_id: _Optional[str] = ..., drafter: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stream: _Optional[int] = ..., resumed: _Optional[int] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
     __slots__ = ("request_id", "context_length", "new_tokens", "max_tokens", "speculative_tokens", "min_confidence", "max_nodes", "observed_tokens", "observed_ids", "observed_probs")
@@ -183,18 +185,20 @@ class Ack(_message.Message):
     def __init__(self) -> None: ...
 
 class VerifierPrefillRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "sampling", "max_len", "candidates")
+    __slots__ = ("request_id", "token_ids", "sampling", "max_len", "candidates", "resumed")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MAX_LEN_FIELD_NUMBER: _ClassVar[int]
     CANDIDATES_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     max_len: int
     candidates: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_len: _Optional[int] = ..., candidates: _Optional[int] = ...) -> None: ...
+    resumed: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_len: _Optional[int] = ..., candidates: _Optional[int] = ..., resumed: _Optional[int] = ...) -> None: ...
 
 class VerifierPrefillResponse(_message.Message):
     __slots__ = ("next_token", "active_requests", "candidate_ids", "candidate_probs")

@@ -31,7 +31,8 @@ Failures degrade, never corrupt: a drafter that dies or lost its state is
 replaced (another pool, or no drafting at all: an empty tree, also inside a
 fusion), and a verifier that lost the request is prefilled again with every
 verified token. Both keep the output exactly the target's, because only the
-verifier decides tokens.
+verifier decides tokens and a request prefilled again draws from a fresh
+random stream (`resumed`; docs/DESIGN-NOTES.md, invariant 5).
 """
 
 from __future__ import annotations
@@ -343,6 +344,9 @@ class _Side:
         self.address: str | None = None
         self.stub = None
         self.failed: set[str] = set()
+        # prefills sent so far: each later one asks for a fresh random stream (`make_generator`'s
+        # `resumed`), since the request's tokens so far were chosen by its stream's first draws
+        self.prefills = 0
 
     def _fail(self, address: str, err: grpc.RpcError) -> None:
         log.warning("%s %s failed for %s (%s); trying another", self.kind, address, self.request_id, err.code())
@@ -366,13 +370,14 @@ class _VerifySide(_Side):
         """The answer holds the target's next token (and, with `candidates`, its top candidates
         after the last tokens)."""
         reserve = len(tokens) + self.job.params.max_tokens + self.job.max_tree_nodes + 4
-        req = pb.VerifierPrefillRequest(request_id=self.request_id, token_ids=tokens,
-                                        sampling=params_to_pb(self.job.params), max_len=reserve,
-                                        candidates=candidates)
         for address in self.coord.verifiers():
             if address in self.failed:
                 continue
             stub = pb_grpc.VerifierStub(self.coord.channels.get(address))
+            req = pb.VerifierPrefillRequest(request_id=self.request_id, token_ids=tokens,
+                                            sampling=params_to_pb(self.job.params), max_len=reserve,
+                                            candidates=candidates, resumed=self.prefills)
+            self.prefills += 1
             try:
                 resp = stub.Prefill(req, timeout=self.coord.timeout(self.job))
             except grpc.RpcError as e:
@@ -585,10 +590,12 @@ class _DraftSide(_Side):
             if address in self.failed:
                 continue
             stub = pb_grpc.DrafterStub(self.coord.channels.get(address))
+            req = pb.DrafterPrefillRequest(request_id=self.request_id, drafter=self.drafter, token_ids=context,
+                                           sampling=params_to_pb(self.job.params), stream=self.stream,
+                                           resumed=self.prefills)
+            self.prefills += 1
             try:
-                stub.Prefill(pb.DrafterPrefillRequest(
-                    request_id=self.request_id, drafter=self.drafter, token_ids=context,
-                    sampling=params_to_pb(self.job.params), stream=self.stream), timeout=self.coord.timeout(self.job))
+                stub.Prefill(req, timeout=self.coord.timeout(self.job))
             except grpc.RpcError as e:
                 if e.code() not in RETRYABLE:
                     raise

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -69,11 +70,21 @@ def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
-def make_generator(seed: int | None, device: torch.device | str = "cpu", stream: int = 0) -> torch.Generator:
-    """A request's own random stream; `stream` separates drafter from verifier draws."""
+def make_generator(seed: int | None, device: torch.device | str = "cpu", stream: int = 0,
+                   resumed: int = 0) -> torch.Generator:
+    """A request's own random stream; `stream` separates drafter from verifier draws.
+
+    `resumed` > 0: the stream of a request prefilled again after a service lost it, the
+    `resumed`-th time. It must be fresh: the start of the request's stream chose the tokens
+    already generated, and tokens chosen by the same draws are dependent (a seeded request
+    that restarted its stream on a resume no longer followed the target's distribution,
+    tests/test_resumed_sampling.py)."""
     g = torch.Generator(device=device)
     if seed is None:
         g.seed()
-    else:
+    elif not resumed:
         g.manual_seed((seed * 1_000_003 + stream) % (2**63))
+    else:
+        digest = hashlib.blake2b(f"{seed}/{stream}/{resumed}".encode(), digest_size=8).digest()
+        g.manual_seed(int.from_bytes(digest, "little") % (2**63))
     return g

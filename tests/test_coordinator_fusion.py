@@ -59,11 +59,11 @@ class RecordingPool(DrafterPool):
         self.proposals: dict[str, list[DraftTree]] = defaultdict(list)
         self.broken: set[str] = set()
 
-    def prefill(self, request_id, kind, token_ids, params, stream=1):
+    def prefill(self, request_id, kind, token_ids, params, stream=1, resumed=0):
         if kind in self.broken:
             raise RuntimeError(f"{kind} is broken")  # UNKNOWN on the wire: the caller tries another pool
         self.streams[request_id] = stream
-        super().prefill(request_id, kind, token_ids, params, stream)
+        super().prefill(request_id, kind, token_ids, params, stream, resumed)
 
     def propose(self, request_id, *args, **kwargs):
         tree = super().propose(request_id, *args, **kwargs)

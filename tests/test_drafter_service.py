@@ -137,6 +137,8 @@ def test_sampled_drafts_are_sparse_and_seeded(target, connect):
     (lambda s: prefill(s, "b", "nope", REPETITIVE), "drafter"),
     (lambda s: prefill(s, "b", "pld", []), "token_ids"),
     (lambda s: prefill(s, "b", "pld", REPETITIVE, SamplingParams(temperature=-1.0)), "temperature"),
+    (lambda s: s.Prefill(pb.DrafterPrefillRequest(request_id="b", drafter="pld", token_ids=REPETITIVE,
+                                                  sampling=params_to_pb(GREEDY), resumed=-1)), "resumed"),
     (lambda s: propose(s, "b", len(REPETITIVE), [], max_tokens=-1), "max_tokens"),
     (lambda s: propose(s, "b", len(REPETITIVE), [TINY.vocab_size]), "new_tokens"),
 ])

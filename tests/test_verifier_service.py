@@ -219,6 +219,9 @@ def test_bad_input_is_invalid_argument_naming_the_field(tiny):
         invalid(stub.Prefill, prefill("e", [1, 8]), "token_ids")
         invalid(stub.Prefill, prefill("e", [1], pb.SamplingParams(max_tokens=4, temperature=1.0, top_p=2.0)), "top_p")
         invalid(stub.Prefill, prefill("e", [1], max_len=65), "max_len")
+        resumed = prefill("e", [1])
+        resumed.resumed = -1
+        invalid(stub.Prefill, resumed, "resumed")
 
         # sampling needs every draw's q, a distribution over the vocabulary
         stub.Prefill(prefill("s", [1, 2], params_to_pb(SAMPLED)))

@@ -164,6 +164,7 @@ class _Prefill:
     tokens: list[int]
     params: SamplingParams
     candidates: int = 0
+    resumed: int = 0  # earlier prefills of the request: its random stream must be fresh
     future: Future = field(default_factory=Future)
 
 
@@ -229,10 +230,11 @@ class VerifierEngine:
     # ---- called from any thread ---------------------------------------------
 
     def prefill(self, request_id: str, token_ids: Sequence[int], params: SamplingParams, reserve: int = 0,
-                candidates: int = 0) -> PrefillOutcome:
+                candidates: int = 0, resumed: int = 0) -> PrefillOutcome:
         """Fill the lowest free row with `token_ids`; returns the target's next token, and with
         `candidates` k its k likeliest next tokens after each of the last (up to
-        PROMPT_SEED) tokens.
+        PROMPT_SEED) tokens. `resumed`: how many times the request was prefilled before
+        (anywhere); a resumed request samples from a fresh random stream.
 
         `reserve` more KV slots must fit after the tokens. Prefilling a request
         this engine holds starts it over. Raises ResourceExhausted when no row is free.
@@ -248,10 +250,12 @@ class VerifierEngine:
         if bad is not None:
             raise InvalidArgument("token_ids", f"token {bad} is outside the vocabulary of {self.vocab_size}")
         params.validate()
+        if resumed < 0:
+            raise InvalidArgument("resumed", f"must be >= 0, got {resumed}")
         if len(tokens) + reserve > self.max_len:
             raise InvalidArgument("max_len", f"{len(tokens)} tokens + {reserve} reserved slots exceed the "
                                   f"verifier's {self.max_len} KV slots per request")
-        return self._submit(_Prefill(request_id, tokens, params, candidates))
+        return self._submit(_Prefill(request_id, tokens, params, candidates, resumed))
 
     def verify(self, request_id: str, tree: DraftTree, context_length: int | None = None,
                deadline: float | None = None, candidates: int = 0) -> VerifyOutcome:
@@ -370,7 +374,7 @@ class VerifierEngine:
     def _prefill(self, work: _Prefill) -> PrefillOutcome:
         self._drop(work.request_id)
         params = work.params
-        generator = make_generator(params.seed, self.model.device, stream=0)
+        generator = make_generator(params.seed, self.model.device, stream=0, resumed=work.resumed)
         started = time.monotonic()
         seed = min(len(work.tokens), PROMPT_SEED) if work.candidates else 1
         row, logits = self._fill_free_row(work.tokens, seed)

@@ -55,7 +55,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                 raise InvalidArgument("max_len", f"{request.max_len} is less than the {len(tokens)} token_ids")
             reserve = request.max_len - len(tokens) if request.max_len else 0  # 0: unset, reserve nothing
             return self.engine.prefill(request.request_id, tokens, params_from_pb(request.sampling), reserve,
-                                       request.candidates)
+                                       request.candidates, request.resumed)
 
         out = _checked(context, prefill)
         resp = pb.VerifierPrefillResponse(next_token=out.next_token, active_requests=self.engine.active_requests())
