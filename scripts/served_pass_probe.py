@@ -6,12 +6,14 @@ through a running server and through a verifier engine in this process.
 
 Served, per target pass: the client's wall time, the verifier's own time in its
 forward passes (its Stats RPC: busy seconds over passes), and the CPU time of the
-verifier process. In process, the same prompts go through a `VerifierEngine`
+verifier and router processes. In process, the same prompts go through a `VerifierEngine`
 loaded as the verifier actor loads it (model on one torch thread, the engine's
-worker on `--threads`), with no gRPC and no Ray. The served wall time minus the
-served busy time is the wire and the router; the served busy time minus the local
-one is what the forward loses to the other processes sharing the cores. Run with
-nothing else busy; the server must be idle.
+worker on `--threads`), with no gRPC and no Ray; then through the router's
+coordinator in this process, calling that engine behind its real gRPC server on
+loopback (no Ray, one process). The served wall time minus the served busy time
+is the wire and the router; the served busy time minus the local one is what the
+forward loses to the other processes sharing the cores; the loopback line shows
+what the gRPC call alone adds. Run with nothing else busy; the server must be idle.
 """
 
 from __future__ import annotations
@@ -30,12 +32,22 @@ from protos import specserve_pb2_grpc as pb_grpc
 QUESTIONS = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "spec_bench" / "dev.jsonl"
 
 
+def actor_process(name: str) -> psutil.Process:
+    """The local Ray actor process `ray::<name>`."""
+    proc = next((p for p in psutil.process_iter(["cmdline"]) if name in " ".join(p.info["cmdline"] or [])), None)
+    if proc is None:
+        raise SystemExit(f"no ray::{name} process on this machine: start `specserve serve` first")
+    return proc
+
+
+def cpu_seconds(proc: psutil.Process) -> float:
+    times = proc.cpu_times()
+    return times.user + times.system
+
+
 def verifier_stub() -> tuple[psutil.Process, pb_grpc.VerifierStub]:
     """The local verifier actor's process and a stub on its gRPC port."""
-    proc = next((p for p in psutil.process_iter(["cmdline"]) if "VerifierActor" in " ".join(p.info["cmdline"] or [])),
-                None)
-    if proc is None:
-        raise SystemExit("no ray::VerifierActor process on this machine: start `specserve serve` first")
+    proc = actor_process("VerifierActor")
     for port in sorted({c.laddr.port for c in proc.net_connections() if c.status == psutil.CONN_LISTEN}):
         stub = pb_grpc.VerifierStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
         try:
@@ -49,48 +61,67 @@ def verifier_stub() -> tuple[psutil.Process, pb_grpc.VerifierStub]:
 def served(server: str, prompts: list[str], max_tokens: int) -> dict[str, float]:
     from specserve.client import Client
 
-    proc, stub = verifier_stub()
+    (proc, stub), router = verifier_stub(), actor_process("RouterActor")
     with Client(server, timeout=300) as client:
         client.generate(messages=[{"role": "user", "content": "warm up"}], max_tokens=8, drafter="none")
-        before, cpu0, started = stub.Stats(pb.VerifierStatsRequest()), proc.cpu_times(), time.monotonic()
+        before, started = stub.Stats(pb.VerifierStatsRequest()), time.monotonic()
+        cpu0, router0 = cpu_seconds(proc), cpu_seconds(router)
         passes = 0
         for prompt in prompts:
             out = client.generate(messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
                                   drafter="none")
             passes += out.usage.target_forward_passes
-        wall, after, cpu1 = time.monotonic() - started, stub.Stats(pb.VerifierStatsRequest()), proc.cpu_times()
+        wall, after = time.monotonic() - started, stub.Stats(pb.VerifierStatsRequest())
+        cpu1, router1 = cpu_seconds(proc), cpu_seconds(router)
     forwards = after.forward_passes - before.forward_passes  # prefills included, as in busy_seconds
     return {"wall_ms": 1000 * wall / passes,
             "busy_ms": 1000 * (after.busy_seconds - before.busy_seconds) / forwards,
-            "verifier_cpu_ms": 1000 * (sum(cpu1[:2]) - sum(cpu0[:2])) / forwards}
+            "verifier_cpu_ms": 1000 * (cpu1 - cpu0) / forwards, "router_cpu_ms": 1000 * (router1 - router0) / passes}
 
 
-def local(prompts: list[str], max_tokens: int, threads: int) -> dict[str, float]:
+def local(prompts: list[str], max_tokens: int, threads: int) -> tuple[dict[str, float], dict[str, float]]:
+    """The engine called directly, then by the coordinator over loopback gRPC."""
     from cluster.actors import load_on_one_thread
     from cluster.config import ServeConfig
+    from router.coordinator import Coordinator, Job, RoundStats
     from speculative.sampling import SamplingParams
     from speculative.tree import DraftTree
     from verifier_service.engine import VerifierEngine
+    from verifier_service.servicer import serve
 
     model, tokenizer = load_on_one_thread(ServeConfig())
     engine = VerifierEngine(model, threads=threads)
+    server, port = serve(engine)
+    coordinator = Coordinator(verifiers=lambda: [f"127.0.0.1:{port}"], drafters=lambda: [])
+    direct, looped = {"wall": 0.0, "busy": 0.0, "passes": 0}, {"wall": 0.0, "busy": 0.0, "call": 0.0, "passes": 0}
     try:
-        wall = busy = 0.0
-        forwards = 0
         for i, prompt in enumerate(prompts):
             ids = tokenizer.encode_chat([{"role": "user", "content": prompt}])
             before, started = engine.stats(), time.monotonic()
             engine.prefill(f"p{i}", ids, SamplingParams(max_tokens=max_tokens))
             for _ in range(max_tokens - 1):
                 engine.verify(f"p{i}", DraftTree())
-            wall += time.monotonic() - started
-            after = engine.stats()
-            busy += after["busy_seconds"] - before["busy_seconds"]
-            forwards += after["forward_passes"] - before["forward_passes"]
+            direct["wall"] += time.monotonic() - started
             engine.release(f"p{i}")
+            after = engine.stats()
+            direct["busy"] += after["busy_seconds"] - before["busy_seconds"]
+            direct["passes"] += after["forward_passes"] - before["forward_passes"]
+
+            job = Job(f"c{i}", ids, SamplingParams(max_tokens=max_tokens), (("none", 1.0),), 0, 0,
+                      model.config.vocab_size, tokenizer.eos_token_ids)
+            stats, before, started = RoundStats(), engine.stats(), time.monotonic()
+            for _ in coordinator.run(job, stats):
+                pass
+            looped["wall"] += time.monotonic() - started
+            looped["busy"] += engine.stats()["busy_seconds"] - before["busy_seconds"]
+            looped["call"] += stats.busy_seconds("verify", "prefill")
+            looped["passes"] += stats.target_forward_passes
     finally:
+        coordinator.channels.close()
+        server.stop(None)
         engine.close()
-    return {"wall_ms": 1000 * wall / forwards, "busy_ms": 1000 * busy / forwards}
+    return ({key: 1000 * value / direct["passes"] for key, value in direct.items() if key != "passes"},
+            {key: 1000 * value / looped["passes"] for key, value in looped.items() if key != "passes"})
 
 
 def main() -> None:
@@ -108,9 +139,11 @@ def main() -> None:
     for run in range(1, args.repeats + 1):
         s = served(args.server, prompts, args.max_tokens)
         print(f"run {run} served: wall {s['wall_ms']:.1f} ms a pass, verifier busy {s['busy_ms']:.1f} ms a forward, "
-              f"verifier CPU {s['verifier_cpu_ms']:.1f} ms a forward")
-        loc = local(prompts, args.max_tokens, args.threads)
-        print(f"run {run} local:  wall {loc['wall_ms']:.1f} ms a pass, engine busy {loc['busy_ms']:.1f} ms a forward")
+              f"verifier CPU {s['verifier_cpu_ms']:.1f} ms a forward, router CPU {s['router_cpu_ms']:.2f} ms a pass")
+        alone, looped = local(prompts, args.max_tokens, args.threads)
+        print(f"run {run} local:  wall {alone['wall']:.1f} ms a pass, engine busy {alone['busy']:.1f} ms a forward")
+        print(f"run {run} loopback: wall {looped['wall']:.1f} ms a pass, verify call {looped['call']:.1f} ms, "
+              f"engine busy {looped['busy']:.1f} ms a forward")
 
 
 if __name__ == "__main__":
