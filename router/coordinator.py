@@ -195,7 +195,8 @@ class Coordinator:
         # each drafter kind's confidence calibration (greedy fusion), learned from every request here
         self._calibrations: dict[str, Calibration] = {}
         self._calibrations_lock = threading.Lock()
-        # pipelined rounds send their verify calls from here while their own thread drafts ahead
+        # pipelined rounds send their verify calls from here while their own thread drafts ahead:
+        # one call in flight per request, and a router serves at most 32 requests at once
         self.calls = ThreadPoolExecutor(max_workers=64, thread_name_prefix="verify-call")
 
     def calibration(self, kind: str) -> Calibration:
