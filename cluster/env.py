@@ -1,0 +1,31 @@
+"""Environment variables that set how the core runs, read here at the edge: the functions
+of `speculative/` take their values as parameters.
+
+- SPECSERVE_PACKED_LINEAR: `0` keeps the linear layers unpacked on the CPU.
+- SPECSERVE_ONE_ROW_LINEAR: the path of one row through packed layers, `auto`
+  (the default: whichever this CPU runs faster), `blas` or `packed`.
+- SPECSERVE_CACHE_DIR: the cache of converted models and distillation data
+  (unset or empty: ~/.cache/specserve).
+"""
+
+from __future__ import annotations
+
+import os
+
+from speculative.cpu_tuning import ONE_ROW_PATHS, CpuTuning
+
+
+def cpu_tuning_from_env() -> CpuTuning:
+    """SPECSERVE_PACKED_LINEAR and SPECSERVE_ONE_ROW_LINEAR (see module doc); the second
+    is only read when packing is on."""
+    if os.environ.get("SPECSERVE_PACKED_LINEAR", "1") == "0":
+        return CpuTuning(packed_linear=False)
+    one_row = os.environ.get("SPECSERVE_ONE_ROW_LINEAR", "auto")
+    if one_row not in ONE_ROW_PATHS:
+        raise ValueError(f"SPECSERVE_ONE_ROW_LINEAR must be auto, blas or packed, got {one_row!r}")
+    return CpuTuning(one_row=one_row)
+
+
+def cache_dir_from_env() -> str | None:
+    """SPECSERVE_CACHE_DIR; None when unset or empty (`speculative.loading.cache_root`'s default)."""
+    return os.environ.get("SPECSERVE_CACHE_DIR") or None

@@ -1,0 +1,184 @@
+"""CPU speed tuning, applied to a plain model (`apply_cpu_tuning`).
+
+The model in `model.py` computes the same thing without it; this module only
+makes its passes cheaper on a CPU, and is installed onto a loaded model the way
+parallelism is applied to a plain one:
+
+- the linear layers are prepacked in oneDNN's blocked layout (`PackedLinear`):
+  CPU BLAS multiplies a few rows inefficiently, and a pass of several new tokens
+  (what verifying a draft is) costs much less prepacked. One row takes whichever
+  path this CPU runs faster, measured once per process (`_one_row_blas_wins`);
+- one row of 2-3 new tokens is padded to PAD_ROWS_TO tokens, which cost less;
+- each serving thread keeps its own torch thread count (`own_torch_threads`).
+
+What was measured to choose these is in docs/DESIGN-NOTES.md.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .model import Transformer
+
+# On the CPU a pass of one row and 2-3 new tokens runs padded to this many: BLAS takes a
+# slower path for 2-3 rows than for 4. Whoever sizes a KV cache leaves this many spare
+# slots after the tokens it needs, so that the padding fits.
+PAD_ROWS_TO = 4
+
+ONE_ROW_PATHS = ("auto", "blas", "packed")
+
+
+@dataclass(frozen=True)
+class CpuTuning:
+    """How `apply_cpu_tuning` tunes a model.
+
+    `packed_linear`: prepack the linear layers (float32 models only). `one_row`: the
+    path one row takes through them: `blas`, `packed`, or `auto`, whichever this CPU
+    runs faster (measured)."""
+
+    packed_linear: bool = True
+    one_row: str = "auto"
+
+    def __post_init__(self):
+        if self.one_row not in ONE_ROW_PATHS:
+            raise ValueError(f"one_row must be auto, blas or packed, got {self.one_row!r}")
+
+
+def apply_cpu_tuning(model: Transformer, tuning: CpuTuning = CpuTuning()) -> bool:
+    """Tune an inference-only model on the CPU: pad one-row passes of 2-3 tokens to
+    PAD_ROWS_TO, and prepack every linear layer of a float32 model (`PackedLinear`).
+    Returns whether the layers were packed: False, leaving them as they are, for another
+    device or dtype, a torch without oneDNN's packed linear, or `tuning.packed_linear`
+    off. The model remembers `tuning` (`tuning_of`). Not for training."""
+    model.cpu_tuning = tuning
+    if model.device.type == "cpu" and type(model) is Transformer:
+        model.__class__ = PaddedShortRows  # the same model, its forward wrapped
+    ops = torch.ops.mkldnn
+    usable = (tuning.packed_linear and model.device.type == "cpu" and model.dtype == torch.float32
+              and torch.backends.mkldnn.is_available()
+              and hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise"))
+    if not usable:
+        return False
+    for layer in model.layers:
+        layer.attn.qkv, layer.attn.o = PackedLinear(layer.attn.qkv), PackedLinear(layer.attn.o)
+        layer.mlp.gate_up, layer.mlp.down = PackedLinear(layer.mlp.gate_up), PackedLinear(layer.mlp.down)
+    model.lm_head = PackedLinear(model.lm_head)  # a packed copy: the embedding stays for lookups
+    packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    blas = _one_row_blas_wins(packed) if tuning.one_row == "auto" else tuning.one_row == "blas"
+    for m in packed:
+        m.one_row_blas = blas
+    return True
+
+
+def tuning_of(model: Transformer) -> CpuTuning:
+    """The tuning `model` was given (the default if none), for models that run beside it."""
+    return getattr(model, "cpu_tuning", None) or CpuTuning()
+
+
+class PackedLinear(nn.Module):
+    """`nn.Linear` for CPU float32 inference, its weight prepacked in oneDNN's blocked layout.
+
+    CPU BLAS multiplies a few rows inefficiently; prepacked, a pass of several new tokens
+    costs much less over one of a single token. For one row (plain decoding, a chain
+    drafter's step) the faster path depends on the CPU, so `apply_cpu_tuning` measures
+    which (`one_row_blas`). The results differ from `nn.Linear`'s by float32 rounding only."""
+
+    def __init__(self, linear: nn.Linear, rows: int = 16):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight.detach()
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, rows)
+        self.bias = None if linear.bias is None else linear.bias.detach()
+        self.one_row_blas = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.one_row_blas and x.numel() == self.in_features:
+            return F.linear(x, self.weight, self.bias)
+        return self._packed(x)
+
+    def _packed(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
+
+
+# (out, in, bias, torch threads) -> seconds of one row by (BLAS, packed), measured once a process
+_one_row_seconds: dict[tuple[int, int, bool, int], tuple[float, float]] = {}
+
+
+def _one_row_blas_wins(layers: Sequence[PackedLinear], repeats: int = 9) -> bool:
+    """Whether one row through all of `layers` costs less by BLAS than by oneDNN's packed
+    path on this CPU: each shape timed once (median of `repeats`), weighed by how many
+    layers have it. One path for every layer: switching between the two inside a
+    forward cost more than either (docs/DESIGN-NOTES.md)."""
+    totals = [0.0, 0.0]
+    for layer in layers:
+        key = (layer.out_features, layer.in_features, layer.bias is not None, torch.get_num_threads())
+        if key not in _one_row_seconds:
+            x = torch.randn(1, 1, layer.in_features)
+
+            def median_s(fn) -> float:
+                times = []
+                for _ in range(repeats + 2):  # the first two warm up
+                    start = time.perf_counter()
+                    fn(x)
+                    times.append(time.perf_counter() - start)
+                return statistics.median(times[2:])
+
+            with torch.inference_mode():
+                _one_row_seconds[key] = (median_s(lambda v: F.linear(v, layer.weight, layer.bias)),
+                                         median_s(layer._packed))
+        totals = [total + s for total, s in zip(totals, _one_row_seconds[key])]
+    return totals[0] < totals[1]
+
+
+class PaddedShortRows(Transformer):
+    """A `Transformer` whose passes of one row and 2-3 tokens on the CPU run padded to
+    PAD_ROWS_TO tokens; the padding leaves the cache and the logits afterwards.
+    `apply_cpu_tuning` makes a loaded model one (a class of its own rather than a wrapper
+    stored on the model, which would keep the model alive in a reference cycle)."""
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache, mask: torch.Tensor,
+                layers: Sequence[int] | None = None, logits_from: int = 0,
+                real: Sequence[int] | None = None) -> torch.Tensor:
+        b, t = tokens.shape
+        short = tokens.device.type == "cpu" and b == 1 and 1 < t < PAD_ROWS_TO
+        if not short or (real is not None and sum(real) != t):  # rows given packed: the model's own path
+            return super().forward(tokens, positions, cache, mask, layers, logits_from, real)
+        pad = PAD_ROWS_TO - t
+        tokens, positions, mask = _pad_rows(tokens, positions, mask, pad)
+        logits = super().forward(tokens, positions, cache, mask, layers, logits_from)
+        cache.lengths[0] -= pad
+        return logits[:, : t - logits_from] if real is None else logits[0, : t - logits_from][: real[0]]
+
+
+def _pad_rows(tokens, positions, mask, pad):
+    """Append `pad` dummy tokens that attend only to themselves."""
+    b, t = tokens.shape
+    tokens = torch.cat((tokens, tokens[:, -1:].expand(b, pad)), dim=1)
+    positions = torch.cat((positions, positions[:, -1:].expand(b, pad)), dim=1)
+    span = mask.shape[-1]
+    new = torch.zeros(b, t + pad, span + pad, dtype=torch.bool, device=mask.device)
+    new[:, :t, :span] = mask
+    new[:, t:, span:] = torch.eye(pad, dtype=torch.bool, device=mask.device)
+    return tokens, positions, new
+
+
+def own_torch_threads(n: int) -> None:
+    """Give the calling thread `n` torch (OpenMP) threads, whatever other threads set later.
+
+    A thread's count is its own once torch has initialised it (the first get call does),
+    and set_num_threads then changes it; threads torch meets later start from the last
+    count set anywhere. A serving process gives its one compute thread several and every
+    other thread one: libgomp keeps a team for each thread that ever ran a parallel region
+    wider than one, and once those teams hold more threads than there are cores it stops
+    spinning between regions, which made the verifier's linear layers several times slower
+    (docs/DESIGN-NOTES.md)."""
+    torch.get_num_threads()  # initialise this thread's count first, or torch overwrites ours at its first op
+    torch.set_num_threads(n)

@@ -1,0 +1,39 @@
+"""The environment variables read at the edge (cluster.env) keep their names, accepted
+values and errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from cluster.env import cache_dir_from_env, cpu_tuning_from_env
+from speculative.cpu_tuning import CpuTuning
+from speculative.loading import cache_root
+
+
+def test_cpu_tuning_from_env(monkeypatch):
+    monkeypatch.delenv("SPECSERVE_PACKED_LINEAR", raising=False)
+    monkeypatch.delenv("SPECSERVE_ONE_ROW_LINEAR", raising=False)
+    assert cpu_tuning_from_env() == CpuTuning(packed_linear=True, one_row="auto")
+    for choice in ("auto", "blas", "packed"):
+        monkeypatch.setenv("SPECSERVE_ONE_ROW_LINEAR", choice)
+        assert cpu_tuning_from_env() == CpuTuning(one_row=choice)
+    monkeypatch.setenv("SPECSERVE_ONE_ROW_LINEAR", "fast")
+    with pytest.raises(ValueError, match="SPECSERVE_ONE_ROW_LINEAR must be auto, blas or packed, got 'fast'"):
+        cpu_tuning_from_env()
+    monkeypatch.setenv("SPECSERVE_PACKED_LINEAR", "0")  # packing off: the one-row path is not read
+    assert cpu_tuning_from_env() == CpuTuning(packed_linear=False)
+    monkeypatch.setenv("SPECSERVE_PACKED_LINEAR", "1")
+    monkeypatch.setenv("SPECSERVE_ONE_ROW_LINEAR", "blas")
+    assert cpu_tuning_from_env() == CpuTuning(one_row="blas")
+
+
+def test_cache_dir_from_env(monkeypatch, tmp_path):
+    default = Path.home() / ".cache" / "specserve"
+    monkeypatch.delenv("SPECSERVE_CACHE_DIR", raising=False)
+    assert cache_root(cache_dir_from_env()) == default
+    monkeypatch.setenv("SPECSERVE_CACHE_DIR", "")
+    assert cache_root(cache_dir_from_env()) == default
+    monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path))
+    assert cache_root(cache_dir_from_env()) == tmp_path
