@@ -13,7 +13,7 @@ import uuid
 
 import ray
 
-from .config import ServeConfig
+from .config import RegistrySettings, ServeConfig
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ def connect_store(redis_url: str | None):
 class _Registration:
     """Keeps one service registered while its process lives."""
 
-    def __init__(self, store, kind: str, address: str, cfg: ServeConfig, meta: dict | None = None):
+    def __init__(self, store, kind: str, address: str, cfg: RegistrySettings, meta: dict | None = None):
         self.store, self.kind, self.address, self.cfg = store, kind, address, cfg
         self.service_id = f"{kind}-{uuid.uuid4().hex[:8]}"
         self.meta = {"node": ray.get_runtime_context().get_node_id(), "pid": os.getpid(), **(meta or {})}
@@ -88,13 +88,15 @@ def load_on_one_thread(cfg: ServeConfig):
     once its teams hold more threads than there are cores it stops spinning between
     regions: had this (the actor's) thread run one with several threads, every op of the
     thread that serves would pay a wake-up (linear layers 2-3x slower, docs/DESIGN-NOTES.md).
-    So only the threads that serve go wider (`speculative.model.own_torch_threads`)."""
+    So only the threads that serve go wider (`speculative.cpu_tuning.own_torch_threads`)."""
     import torch
 
+    from cluster.env import cache_dir_from_env, cpu_tuning_from_env
     from speculative import loading
 
     torch.set_num_threads(1)
-    return loading.load(cfg.model, cfg.device, cfg.dtype)
+    return loading.load(cfg.model, cfg.device, cfg.dtype, cache_dir=cache_dir_from_env(),
+                        cpu_tuning=cpu_tuning_from_env())
 
 
 class _ServiceActor:
@@ -131,11 +133,13 @@ class VerifierActor(_ServiceActor):
         cfg = ServeConfig.model_validate(cfg_dict)
         model, _ = load_on_one_thread(cfg)
         store = connect_store(redis_url)
-        self.engine = VerifierEngine(model, max_batch=cfg.max_batch, max_len=cfg.max_len,
-                                     max_batch_tokens=cfg.max_batch_tokens, checkpoints=store,
-                                     threads=cfg.verifier_threads or cpu_cores())
+        v = cfg.verifiers
+        self.engine = VerifierEngine(model, max_batch=v.max_batch, max_len=v.max_len,
+                                     max_batch_tokens=v.max_batch_tokens, checkpoints=store,
+                                     threads=v.threads or cpu_cores())
         self.server, port = serve(self.engine, host="0.0.0.0", port=0)
-        self.registration = _Registration(store, self.kind, f"{ray.util.get_node_ip_address()}:{port}", cfg)
+        self.registration = _Registration(store, self.kind, f"{ray.util.get_node_ip_address()}:{port}",
+                                          cfg.registry)
 
     def stats(self) -> dict:
         return self.engine.stats()
@@ -152,10 +156,11 @@ class DrafterPoolActor(_ServiceActor):
         cfg = ServeConfig.model_validate(cfg_dict)
         model, _ = load_on_one_thread(cfg)
         store = connect_store(redis_url)
-        self.pool = DrafterPool(model, kinds=tuple(cfg.drafter_kinds))
-        self.server, port = serve(self.pool, host="0.0.0.0", port=0, threads=cfg.drafter_threads or 1)
-        self.registration = _Registration(store, self.kind, f"{ray.util.get_node_ip_address()}:{port}", cfg,
-                                          meta={"kinds": cfg.drafter_kinds})
+        pools = cfg.drafter_pools
+        self.pool = DrafterPool(model, kinds=tuple(pools.kinds))
+        self.server, port = serve(self.pool, host="0.0.0.0", port=0, threads=pools.threads)
+        self.registration = _Registration(store, self.kind, f"{ray.util.get_node_ip_address()}:{port}",
+                                          cfg.registry, meta={"kinds": pools.kinds})
 
 
 @ray.remote(num_cpus=0, max_restarts=-1)
@@ -165,50 +170,46 @@ class RouterActor(_ServiceActor):
     def __init__(self, cfg_dict: dict, redis_url: str | None):
         import torch
 
-        from drafter_service.registry import drafter_domains
+        from cluster.env import cache_dir_from_env
         from router.adaptive import PassCostModel
         from router.coordinator import Coordinator
         from router.expertise import ExpertiseRouter
         from router.metrics import RouterMetrics
         from router.servicer import RouterConfig, RouterServicer, serve
         from speculative import loading
+        from speculative.drafter_kinds import drafter_domains
 
         # the router's tensor work (trees, fusion) is small and spread over many threads:
         # one torch thread each keeps libgomp from throttling them (load_on_one_thread)
         torch.set_num_threads(1)
         cfg = ServeConfig.model_validate(cfg_dict)
-        tokenizer, model_cfg = loading.load_tokenizer(cfg.model)
+        tokenizer, model_cfg = loading.load_tokenizer(cfg.model, cache_dir=cache_dir_from_env())
         store = connect_store(redis_url)
 
         def live(kind):
             return lambda: [s.address for s in store.list_services(kind)]
 
         # verify costs, learned from the verifiers' pass timings with the settings as priors
-        pass_costs = (PassCostModel(cfg.verify_row_cost, cfg.verify_token_cost, cfg.verify_pad_cost)
-                      if cfg.learn_verify_costs else None)
+        settings = cfg.router
+        pass_costs = (PassCostModel(settings.verify_row_cost, settings.verify_token_cost, settings.verify_pad_cost)
+                      if settings.learn_verify_costs else None)
         coordinator = Coordinator(verifiers=live("verifier"), drafters=live("drafter"), pass_costs=pass_costs)
         # a request, and the largest tree a round can send, must fit the verifier's KV slots
         # as well as the model's context
-        largest_tree = max(cfg.draft_length, cfg.tree_budget)
-        context = min(model_cfg.max_position_embeddings, cfg.max_len - largest_tree - 4)
-        config = RouterConfig(context_length=context,
-                              eos_token_ids=tokenizer.eos_token_ids or model_cfg.eos_token_ids,
-                              vocab_size=model_cfg.vocab_size,
-                              default_drafter=cfg.default_drafter, routed_drafters=tuple(cfg.drafter_kinds),
-                              fused_drafters=cfg.fused_drafters, draft_length=cfg.draft_length,
-                              tree_budget=cfg.tree_budget, max_prompt_tokens=cfg.max_prompt_tokens,
-                              pipelined=cfg.pipelined, adaptive=cfg.adaptive, stop_confidence=cfg.stop_confidence,
-                              verify_row_cost=cfg.verify_row_cost, verify_token_cost=cfg.verify_token_cost,
-                              verify_pad_cost=cfg.verify_pad_cost)
+        largest_tree = max(settings.draft_length, settings.tree_budget)
+        context = min(model_cfg.max_position_embeddings, cfg.verifiers.max_len - largest_tree - 4)
+        config = RouterConfig.of(settings, context_length=context,
+                                 eos_token_ids=tokenizer.eos_token_ids or model_cfg.eos_token_ids,
+                                 vocab_size=model_cfg.vocab_size, routed_drafters=tuple(cfg.drafter_pools.kinds))
         # expertise statistics live in the shared store: every router replica learns from all traffic
         # a drafter trained for a domain is tried first there before there is any evidence
-        specialties = {kind: drafter_domains(kind) for kind in cfg.drafter_kinds}
-        self.expertise = ExpertiseRouter(store, refresh_s=cfg.routing_refresh_s, specialties=specialties)
+        specialties = {kind: drafter_domains(kind) for kind in cfg.drafter_pools.kinds}
+        self.expertise = ExpertiseRouter(store, refresh_s=settings.routing_refresh_s, specialties=specialties)
         metrics = RouterMetrics()
         if cfg.metrics_port is not None:
             metrics.serve(cfg.metrics_port, cfg.host)
         servicer = RouterServicer(tokenizer, coordinator, config, self.expertise, metrics)
         self.server, port = serve(servicer, host=cfg.host, port=cfg.port)
-        self.close_hooks = [self.expertise.close]
+        self.close_hooks = [servicer.close]  # every namespace's routing outcomes
         host = ray.util.get_node_ip_address() if cfg.host in ("0.0.0.0", "::") else cfg.host
-        self.registration = _Registration(store, self.kind, f"{host}:{port}", cfg)
+        self.registration = _Registration(store, self.kind, f"{host}:{port}", cfg.registry)

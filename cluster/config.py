@@ -1,66 +1,50 @@
-"""Configuration of `specserve serve`, from a TOML file (every key optional)."""
+"""Configuration of `specserve serve`, from a TOML file (every key optional).
+
+One tree: the top level names the model and the router's address, and each
+part of the deployment has its section, a model handed as it is to what it
+configures (`[router]`: router.settings.RouterSettings, `[verifiers]`,
+`[drafter_pools]`, `[registry]`), so each default is written once, there.
+Loads no torch: names are checked by speculative.drafter_kinds.
+"""
 
 from __future__ import annotations
 
 import tomllib
 from pathlib import Path
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from drafter_service.registry import DRAFTER_NAMES, is_drafter
+from router.settings import RouterSettings
+from speculative.drafter_kinds import DRAFTER_NAMES, is_drafter
 
 
-class ServeConfig(BaseModel):
+class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid")  # a typo in the file is an error, not a silent default
 
-    model: str | None = Field(None, description="HF directory or .gguf; default SmolLM2-135M-Instruct")
-    device: str = "cpu"
-    dtype: str = "float32"
-    host: str = Field("127.0.0.1", description="address the router listens on")
-    port: int = Field(50051, ge=0, le=65535, description="router port (0 = any free port)")
-    verifiers: int = Field(1, ge=1)
-    drafter_pools: int = Field(1, ge=0)
-    drafter_kinds: list[str] = Field(
-        ["pld", "suffix", "recycle", "small-general", "small-math", "small-extraction", "small-language"],
-        description="drafters the pools host; with default_drafter 'auto' the router picks among them")
-    default_drafter: str = Field("auto", description="drafter of requests that name none; 'auto' = expertise routing")
-    routing_refresh_s: float = Field(5.0, ge=0, description="how often a router syncs drafter statistics")
-    fused_drafters: int = Field(1, ge=1, le=8, description="drafters per routed request, their trees fused into "
-                                                           "one (1 = a single drafter, no fusion)")
-    draft_length: int = Field(5, ge=0, le=64, description="most tokens each drafter drafts per round")
-    tree_budget: int = Field(8, ge=1, le=128, description="most nodes of a round's draft tree, fused or one "
-                                                          "drafter's (greedy model drafters branch to fill it)")
-    pipelined: bool = Field(False, description="draft each next round while the verifier checks this one "
-                                               "(PEARL post-verify); a request may override it")
-    adaptive: bool = Field(True, description="draft length per request (its acceptance) and per verifier "
-                                             "load (goodput); off: always draft_length")
-    stop_confidence: float = Field(0.3, ge=0, le=1, description="a model drafter ends its draft after a token "
-                                                                "it drafted with less confidence (SpecDec++)")
-    verify_row_cost: float = Field(0.06, gt=0, description="one more request's row (one token) in a verification "
-                                                           "pass as a share of a one-row, one-token pass: the "
-                                                           "goodput model's cost of batching")
-    verify_token_cost: float = Field(0.06, gt=0, description="one more verified token in a row as a share of a "
-                                                             "one-token target pass: the goodput model's cost "
-                                                             "of a draft")
-    verify_pad_cost: float = Field(0.01, ge=0, description="attention over one more padded slot of one row of a "
-                                                           "verification pass, as a share of a one-token pass")
-    learn_verify_costs: bool = Field(True, description="learn the three verify costs from the verifiers' pass "
-                                                      "timings, starting from the settings above; off: the "
-                                                      "settings as they are")
-    metrics_port: int | None = Field(None, ge=0, le=65535, description="serve Prometheus /metrics of the router "
-                                                                       "on this port")
+
+class VerifierSettings(_Section):
+    """`[verifiers]`: the verifier actors, each holding the target and its KV cache."""
+
+    count: int = Field(1, ge=1, description="verifier actors")
     max_batch: int = Field(8, ge=1, description="requests one verifier holds and batches")
     max_len: int = Field(4096, ge=16, description="KV slots per request in a verifier")
-    max_batch_tokens: int = Field(256, ge=1)
-    max_prompt_tokens: int = Field(4096, ge=1)
-    heartbeat_s: float = Field(1.0, gt=0)
-    service_ttl_s: float = Field(5.0, gt=0)
-    verifier_threads: int | None = Field(None, ge=1, description="torch threads per verifier (default: all cores)")
-    drafter_threads: int | None = Field(1, ge=1)
-    verifier_resources: dict[str, float] = {"verifier": 1}
-    drafter_resources: dict[str, float] = {"drafter": 1}
+    max_batch_tokens: int = Field(256, ge=1, description="most tokens in one batched verification")
+    threads: int | None = Field(None, ge=1, description="torch threads of a verifier's engine (default: all cores)")
+    resources: dict[str, float] = Field({"verifier": 1}, description="Ray resources each verifier needs")
 
-    @field_validator("drafter_kinds")
+
+class DrafterPoolSettings(_Section):
+    """`[drafter_pools]`: the drafter pool actors and the drafters each hosts."""
+
+    count: int = Field(1, ge=0, description="drafter pool actors")
+    kinds: list[str] = Field(
+        ["pld", "suffix", "recycle", "small-general", "small-math", "small-extraction", "small-language"],
+        description="drafters the pools host; with default_drafter 'auto' the router picks among them")
+    threads: int = Field(1, ge=1, description="torch threads of each pool server thread")
+    resources: dict[str, float] = Field({"drafter": 1}, description="Ray resources each pool needs")
+
+    @field_validator("kinds")
     @classmethod
     def _known_kinds(cls, kinds: list[str]) -> list[str]:
         unknown = [k for k in kinds if k == "none" or not is_drafter(k)]
@@ -68,22 +52,52 @@ class ServeConfig(BaseModel):
             raise ValueError(f"unknown drafter kinds {unknown}; choose from {list(DRAFTER_NAMES[1:])}")
         return kinds
 
-    @field_validator("default_drafter")
-    @classmethod
-    def _known_default(cls, name: str) -> str:
-        if name != "auto" and not is_drafter(name):
-            raise ValueError(f"unknown drafter {name!r}")
-        return name
 
-    @field_validator("max_batch_tokens")
+class RegistrySettings(_Section):
+    """`[registry]`: how each service keeps its address in the state store."""
+
+    heartbeat_s: float = Field(1.0, gt=0, description="how often a service renews its registration")
+    service_ttl_s: float = Field(5.0, gt=0, description="a registration not renewed for this long lapses")
+
+
+class ServeConfig(_Section):
+    """The whole tree: what every actor loads, the router's address, the sections."""
+
+    model: str | None = Field(None, description="HF directory or .gguf; default SmolLM2-135M-Instruct")
+    device: str = "cpu"
+    dtype: str = "float32"
+    host: str = Field("127.0.0.1", description="address the router listens on")
+    port: int = Field(50051, ge=0, le=65535, description="router port (0 = any free port)")
+    metrics_port: int | None = Field(None, ge=0, le=65535, description="serve Prometheus /metrics of the router "
+                                                                       "on this port")
+    router: RouterSettings = Field(default_factory=RouterSettings)
+    verifiers: VerifierSettings = Field(default_factory=VerifierSettings)
+    drafter_pools: DrafterPoolSettings = Field(default_factory=DrafterPoolSettings)
+    registry: RegistrySettings = Field(default_factory=RegistrySettings)
+
+    @model_validator(mode="before")
     @classmethod
-    def _fused_tree_fits(cls, tokens: int, info: ValidationInfo) -> int:
-        # a tree and its root go through the verifier in one batch of at most max_batch_tokens
-        # (draft_length and tree_budget come earlier, so they are validated by now)
-        largest = max(info.data.get("tree_budget", 0), info.data.get("draft_length", 0))
-        if largest >= tokens:
-            raise ValueError(f"must be more than tree_budget and draft_length ({largest})")
-        return tokens
+    def _sections_named(cls, data: Any) -> Any:
+        # a section's key written at the top level: name its section rather than call it unknown
+        if isinstance(data, dict):
+            for key in data:
+                for name, field in cls.model_fields.items():
+                    section = field.annotation
+                    if isinstance(section, type) and issubclass(section, BaseModel) and key in section.model_fields:
+                        raise ValueError(f"{key!r} belongs in the [{name}] section")
+        return data
+
+    @field_validator("verifiers")
+    @classmethod
+    def _tree_fits_a_batch(cls, verifiers: VerifierSettings, info: ValidationInfo) -> VerifierSettings:
+        # a tree and its root go through a verifier in one batch of at most max_batch_tokens
+        # (router comes earlier, so it is validated by now; absent if it failed)
+        router = info.data.get("router")
+        largest = max(router.tree_budget, router.draft_length) if router else 0
+        if largest >= verifiers.max_batch_tokens:
+            raise ValueError(f"max_batch_tokens must be more than the router's tree_budget and draft_length "
+                             f"({largest})")
+        return verifiers
 
 
 def load_config(path: str | Path | None) -> ServeConfig:

@@ -39,10 +39,9 @@ def init_ray(cfg: ServeConfig) -> None:
         ray.init(namespace=NAMESPACE, log_to_driver=False)
         return
     resources: dict[str, float] = {}
-    for name, amount in cfg.verifier_resources.items():
-        resources[name] = resources.get(name, 0) + amount * cfg.verifiers
-    for name, amount in cfg.drafter_resources.items():
-        resources[name] = resources.get(name, 0) + amount * cfg.drafter_pools
+    for part in (cfg.verifiers, cfg.drafter_pools):
+        for name, amount in part.resources.items():
+            resources[name] = resources.get(name, 0) + amount * part.count
     ray.init(namespace=NAMESPACE, resources=resources, include_dashboard=False, log_to_driver=False)
 
 
@@ -53,10 +52,10 @@ def deploy(cfg: ServeConfig, redis_url: str | None = None) -> Deployment:
     if not redis_url:
         state = StateStoreActor.options(name=STATE_ACTOR, namespace=NAMESPACE, get_if_exists=True).remote()
     spec = cfg.model_dump()
-    verifiers = [VerifierActor.options(resources=cfg.verifier_resources).remote(spec, redis_url)
-                 for _ in range(cfg.verifiers)]
-    drafters = [DrafterPoolActor.options(resources=cfg.drafter_resources).remote(spec, redis_url)
-                for _ in range(cfg.drafter_pools)]
+    verifiers = [VerifierActor.options(resources=cfg.verifiers.resources).remote(spec, redis_url)
+                 for _ in range(cfg.verifiers.count)]
+    drafters = [DrafterPoolActor.options(resources=cfg.drafter_pools.resources).remote(spec, redis_url)
+                for _ in range(cfg.drafter_pools.count)]
     router = RouterActor.remote(spec, redis_url)
     # constructors run on the actors; an address call returns once each is serving
     ray.get([a.address.remote() for a in verifiers + drafters])
@@ -75,7 +74,7 @@ def shutdown(dep: Deployment) -> None:
 def run(cfg: ServeConfig) -> int:
     """Serve until interrupted (SIGINT or SIGTERM)."""
     init_ray(cfg)
-    print(f"specserve: starting {cfg.verifiers} verifier(s) and {cfg.drafter_pools} drafter pool(s)...",
+    print(f"specserve: starting {cfg.verifiers.count} verifier(s) and {cfg.drafter_pools.count} drafter pool(s)...",
           flush=True)
     dep = deploy(cfg)
     print(f"specserve: serving on {dep.address} (gRPC, specserve.v1.Specserve)", flush=True)

@@ -55,10 +55,6 @@ def save_drafter(model: Transformer, vocab_ids: list[int] | None, out: Path, inf
     (out / "drafter.json").write_text(json.dumps({"format": FORMAT, "vocab_ids": vocab_ids, **info}, indent=1))
 
 
-def is_drafter_dir(path: str | Path) -> bool:
-    return (Path(path) / "drafter.json").is_file()
-
-
 def load_drafter(path: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32
                  ) -> tuple[Transformer, list[int] | None, dict[str, Any]]:
     """(model, vocab map or None, drafter.json) of a drafter directory."""

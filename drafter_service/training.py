@@ -37,9 +37,10 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from router.domains import DOMAINS
 from speculative import loading
 from speculative.config import ModelConfig
+from speculative.cpu_tuning import CpuTuning
+from speculative.domains import DOMAINS
 from speculative.model import Transformer
 
 from .checkpoint import load_drafter, save_drafter
@@ -84,16 +85,16 @@ class TrainConfig:
 
 # ---- data -------------------------------------------------------------------
 
-def prepare_data(cfg: TrainConfig, target: Transformer, tokenizer, log) -> list[dict]:
+def prepare_data(cfg: TrainConfig, target: Transformer, tokenizer, log, cache_dir: str | None = None) -> list[dict]:
     """Sequences with teacher targets. Each is cached on its own under the
-    specserve cache (keyed by target, tokens and settings), so drafters trained
+    specserve cache (`cache_dir`, keyed by target, tokens and settings), so drafters trained
     on overlapping corpora, and reruns, compute the target's work once."""
     prompts, texts = read_corpus(corpus_files(cfg.corpus), tokenizer, cfg.window)
     skipped = [p for p in prompts if not 2 <= len(p) <= cfg.max_prompt_tokens]
     prompts = [p for p in prompts if 2 <= len(p) <= cfg.max_prompt_tokens]
     log(f"data: {len(prompts)} prompts ({len(skipped)} longer than --max-prompt-tokens skipped), "
         f"{len(texts)} text windows")
-    store = loading.cache_dir() / "distill" / _target_key(cfg.target)
+    store = loading.cache_root(cache_dir) / "distill" / _target_key(cfg.target)
     store.mkdir(parents=True, exist_ok=True)
 
     def key(kind: str, tokens: list[int]) -> Path:
@@ -252,13 +253,15 @@ def evaluate(model: Transformer, batches: list[Batch]) -> float:
 
 # ---- the command -------------------------------------------------------------
 
-def train(cfg: TrainConfig, log=print) -> Path:
+def train(cfg: TrainConfig, log=print, *, cache_dir: str | None = None, cpu_tuning: CpuTuning = CpuTuning()) -> Path:
+    """Train the drafter `cfg` asks for; the target is loaded tuned by `cpu_tuning`, and
+    converted models and the target's answers are cached under `cache_dir` (`loading.cache_root`)."""
     cfg.validate()
     out = Path(cfg.out)
     work = out / "work"
     work.mkdir(parents=True, exist_ok=True)
-    target, tokenizer = loading.load(cfg.target)
-    items = prepare_data(cfg, target, tokenizer, log)
+    target, tokenizer = loading.load(cfg.target, cache_dir=cache_dir, cpu_tuning=cpu_tuning)
+    items = prepare_data(cfg, target, tokenizer, log, cache_dir)
     if not items:
         raise ValueError("--corpus: no training text found")
     eval_items = [it for it in items if _held_out(it, cfg.eval_fraction)]

@@ -56,6 +56,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .settings import RouterSettings
+
+# the verify costs' defaults are the settings' (one place); a control is given the configured ones
+_SETTINGS = RouterSettings()
+
 
 def expected_tokens(acceptance: float, k: int) -> float:
     """Tokens a pass gains with a k-token chain whose tokens are each accepted with `acceptance`."""
@@ -69,9 +74,10 @@ class SpeculationControl:
     max_length: int
     prior: float = 0.5  # acceptance rate before any round (the drafter's reliability)
     pipelined: bool = False  # drafting overlaps verification: it costs round time only when not reused
-    verify_row_cost: float = 0.06  # one more request's row (one token) in the pass, as a fraction of a one-row pass
-    verify_token_cost: float = 0.06  # one more scored token in a row, likewise
-    verify_pad_cost: float = 0.01  # attention of one more padded slot in one row, likewise
+    # one more request's row (one token) in the pass, as a fraction of a one-row pass
+    verify_row_cost: float = _SETTINGS.verify_row_cost
+    verify_token_cost: float = _SETTINGS.verify_token_cost  # one more scored token in a row, likewise
+    verify_pad_cost: float = _SETTINGS.verify_pad_cost  # attention of one more padded slot in one row, likewise
     draft_token_cost: float = 0.0  # one draft token, as a fraction of a pass (measured: `observe`)
     draft_round_cost: float = 0.0  # asking the drafters at all, likewise (measured: `observe_round`)
     width: float = 1.0  # nodes the drafter's trees hold per level of depth (learned: `observe_tree`)
@@ -175,7 +181,8 @@ class PassCostModel:
 
     FEATURES = 4  # intercept, extra rows, extra tokens, padded slots
 
-    def __init__(self, row_cost: float = 0.06, token_cost: float = 0.06, pad_cost: float = 0.01,
+    def __init__(self, row_cost: float = _SETTINGS.verify_row_cost, token_cost: float = _SETTINGS.verify_token_cost,
+                 pad_cost: float = _SETTINGS.verify_pad_cost,
                  window: float = 1000.0, prior_weight: float = 10.0, min_passes: int = 20):
         if window < 1 or prior_weight <= 0 or min_passes < 1:
             raise ValueError("window must be at least 1, prior_weight positive, min_passes at least 1")

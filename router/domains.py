@@ -13,8 +13,8 @@ import json
 from collections import Counter
 from pathlib import Path
 
-DOMAINS = ("translation", "summarization", "qa", "math_reasoning", "rag", "writing", "roleplay",
-           "reasoning", "math", "coding", "extraction", "stem", "humanities")
+from speculative.domains import DOMAINS  # noqa: F401  (re-exported: the router's modules take it from here)
+
 MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 BENCH_GROUPS = ("translation", "summarization", "qa", "math_reasoning", "rag", "mt_bench")
 BENCH_PROMPTS_PER_GROUP = 10

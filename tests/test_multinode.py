@@ -17,8 +17,8 @@ from protos import specserve_pb2 as pb
 from protos import specserve_pb2_grpc as pb_grpc
 from speculative.sampling import SamplingParams
 
-CONFIG = ServeConfig(port=0, verifiers=1, drafter_pools=2, drafter_kinds=["pld"], max_len=1024,
-                     heartbeat_s=0.5, service_ttl_s=3.0, verifier_threads=1)
+CONFIG = ServeConfig(port=0, verifiers=dict(count=1, max_len=1024, threads=1),
+                     drafter_pools=dict(count=2, kinds=["pld"]), registry=dict(heartbeat_s=0.5, service_ttl_s=3.0))
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +46,8 @@ def test_actors_placed_by_resources_and_outputs_match(three_nodes, smollm2):
         with grpc.insecure_channel(dep.address) as channel:
             stub = pb_grpc.SpecserveStub(channel)
             for _, prompt in dev_prompts(3):
-                want = engine.run(Request(prompt, True, SamplingParams(max_tokens=16), "pld", CONFIG.draft_length))
+                want = engine.run(Request(prompt, True, SamplingParams(max_tokens=16), "pld",
+                                          CONFIG.router.draft_length))
                 got = stub.Generate(pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content=prompt)],
                                                        sampling=pb.SamplingParams(max_tokens=16)), timeout=120)
                 assert list(got.token_ids) == want.token_ids

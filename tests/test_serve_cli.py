@@ -23,7 +23,7 @@ def free_port() -> int:
 def test_serve_answers_and_stops_on_sigterm(tmp_path):
     port = free_port()
     config = tmp_path / "serve.toml"
-    config.write_text('drafter_kinds = ["pld"]\nmax_len = 1024\nverifier_threads = 1\n')
+    config.write_text('[drafter_pools]\nkinds = ["pld"]\n[verifiers]\nmax_len = 1024\nthreads = 1\n')
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "SPECSERVE_REDIS_URL")}
     proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", "--config", str(config),
                              "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
