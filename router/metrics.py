@@ -10,12 +10,11 @@ the gauges give them since the router started.
 from __future__ import annotations
 
 import threading
-import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
 from .adaptive import PassCostModel
-from .coordinator import RoundStats
+from .stats import RoundStats
 
 
 class RouterMetrics:
@@ -49,8 +48,7 @@ class RouterMetrics:
               registry=self.registry).set_function(lambda: model.passes)
 
     def observe(self, stats: RoundStats, drafter: str, tokens: int) -> None:
-        wall = max((stats.finished or time.monotonic()) - stats.started, 0.0)  # a stop string ends it early
-        busy = {"drafter": stats.busy_seconds("draft", "ahead"), "verifier": stats.busy_seconds("verify", "prefill")}
+        wall, busy = stats.wall_seconds(), stats.busy_by_side()  # a stop string ends a request early
         self.requests.labels(drafter).inc()
         self.tokens.inc(tokens)
         self.passes.inc(stats.target_forward_passes)

@@ -83,7 +83,8 @@ def local(prompts: list[str], max_tokens: int, threads: int) -> tuple[dict[str, 
     """The engine called directly, then by the coordinator over loopback gRPC."""
     from cluster.actors import load_on_one_thread
     from cluster.config import ServeConfig
-    from router.coordinator import Coordinator, Job, RoundStats
+    from router.coordinator import Coordinator, Job
+    from router.stats import RoundStats
     from speculative.sampling import SamplingParams
     from speculative.tree import DraftTree
     from verifier_service.engine import VerifierEngine

@@ -5,6 +5,9 @@ with a draft tree in one forward pass; verification keeps the longest valid
 path plus one token of the target's own, the KV cache keeps exactly the
 accepted entries, and the loop goes on. With no drafter it is plain
 autoregressive decoding through the same code.
+
+`speculative_round` is one round and `generate` the loop around it: prefill,
+then rounds until `speculative.stopping.clip` ends the output.
 """
 
 from __future__ import annotations
@@ -15,11 +18,12 @@ from typing import Callable, Protocol, Sequence
 
 import torch
 
-from .model import Transformer, attention_mask, causal_ancestors
-from .sampling import InvalidArgument, SamplingParams, make_generator, probabilities, sample
+from .model import KVCache, Transformer, attention_mask, causal_ancestors
+from .sampling import InvalidArgument, SamplingParams, first_token, make_generator
 from .batching import VerifyItem, verify_batch
 from .pipeline import likeliest_path, reuse_ahead
 from .recycling import PROMPT_SEED, top_candidates
+from .stopping import clip
 from .tree import DraftTree, nodes_for_depth
 
 
@@ -70,6 +74,86 @@ class GenerationResult:
     def acceptance_rate(self) -> float:
         return self.accepted_draft_tokens / self.draft_tokens if self.draft_tokens else 0.0
 
+    def record(self, done: Round) -> None:
+        """Count a round in (its tokens are appended apart, once clipped)."""
+        self.target_forward_passes += 1
+        self.draft_tokens += done.drafted
+        self.accepted_draft_tokens += done.accepted
+        self.accepted_per_round.append(done.accepted)
+        self.reused_drafts += done.ready is not None and len(done.ready) > 0
+
+
+@dataclass
+class Speculation:
+    """What every round of one request uses: the target and the request's cache, the
+    drafter (None: plain decoding), the verifier's and the drafter's random streams, and
+    how far a round may draft."""
+    target: Transformer
+    cache: KVCache
+    params: SamplingParams
+    verifier_rng: torch.Generator  # stream 0
+    drafter: Drafter | None = None
+    drafter_rng: torch.Generator | None = None  # stream 1
+    draft_length: int = 0  # the deepest a draft goes
+    tree_budget: int = 0  # the most nodes of a round's tree at full draft length
+    pipelined: bool = False  # draft each next round before this one's verdict
+    # the target's scores at the positions it scored, for a drafter that learns from them
+    on_scores: Callable[[Sequence[int], torch.Tensor], None] | None = None
+
+
+@dataclass
+class Round:
+    """What one round did."""
+    tokens: list[int]  # the accepted draft tokens, then the target's bonus token
+    drafted: int  # nodes of the tree verified
+    accepted: int  # draft tokens accepted
+    ready: DraftTree | None = None  # the next round's tree: drafted ahead and kept by the verdict
+
+
+def prefill(spec: Speculation, prompt_ids: Sequence[int]) -> int:
+    """Put the prompt in the cache; returns the target's first token. A drafter that learns
+    from the target's scores also gets its predictions after the prompt's last tokens."""
+    observe = getattr(spec.drafter, "observe", None)
+    device, n = spec.target.device, len(prompt_ids)
+    seed = min(n, PROMPT_SEED) if observe is not None else 1
+    logits = spec.target(torch.tensor([list(prompt_ids)], device=device), torch.arange(n, device=device)[None],
+                         spec.cache, attention_mask(0, causal_ancestors(n, device)), logits_from=n - seed)
+    if observe is not None:
+        observe(list(prompt_ids[n - seed:]), *top_candidates(logits[0]))
+    return first_token(logits[0, -1], spec.params, spec.verifier_rng)
+
+
+def speculative_round(spec: Speculation, context: list[int], left: int, ready: DraftTree | None = None) -> Round:
+    """One round after `context` (every verified token; the last one is not in the cache
+    yet) with `left` tokens still to generate: draft, or take `ready` (the tree drafted
+    ahead last round); when pipelined, draft the next round ahead of the verdict; verify;
+    keep the ahead draft if the verdict allows (`speculative.pipeline`)."""
+    budget = min(spec.draft_length, left - 1)  # the bonus token always comes
+    tree, ahead, guess = DraftTree(), None, []
+    if spec.drafter is not None and budget > 0:
+        nodes = nodes_for_depth(budget, spec.draft_length, spec.tree_budget)
+        tree = ready if ready else spec.drafter.propose(context, budget, spec.params, spec.drafter_rng,
+                                                        max_nodes=nodes)
+        tree = tree.truncated(nodes)
+        if spec.pipelined:
+            guess = [tree.tokens[node] for node in likeliest_path(tree)]
+            ahead = _draft_ahead(spec, context, guess, left)
+    [(path, bonus)] = verify_batch(spec.target, spec.cache, [VerifyItem(0, context[-1], tree, spec.params,
+                                                                        spec.verifier_rng, on_scores=spec.on_scores)])
+    accepted = [tree.tokens[node] for node in path]
+    kept = reuse_ahead(ahead, guess, accepted, bonus) if ahead is not None else None
+    return Round(accepted + [bonus], len(tree), len(path), kept)
+
+
+def _draft_ahead(spec: Speculation, context: list[int], guess: list[int], left: int) -> DraftTree | None:
+    """The next round's draft past the unverified `guess`, made before the verdict; None
+    when no room is left past a whole accepted guess and its bonus token."""
+    room = min(spec.draft_length, left - len(guess) - 2)
+    if room <= 0:
+        return None
+    return spec.drafter.propose(context + guess, room, spec.params, spec.drafter_rng, verified=len(context),
+                                max_nodes=nodes_for_depth(room, spec.draft_length, spec.tree_budget))
+
 
 def generate(target: Transformer, prompt_ids: Sequence[int], params: SamplingParams,
              drafter: Drafter | None = None, draft_length: int = 5, eos_token_ids: Sequence[int] = (),
@@ -94,71 +178,32 @@ def generate(target: Transformer, prompt_ids: Sequence[int], params: SamplingPar
         raise InvalidArgument("tree_budget", f"must be >= 0, got {tree_budget}")
     params.validate(len(prompt_ids), target.config.max_position_embeddings)
     started = time.perf_counter()
-    device = target.device
-    verifier_rng = make_generator(params.seed, device, stream=0)
-    drafter_rng = make_generator(params.seed, device, stream=1)
-    eos = set(eos_token_ids)
-    cache = target.new_cache(len(prompt_ids) + params.max_tokens + max(draft_length, nodes) + 1)
-
-    def choose(scores: torch.Tensor) -> int:
-        if params.greedy:
-            return int(scores.argmax())
-        return sample(probabilities(scores, params), verifier_rng)
-
     observe = getattr(drafter, "observe", None)  # a drafter that learns from the target's scores
-    prompt = torch.tensor([list(prompt_ids)], device=device)
-    n = prompt.shape[1]
-    # such a drafter also gets the target's predictions after the prompt's last tokens
-    seed = min(n, PROMPT_SEED) if observe is not None else 1
-    logits = target(prompt, torch.arange(n, device=device)[None], cache,
-                    attention_mask(0, causal_ancestors(n, device)), logits_from=n - seed)
-    if observe is not None:
-        observe(list(prompt_ids[n - seed:]), *top_candidates(logits[0]))
-    out = [choose(logits[0, -1])]
-    result = GenerationResult([], "length", n, target_forward_passes=1)
+    spec = Speculation(
+        target, target.new_cache(len(prompt_ids) + params.max_tokens + max(draft_length, nodes) + 1), params,
+        verifier_rng=make_generator(params.seed, target.device, stream=0),
+        drafter=drafter, drafter_rng=make_generator(params.seed, target.device, stream=1),
+        draft_length=draft_length, tree_budget=nodes, pipelined=pipelined,
+        on_scores=None if observe is None else lambda tokens, scores: observe(tokens, *top_candidates(scores)))
+    result = GenerationResult([], "length", len(prompt_ids), target_forward_passes=1)
+    eos = set(eos_token_ids)
 
-    def emit(new: list[int]) -> bool:
-        """Append verified tokens; True when generation is over."""
-        done = False
-        for i, tok in enumerate(new):
-            if tok in eos:
-                new, done, result.finish_reason = new[:i + 1], True, "stop"
-                break
-        room = params.max_tokens - len(result.token_ids)
-        if len(new) >= room:
-            new, done = new[:room], True
-            result.finish_reason = "stop" if new and new[-1] in eos else "length"
+    def emit(new: list[int]) -> str | None:
+        """Append verified tokens; the finish reason once generation is over."""
+        new, finish = clip(new, len(result.token_ids), params.max_tokens, eos)
         result.token_ids.extend(new)
         if on_tokens and new:
             on_tokens(new)
-        return done
+        return finish
 
-    done = emit(out)
+    finish = emit([prefill(spec, prompt_ids)])
     ready: DraftTree | None = None  # this round's tree, drafted ahead last round
-    on_scores = None if observe is None else lambda tokens, scores: observe(tokens, *top_candidates(scores))
-    while not done:
-        context = list(prompt_ids) + result.token_ids
-        budget = min(draft_length, params.max_tokens - len(result.token_ids) - 1)
-        tree, ahead, guess = DraftTree(), None, []
-        if drafter is not None and budget > 0:
-            round_nodes = nodes_for_depth(budget, draft_length, nodes)
-            tree = ready if ready else drafter.propose(context, budget, params, drafter_rng, max_nodes=round_nodes)
-            tree = tree.truncated(round_nodes)
-            if pipelined:
-                guess = [tree.tokens[node] for node in likeliest_path(tree)]
-                room = min(draft_length, params.max_tokens - len(result.token_ids) - len(guess) - 2)
-                if room > 0:
-                    ahead = drafter.propose(context + guess, room, params, drafter_rng, verified=len(context),
-                                            max_nodes=nodes_for_depth(room, draft_length, nodes))
-        [(path, bonus)] = verify_batch(target, cache, [VerifyItem(0, context[-1], tree, params, verifier_rng,
-                                                                  on_scores=on_scores)])
-        accepted = [tree.tokens[node] for node in path]
-        ready = reuse_ahead(ahead, guess, accepted, bonus) if ahead is not None else None
-        result.target_forward_passes += 1
-        result.draft_tokens += len(tree)
-        result.accepted_draft_tokens += len(path)
-        result.accepted_per_round.append(len(path))
-        result.reused_drafts += ready is not None and len(ready) > 0
-        done = emit(accepted + [bonus])
+    while finish is None:
+        left = params.max_tokens - len(result.token_ids)
+        done = speculative_round(spec, list(prompt_ids) + result.token_ids, left, ready)
+        result.record(done)
+        ready = done.ready
+        finish = emit(done.tokens)
+    result.finish_reason = finish
     result.seconds = time.perf_counter() - started
     return result

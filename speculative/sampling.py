@@ -7,13 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-
-class InvalidArgument(ValueError):
-    """A request field is out of range; `field` names it for the caller."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(f"{field}: {message}")
-        self.field = field
+from .errors import InvalidArgument  # raised here, and imported from here by the services
 
 
 @dataclass(frozen=True)
@@ -68,6 +62,15 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
     """One token from a 1-D distribution."""
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def first_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+    """The target's token after a prefill, from its last position's `logits` [V]: the
+    argmax (greedy) or one draw from the verifier's stream. The loop in one process and
+    the verifier service both choose it here, so a seeded request draws alike in both."""
+    if params.greedy:
+        return int(logits.argmax())
+    return sample(probabilities(logits, params), generator)
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu", stream: int = 0,

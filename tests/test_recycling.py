@@ -95,7 +95,8 @@ def test_served_recycling_learns_from_the_verifier_and_stays_exact():
     its root); the output is the target's own, alone or fused with prompt lookup."""
     from drafter_service.pool import DrafterPool
     from loopback import loopback
-    from router.coordinator import Job, RoundStats
+    from router.coordinator import Job
+    from router.stats import RoundStats
     from verifier_service.engine import VerifierEngine
 
     class RecordingPool(DrafterPool):

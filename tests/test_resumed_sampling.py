@@ -23,7 +23,8 @@ from scipy.stats import chisquare
 
 from drafter_service.pool import DrafterPool
 from loopback import loopback
-from router.coordinator import Job, RoundStats
+from router.coordinator import Job
+from router.stats import RoundStats
 from speculative.model import attention_mask, causal_ancestors
 from speculative.sampling import SamplingParams, make_generator, probabilities
 from tiny import TINY, tiny_model

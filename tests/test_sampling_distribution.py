@@ -19,6 +19,7 @@ from scipy.stats import chisquare
 
 import speculative.batching as batching
 import speculative.decoding as decoding
+import speculative.sampling as sampling
 from drafter_service.drafters import (ModelDrafter, MultiSampleDrafter, PromptLookupDrafter, RecyclingDrafter,
                                       SuffixDrafter)
 from speculative.model import attention_mask, causal_ancestors
@@ -107,14 +108,14 @@ def _sampled_counts(case: str, seeds: range, pipelined: bool = False, first: int
     target, draft_model = tiny_model(seed=0, logit_scale=0.5), tiny_model(seed=1, logit_scale=0.5)
     make, params, k = CASES[case]
     draft_length, tree_budget = k if isinstance(k, tuple) else (k, None)
-    originals = decoding.probabilities, batching.probabilities
+    originals = sampling.probabilities, batching.probabilities
     if biased_token is not None:
         def biased_probabilities(logits, params):
             p = probabilities(logits, params).clone()
             p[..., biased_token] *= 1.20
             return p / p.sum(-1, keepdim=True)
 
-        decoding.probabilities = batching.probabilities = biased_probabilities
+        sampling.probabilities = batching.probabilities = biased_probabilities  # first_token's, verify_batch's
     v = TINY.vocab_size
     counts = torch.zeros(v, v)
     drafted = reused = 0
@@ -130,7 +131,7 @@ def _sampled_counts(case: str, seeds: range, pipelined: bool = False, first: int
             drafted += result.draft_tokens > 0
             reused += result.reused_drafts > 0
     finally:
-        decoding.probabilities, batching.probabilities = originals  # the worker serves other tests next
+        sampling.probabilities, batching.probabilities = originals  # the worker serves other tests next
     return counts, drafted, reused
 
 

@@ -30,9 +30,10 @@ from typing import Any, Callable, Protocol, Sequence
 import torch
 
 from speculative.batching import VerifyItem, verify_batch
-from speculative.model import Transformer, attention_mask, causal_ancestors, own_torch_threads
+from speculative.cpu_tuning import PAD_ROWS_TO, own_torch_threads
+from speculative.model import Transformer, attention_mask, causal_ancestors
 from speculative.recycling import PROMPT_SEED, top_candidates
-from speculative.sampling import InvalidArgument, SamplingParams, make_generator, probabilities, sample
+from speculative.sampling import InvalidArgument, SamplingParams, first_token, make_generator
 from speculative.tree import DraftTree
 
 log = logging.getLogger(__name__)
@@ -198,7 +199,7 @@ class VerifierEngine:
                  clock: Callable[[], float] = time.monotonic, threads: int | None = None):
         """`threads`: torch threads of the worker thread, which runs every forward pass
         (None: torch's setting). A process that serves should run nothing multi-threaded
-        on any other thread (`speculative.model.own_torch_threads`)."""
+        on any other thread (`speculative.cpu_tuning.own_torch_threads`)."""
         if max_batch < 1 or max_batch_tokens < 1:
             raise ValueError("max_batch and max_batch_tokens must be positive")
         self.model, self.threads = model, threads
@@ -209,8 +210,9 @@ class VerifierEngine:
         self.idle_timeout_s, self.clock = idle_timeout_s, clock
         self._writer = None if checkpoints is None else _CheckpointWriter(checkpoints, checkpoint_ttl_s)
         # A pass pads every row up to the highest one in the batch to the batch's width (at most
-        # max_batch_tokens; the model pads 2-3 token passes to 4 on CPU), so rows get spare slots for it.
-        self._cache = model.new_cache(self.max_len + max(max_batch_tokens, 4), batch=max_batch)
+        # max_batch_tokens; a tuned CPU model pads one row's 2-3 tokens to PAD_ROWS_TO), so rows
+        # get spare slots for it.
+        self._cache = model.new_cache(self.max_len + max(max_batch_tokens, PAD_ROWS_TO), batch=max_batch)
         self._requests: dict[str, _Request] = {}
         self._queue: deque[_Work] = deque()
         self._cond = threading.Condition()
@@ -379,9 +381,7 @@ class VerifierEngine:
         seed = min(len(work.tokens), PROMPT_SEED) if work.candidates else 1
         row, logits = self._fill_free_row(work.tokens, seed)
         self._busy_s += time.monotonic() - started
-        # the first token exactly as speculative.decoding.generate chooses it
-        last = logits[-1]
-        first = int(last.argmax()) if params.greedy else sample(probabilities(last, params), generator)
+        first = first_token(logits[-1], params, generator)
         state = _Request(row, params, generator, work.tokens + [first], self.clock())
         self._requests[work.request_id] = state
         self._checkpoint(work.request_id, state)
