@@ -13,6 +13,7 @@ import json
 import statistics
 import tempfile
 import time
+import uuid
 from collections import defaultdict
 from pathlib import Path
 
@@ -21,9 +22,9 @@ from tqdm import tqdm
 
 from bench.chart import write_chart
 from cluster.local import LocalEngine, Request
-from drafter_service import registry
 from drafter_service.registry import SHIPPED_DRAFTERS
 from router.domains import BENCH_GROUPS, BENCH_PROMPTS_PER_GROUP, bench_group, read_questions
+from speculative.cpu_tuning import PAD_ROWS_TO
 from speculative.sampling import SamplingParams
 
 CATEGORIES = list(BENCH_GROUPS)
@@ -42,6 +43,12 @@ def served_drafter(mode: str) -> str | None:
             drafter = mode.removeprefix(prefix)
             return {"ar": "none", "auto": ""}.get(drafter, drafter)
     return None
+
+
+def mode_namespace(run_id: str, mode: str, repeat: int) -> str:
+    """The memory namespace of one bench run's mode and repeat: nothing any other mode or
+    repeat taught the drafters reaches it."""
+    return f"bench-{run_id}/{mode}/{repeat}"
 
 
 def load_questions(path: str, limit_per_category: int) -> list[dict]:
@@ -94,13 +101,14 @@ class ServedRunner:
 
         self.client = Client(address, timeout=600)
 
-    def run(self, prompt: str, params: SamplingParams, mode: str) -> tuple[list[int], float, int, tuple[int, int]]:
+    def run(self, prompt: str, params: SamplingParams, mode: str, namespace: str = ""
+            ) -> tuple[list[int], float, int, tuple[int, int]]:
         """Tokens, seconds, target passes, (draft tokens, accepted draft tokens)."""
         start = time.perf_counter()
         out = self.client.generate(messages=[{"role": "user", "content": prompt}], max_tokens=params.max_tokens,
                                    temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
                                    seed=params.seed, drafter=served_drafter(mode),
-                                   pipelined=mode.startswith(PIPELINED))
+                                   pipelined=mode.startswith(PIPELINED), namespace=namespace)
         u = out.usage
         return (list(out.token_ids), time.perf_counter() - start, u.target_forward_passes,
                 (u.draft_tokens, u.accepted_draft_tokens))
@@ -111,7 +119,7 @@ def forward_ms(engine: LocalEngine, sizes=(1, 4, 8, 16, 24, 32), prefix: int = 1
     from speculative.model import attention_mask, causal_ancestors
 
     m = engine.model
-    cache = m.new_cache(prefix + max(sizes) + 4)
+    cache = m.new_cache(prefix + max(sizes) + PAD_ROWS_TO)
     ids = torch.arange(prefix)[None] % m.config.vocab_size
     m(ids, torch.arange(prefix)[None], cache, attention_mask(0, causal_ancestors(prefix)))
     out = {}
@@ -172,30 +180,22 @@ def draft_token_ms(engine: LocalEngine, drafters: list[str], target_ms: float, p
 
 def load_seconds(model: str | None) -> dict[str, float]:
     """Cold load (GGUF conversion into an empty cache) and cached load."""
-    import os
-
+    from cluster.env import cpu_tuning_from_env
     from speculative import loading
 
+    tuning = cpu_tuning_from_env()
     src = loading.resolve_source(model)
     if src.suffix != ".gguf":
         start = time.perf_counter()
-        loading.load(model)
+        loading.load(model, cpu_tuning=tuning)
         return {"cached": round(time.perf_counter() - start, 2)}
-    old = os.environ.get("SPECSERVE_CACHE_DIR")
     with tempfile.TemporaryDirectory() as tmp:
-        os.environ["SPECSERVE_CACHE_DIR"] = tmp
-        try:
-            start = time.perf_counter()
-            loading.load(model)
-            cold = time.perf_counter() - start
-            start = time.perf_counter()
-            loading.load(model)
-            cached = time.perf_counter() - start
-        finally:
-            if old is None:
-                os.environ.pop("SPECSERVE_CACHE_DIR", None)
-            else:
-                os.environ["SPECSERVE_CACHE_DIR"] = old
+        start = time.perf_counter()
+        loading.load(model, cache_dir=tmp, cpu_tuning=tuning)
+        cold = time.perf_counter() - start
+        start = time.perf_counter()
+        loading.load(model, cache_dir=tmp, cpu_tuning=tuning)
+        cached = time.perf_counter() - start
     return {"cold": round(cold, 2), "cached": round(cached, 2)}
 
 
@@ -213,9 +213,11 @@ def run_bench(args) -> dict:
     # and output agreement with hf-ar
     sums: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0, 0, 0, 0])
     same_as_hf: dict[str, list[int]] = defaultdict(lambda: [0, 0])
-    suffix_indexes: dict[str, dict] = defaultdict(dict)
-    recycled: dict[str, dict] = defaultdict(dict)
-    calibrations: dict[str, dict] = defaultdict(dict)
+    # Each mode, and each repeat of it, drafts in a memory namespace of its own (suffix index,
+    # recycling table, calibrations, expertise statistics; in process and served alike): one fed
+    # by another mode's run of this very question would draft its answer from memory. Within
+    # one, learning across questions stays, as in production.
+    run_id = uuid.uuid4().hex[:8]
     bar = tqdm(total=len(questions) * len(args.modes) * args.repeats, desc="bench", unit="gen")
     for qi, q in enumerate(questions):
         ids = engine.prompt_ids(q["turns"][0], chat=True)
@@ -225,19 +227,16 @@ def run_bench(args) -> dict:
         reference = None
         for mode in args.modes:
             times, passes, tokens, drafts = [], None, None, None
-            for _ in range(args.repeats):
+            for repeat in range(args.repeats):
+                namespace = mode_namespace(run_id, mode, repeat)
                 if mode in HF_MODES:
                     tokens, seconds = hf.run(ids, params, mode)
                 elif served_drafter(mode) is not None:
-                    tokens, seconds, passes, drafts = served.run(q["turns"][0], params, mode)
+                    tokens, seconds, passes, drafts = served.run(q["turns"][0], params, mode, namespace)
                 else:
                     drafter = "none" if mode == "ar" else mode
-                    # each mode has its own suffix index, recycling table and calibrations: one fed by another
-                    # mode's run of this very question would draft its answer from memory
-                    registry._suffix_indexes, registry._recycled = suffix_indexes[mode], recycled[mode]
-                    registry._calibrations = calibrations[mode]
                     r = engine.run(Request(q["turns"][0], True, params, drafter, args.draft_length,
-                                           getattr(args, "tree_budget", None)))
+                                           getattr(args, "tree_budget", None), namespace))
                     tokens, seconds, passes = r.token_ids, r.seconds, r.target_forward_passes
                     drafts = (r.draft_tokens, r.accepted_draft_tokens)
                 times.append(seconds)

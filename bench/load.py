@@ -21,6 +21,7 @@ import json
 import random
 import threading
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,8 +86,9 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def run_level(client: Client, arrivals: list[Arrival], prompts: list[str], drafter: str, max_tokens: int,
-              bar: tqdm) -> tuple[list[Outcome], float]:
-    """Replay `arrivals` against the server, one thread per client; (outcomes by index, wall seconds)."""
+              bar: tqdm, namespace: str = "") -> tuple[list[Outcome], float]:
+    """Replay `arrivals` against the server, one thread per client, in memory `namespace`;
+    (outcomes by index, wall seconds)."""
     outcomes: list[Outcome | None] = [None] * len(arrivals)
     lock = threading.Lock()
     start = time.perf_counter()
@@ -96,7 +98,7 @@ def run_level(client: Client, arrivals: list[Arrival], prompts: list[str], draft
             time.sleep(max(0.0, start + a.at - time.perf_counter()))
             try:
                 out = client.generate(messages=[{"role": "user", "content": prompts[a.index % len(prompts)]}],
-                                      max_tokens=max_tokens, drafter=drafter)
+                                      max_tokens=max_tokens, drafter=drafter, namespace=namespace)
                 outcomes[a.index] = Outcome(time.perf_counter() - (start + a.at), len(out.token_ids),
                                             out.usage.drafter, out.usage.target_forward_passes,
                                             out.usage.draft_tokens)
@@ -112,12 +114,15 @@ def run_level(client: Client, arrivals: list[Arrival], prompts: list[str], draft
 
 
 def run_modes(client: Client, clients: int, arrivals: list[Arrival], prompts: list[str], modes: list[str],
-              max_tokens: int, bar: tqdm, reverse: bool, run: int = 1) -> list[dict]:
+              max_tokens: int, bar: tqdm, reverse: bool, run: int = 1,
+              namespaces: dict[str, str] | None = None) -> list[dict]:
     """One run of a load level: every mode replays the same arrivals (in reverse order of
-    modes if `reverse`); rows in the order of `modes`, with ratios to plain decoding."""
+    modes if `reverse`), each in its memory namespace; rows in the order of `modes`, with
+    ratios to plain decoding."""
     by_mode = {}
     for mode in modes[::-1] if reverse else modes:
-        outcomes, wall = run_level(client, arrivals, prompts, "" if mode == AUTO else mode, max_tokens, bar)
+        outcomes, wall = run_level(client, arrivals, prompts, "" if mode == AUTO else mode, max_tokens, bar,
+                                   (namespaces or {}).get(mode, ""))
         done = [o for o in outcomes if o.latency is not None]
         by_mode[mode] = {"clients": clients, "run": run, "mode": mode,
                          **summarize([o.latency for o in done], sum(o.tokens for o in done), wall,
@@ -159,12 +164,16 @@ def run_load(args) -> dict:
     random.Random(args.seed or 0).shuffle(prompts)  # questions come by category: mix them over the levels
     rng = random.Random(args.seed or 0)
     rows = []
+    # each mode learns in a memory namespace of its own (speculative.namespaces): modes replay the
+    # same prompts, and one must not draft another's answers from memory
+    run_id = uuid.uuid4().hex[:8]
+    namespaces = {mode: f"load-{run_id}/{mode}" for mode in args.load_modes}
     with Client(args.server, timeout=600) as client:
         for mode in args.load_modes:  # untimed: the first request to a server pays for warming it up
             try:
                 # not a bench prompt: a suffix drafter would remember its answer
                 client.generate(messages=[{"role": "user", "content": WARM_UP}], max_tokens=args.max_tokens,
-                                drafter="" if mode == AUTO else mode)
+                                drafter="" if mode == AUTO else mode, namespace=namespaces[mode])
             except SpecserveError as e:
                 raise ValueError(f"--server {args.server}: the warm-up request of mode {mode} failed: {e}") from e
         repeats = getattr(args, "repeats", 1) or 1
@@ -178,7 +187,8 @@ def run_load(args) -> dict:
                     first = (level * repeats + run) * args.requests
                     own = [prompts[(first + i) % len(prompts)] for i in range(args.requests)]
                     rows += run_modes(client, clients, arrivals, own, list(args.load_modes), args.max_tokens, bar,
-                                      reverse=(level * repeats + run) % 2 == 1, run=run + 1)
+                                      reverse=(level * repeats + run) % 2 == 1, run=run + 1,
+                                      namespaces=namespaces)
     report = {
         "command": "specserve " + " ".join(getattr(args, "argv", []) or []),
         "server": args.server, "max_tokens": args.max_tokens, "rate_per_client": args.rate,

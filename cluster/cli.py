@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tls", action="store_true",
                    help="with --server: use TLS (system roots, or the file in GRPC_DEFAULT_SSL_ROOTS_FILE_PATH)")
     g.add_argument("--timeout", type=float, default=None, metavar="SECONDS", help="with --server: deadline per call")
+    g.add_argument("--namespace", default="",
+                   help="with --server: the memory namespace whose suffix index, recycling table and drafter "
+                        "statistics the request learns in and drafts from (default: the server's shared one)")
     _add_model_args(g)
 
     s = sub.add_parser("serve", help="serve the model over gRPC on a Ray cluster (local, or RAY_ADDRESS)")
@@ -182,7 +185,7 @@ def _generate_remote(args, params: SamplingParams) -> int:
         raise InvalidArgument("timeout", f"must be positive, got {args.timeout}")
     prompt = {"messages": [{"role": "user", "content": args.prompt}]} if args.chat else {"prompt": args.prompt}
     call = dict(prompt, max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
-                top_k=params.top_k, seed=params.seed, drafter=args.drafter or "")
+                top_k=params.top_k, seed=params.seed, drafter=args.drafter or "", namespace=args.namespace)
     try:
         with Client(args.server, tls=args.tls, timeout=args.timeout) as client:
             if not args.json:
@@ -227,7 +230,8 @@ def cmd_serve(args) -> int:
         cfg = ServeConfig.model_validate({**cfg.model_dump(), **overrides})
     except ValidationError as e:
         err = e.errors()[0]
-        raise InvalidArgument(".".join(str(x) for x in err["loc"]), err["msg"]) from None
+        # a section's key is named section.key; an error of the file as a whole, by the file
+        raise InvalidArgument(".".join(str(x) for x in err["loc"]) or "config", err["msg"]) from None
     from cluster.serve import run
 
     return run(cfg)
@@ -280,6 +284,7 @@ def _bench_load(args) -> int:
 
 
 def cmd_train_drafter(args) -> int:
+    from cluster.env import cache_dir_from_env, cpu_tuning_from_env
     from cluster.local import set_cpu_threads
     from drafter_service.corpus import corpus_files
     from drafter_service.training import TrainConfig, train
@@ -291,7 +296,7 @@ def cmd_train_drafter(args) -> int:
     cfg.validate()
     corpus_files(cfg.corpus)  # a missing file fails now, not after loading the target
     set_cpu_threads()
-    train(cfg)
+    train(cfg, cache_dir=cache_dir_from_env(), cpu_tuning=cpu_tuning_from_env())
     return 0
 
 

@@ -8,7 +8,8 @@ Two implementations with the same behaviour: `RedisStateStore` for a cluster
 Redis layout (every key starts with the store's prefix, default "specserve:"):
     svc:{kind}:{id}       string, JSON {"address", "meta"}, PX = service TTL
     svcs:{kind}           set of service ids; may hold ids whose key expired
-    accept:proposed       hash, field JSON [drafter, domain] -> count
+    accept:proposed       hash, field JSON [drafter, domain] (default namespace) or
+                          [drafter, domain, namespace] -> count
     accept:accepted       hash, same fields
     ckpt:{request_id}     string, JSON checkpoint, PX = checkpoint TTL
     apikeys               hash, SHA-256 hex of key -> name
@@ -67,12 +68,15 @@ class StateStore(ABC):
         """Live services of a kind, sorted by service_id."""
 
     @abstractmethod
-    def record_acceptance(self, drafter: str, domain: str, proposed: int, accepted: int) -> None:
-        """Atomically add to the (drafter, domain) counters."""
+    def record_acceptance(self, drafter: str, domain: str, proposed: int, accepted: int,
+                          namespace: str = "") -> None:
+        """Atomically add to the (drafter, domain) counters of a memory namespace
+        (speculative.namespaces; "" is the default)."""
 
     @abstractmethod
-    def acceptance_stats(self, domain: str | None = None) -> dict[tuple[str, str], Acceptance]:
-        """Totals per (drafter, domain), optionally for one domain only."""
+    def acceptance_stats(self, domain: str | None = None, namespace: str = ""
+                         ) -> dict[tuple[str, str], Acceptance]:
+        """A namespace's totals per (drafter, domain), optionally for one domain only."""
 
     @abstractmethod
     def save_checkpoint(self, request_id: str, data: dict[str, Any], ttl_s: float) -> None:
@@ -128,6 +132,11 @@ def _check_kind(kind: str) -> None:
     # ":" would make svc:{kind}:{id} ambiguous (kind "a:b", id "c" vs kind "a", id "b:c").
     if not kind or ":" in kind:
         raise ValueError(f"service kind must be non-empty and free of ':', got {kind!r}")
+
+
+def _acceptance_field(drafter: str, domain: str, namespace: str) -> list[str]:
+    # the default namespace keeps the two-name field that stores written before namespaces hold
+    return [drafter, domain, namespace] if namespace else [drafter, domain]
 
 
 def _check_counts(proposed: int, accepted: int) -> None:
@@ -219,23 +228,26 @@ class RedisStateStore(StateStore):
             self._prune_stale(keys=keys, args=stale)
         return live
 
-    def record_acceptance(self, drafter: str, domain: str, proposed: int, accepted: int) -> None:
+    def record_acceptance(self, drafter: str, domain: str, proposed: int, accepted: int,
+                          namespace: str = "") -> None:
         _check_counts(proposed, accepted)
-        field = json.dumps([drafter, domain])  # unambiguous whatever the names contain
+        # JSON: unambiguous whatever the names contain
+        field = json.dumps(_acceptance_field(drafter, domain, namespace))
         with self._client.pipeline() as pipe:  # MULTI: readers never see one counter without the other
             pipe.hincrby(f"{self.prefix}accept:proposed", field, proposed)
             pipe.hincrby(f"{self.prefix}accept:accepted", field, accepted)
             pipe.execute()
 
-    def acceptance_stats(self, domain: str | None = None) -> dict[tuple[str, str], Acceptance]:
+    def acceptance_stats(self, domain: str | None = None, namespace: str = ""
+                         ) -> dict[tuple[str, str], Acceptance]:
         with self._client.pipeline() as pipe:
             pipe.hgetall(f"{self.prefix}accept:proposed")
             pipe.hgetall(f"{self.prefix}accept:accepted")
             proposed, accepted = pipe.execute()
         stats = {}
         for field, count in proposed.items():
-            drafter, dom = json.loads(field)
-            if domain is None or dom == domain:
+            drafter, dom, *space = json.loads(field)
+            if (space[0] if space else "") == namespace and (domain is None or dom == domain):
                 stats[(drafter, dom)] = Acceptance(int(count), int(accepted.get(field, 0)))
         return stats
 
@@ -320,7 +332,7 @@ class EmbeddedStateStore(StateStore):
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._services: defaultdict[str, _ExpiringDict] = defaultdict(_ExpiringDict)
-        self._acceptance: dict[tuple[str, str], Acceptance] = {}
+        self._acceptance: dict[tuple[str, str, str], Acceptance] = {}  # (drafter, domain, namespace)
         self._checkpoints = _ExpiringDict()
         self._api_keys: dict[str, str] = {}  # SHA-256 hex -> name
         self._rate = _ExpiringDict()  # SHA-256 hex -> hits in the current window
@@ -360,15 +372,19 @@ class EmbeddedStateStore(StateStore):
             key=lambda r: r.service_id,
         )
 
-    def record_acceptance(self, drafter: str, domain: str, proposed: int, accepted: int) -> None:
+    def record_acceptance(self, drafter: str, domain: str, proposed: int, accepted: int,
+                          namespace: str = "") -> None:
         _check_counts(proposed, accepted)
+        key = (drafter, domain, namespace)
         with self._lock:
-            old = self._acceptance.get((drafter, domain), Acceptance(0, 0))
-            self._acceptance[(drafter, domain)] = Acceptance(old.proposed + proposed, old.accepted + accepted)
+            old = self._acceptance.get(key, Acceptance(0, 0))
+            self._acceptance[key] = Acceptance(old.proposed + proposed, old.accepted + accepted)
 
-    def acceptance_stats(self, domain: str | None = None) -> dict[tuple[str, str], Acceptance]:
+    def acceptance_stats(self, domain: str | None = None, namespace: str = ""
+                         ) -> dict[tuple[str, str], Acceptance]:
         with self._lock:
-            return {k: v for k, v in self._acceptance.items() if domain is None or k[1] == domain}
+            return {(drafter, dom): v for (drafter, dom, space), v in self._acceptance.items()
+                    if space == namespace and (domain is None or dom == domain)}
 
     def save_checkpoint(self, request_id: str, data: dict[str, Any], ttl_s: float) -> None:
         stored, ttl = json.dumps(data), _ttl_ms(ttl_s) / 1000

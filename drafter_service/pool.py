@@ -21,6 +21,7 @@ import torch
 
 from speculative.decoding import Drafter
 from speculative.model import Transformer
+from speculative.namespaces import DEFAULT_NAMESPACE, check_namespace
 from speculative.sampling import InvalidArgument, SamplingParams, make_generator
 from speculative.tree import DraftTree
 
@@ -55,10 +56,11 @@ class DrafterPool:
         self._lock = threading.Lock()  # guards the dict only; drafting holds a request's own lock
 
     def prefill(self, request_id: str, kind: str, token_ids: Sequence[int], params: SamplingParams,
-                stream: int = 1, resumed: int = 0) -> None:
+                stream: int = 1, resumed: int = 0, namespace: str = DEFAULT_NAMESPACE) -> None:
         """Start (or restart) drafting for a request whose verified tokens are `token_ids`,
         drawing from random stream `stream` of its seed (1 is the single-process loop's drafter);
-        `resumed` > 0 (earlier prefills of this drafter of the request) makes that stream fresh."""
+        `resumed` > 0 (earlier prefills of this drafter of the request) makes that stream fresh.
+        A drafter that learns across requests learns and drafts in `namespace`'s memory."""
         if not request_id:
             raise InvalidArgument("request_id", "must not be empty")
         if kind not in self.kinds:
@@ -70,9 +72,11 @@ class DrafterPool:
             raise InvalidArgument("stream", f"must be >= 1 (stream 0 is the verifier's), got {stream}")
         if resumed < 0:
             raise InvalidArgument("resumed", f"must be >= 0, got {resumed}")
+        check_namespace(namespace)
         params.validate()
         generator = make_generator(params.seed, self.target.device, stream=stream, resumed=resumed)
-        state = _Request(make_drafter(kind, self.target, draft_top_k=self.draft_top_k), list(token_ids),
+        drafter = make_drafter(kind, self.target, draft_top_k=self.draft_top_k, namespace=namespace)
+        state = _Request(drafter, list(token_ids),
                          params, generator, self.clock())
         with state.lock:
             with self._lock:

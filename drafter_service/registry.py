@@ -1,25 +1,25 @@
 """Drafter kinds by name, so the CLI and services build them the same way.
 
-Names: the model-free kinds (`pld`, `suffix`, `recycle`), the target's own layers
-(`layerskip`), the small drafters shipped for the default target
-(`small-*`, docs/DRAFTERS.md), the path of any drafter directory written
-by `specserve train-drafter`, or several of these joined by `+`, fused into
-one tree per round.
+The names and their checks live in `speculative.drafter_kinds`, which loads no
+torch (the configuration and the router check names there); they are
+re-exported here. This module builds the drafters a name stands for.
 """
 
 from __future__ import annotations
 
-import json
 import threading
-from pathlib import Path
 
 from speculative.calibration import Calibration, enabled as calibration_enabled
-from speculative.model import Transformer, pack_for_cpu
+from speculative.drafter_kinds import (DRAFTER_NAMES, SHIPPED_DIR, SHIPPED_DRAFTERS,  # noqa: F401
+                                       check_drafter, drafter_domains, drafter_path, is_drafter)
+from speculative.cpu_tuning import apply_cpu_tuning, tuning_of
+from speculative.model import Transformer
 from speculative.sampling import InvalidArgument
 from speculative.recycling import RecycledCandidates
 from speculative.suffix import SuffixIndex
+from speculative.namespaces import DEFAULT_NAMESPACE, Namespaces
 
-from .checkpoint import is_drafter_dir, load_drafter
+from .checkpoint import load_drafter
 from .drafters import (FusedDrafter, ModelDrafter, PromptLookupDrafter, RecyclingDrafter, SuffixDrafter,
                        layer_skip_layers)
 
@@ -33,60 +33,65 @@ LAYER_SKIP_FIRST, LAYER_SKIP_LAST = 10, 10
 # they win when a 5-token verify costs 1.5x a 1-token step (tuned on 12 dev prompts).
 PLD_MAX_NGRAM, PLD_MIN_NGRAM = 4, 2
 
-SHIPPED_DIR = Path(__file__).parent / "checkpoints"
-SHIPPED_DRAFTERS = ("small-general", "small-math", "small-extraction", "small-language")
-DRAFTER_NAMES = ("none", "pld", "layerskip", "suffix", "recycle") + SHIPPED_DRAFTERS
 
-# One suffix index per target in this process: every request feeds it and drafts from it.
-_suffix_indexes: dict[int, SuffixIndex] = {}
-# One Token Recycling table per target in this process, likewise shared.
-_recycled: dict[int, RecycledCandidates] = {}
-# Confidence calibration of each drafter kind in fused trees, per target, likewise shared.
-_calibrations: dict[tuple[str, int], Calibration] = {}
+class DrafterMemory:
+    """What the drafters of one memory namespace learn across its requests, for one
+    target: a suffix index of every output, a Token Recycling table, and each drafter
+    kind's confidence calibration in fused trees. Each is made on first use."""
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+        self._suffix: SuffixIndex | None = None
+        self._recycled: RecycledCandidates | None = None
+        self.calibrations: dict[str, Calibration] = {}
+        self._lock = threading.Lock()
+
+    def suffix_index(self) -> SuffixIndex:
+        with self._lock:
+            if self._suffix is None:
+                self._suffix = SuffixIndex()
+            return self._suffix
+
+    def recycled(self) -> RecycledCandidates:
+        with self._lock:
+            if self._recycled is None:
+                self._recycled = RecycledCandidates(self.vocab_size)
+            return self._recycled
+
+    def calibration(self, kind: str) -> Calibration:
+        with self._lock:
+            return self.calibrations.setdefault(kind, Calibration())
+
+
+# Per target in this process: its namespaces' memories (speculative.namespaces).
+_memories: dict[int, Namespaces[DrafterMemory]] = {}
 # Small drafter models, loaded once per process and target, shared by requests.
 _small_models: dict[tuple[str, int], tuple[Transformer, list[int] | None]] = {}
 _load_lock = threading.Lock()
 
 
-def drafter_path(name: str) -> Path | None:
-    """The checkpoint directory a small-model drafter name refers to, else None."""
-    if name in SHIPPED_DRAFTERS:
-        return SHIPPED_DIR / name.removeprefix("small-")
-    return Path(name) if is_drafter_dir(name) else None
+def memory(target: Transformer, namespace: str = DEFAULT_NAMESPACE) -> DrafterMemory:
+    """The memory drafters of `target` learn in for requests of `namespace`."""
+    with _load_lock:
+        spaces = _memories.get(id(target))
+        if spaces is None:
+            vocab = target.config.vocab_size
+            spaces = _memories[id(target)] = Namespaces(lambda _: DrafterMemory(vocab))
+    return spaces.get(namespace)
 
 
-def drafter_domains(name: str) -> tuple[str, ...]:
-    """The domains a trained drafter specialises in (its drafter.json `domains`): none for
-    the other kinds, for a general drafter, and for several fused."""
-    path = None if "+" in name else drafter_path(name)
-    if path is None:
-        return ()
-    return tuple(json.loads((path / "drafter.json").read_text()).get("domains", ()))
-
-
-def is_drafter(name: str) -> bool:
-    if "+" in name:  # fused: every member a drafter
-        return all(part not in ("", "none") and is_drafter(part) for part in name.split("+"))
-    return name in DRAFTER_NAMES or drafter_path(name) is not None
-
-
-def check_drafter(name: str) -> None:
-    """Raise InvalidArgument('drafter') unless `name` names a drafter."""
-    if not is_drafter(name):
-        raise InvalidArgument("drafter", f"unknown drafter {name!r}; choose from {', '.join(DRAFTER_NAMES)} "
-                                         "or a directory written by specserve train-drafter, or several joined by '+' (fused)")
-
-
-def make_drafter(name: str, target: Transformer, draft_top_k: int | None = None):
+def make_drafter(name: str, target: Transformer, draft_top_k: int | None = None,
+                 namespace: str = DEFAULT_NAMESPACE):
     """A fresh per-request drafter of kind `name` for `target`; None for plain decoding.
 
     `draft_top_k` makes a model drafter sample from its top-k renormalised
-    distribution, so its q is exactly sparse (k pairs on the wire)."""
+    distribution, so its q is exactly sparse (k pairs on the wire). A drafter that
+    learns across requests learns and drafts in `namespace`'s memory alone."""
     check_drafter(name)
     if "+" in name:  # every member trusted alike; greedy, their confidences are calibrated
         parts = name.split("+")
-        return FusedDrafter([(make_drafter(part, target, draft_top_k), 1.0) for part in parts],
-                            calibrations=[calibration(part, target) for part in parts])
+        return FusedDrafter([(make_drafter(part, target, draft_top_k, namespace), 1.0) for part in parts],
+                            calibrations=[calibration(part, target, namespace) for part in parts])
     if name == "none":
         return None
     if name == "pld":
@@ -95,22 +100,20 @@ def make_drafter(name: str, target: Transformer, draft_top_k: int | None = None)
         layers = layer_skip_layers(target.config.num_layers, LAYER_SKIP_FIRST, LAYER_SKIP_LAST)
         return ModelDrafter(target, layers, name="layerskip", draft_top_k=draft_top_k)
     if name == "suffix":
-        index = _suffix_indexes.setdefault(id(target), SuffixIndex())
-        return SuffixDrafter(index, target.config.vocab_size)
+        return SuffixDrafter(memory(target, namespace).suffix_index(), target.config.vocab_size)
     if name == "recycle":
-        return RecyclingDrafter(_recycled.setdefault(id(target), RecycledCandidates(target.config.vocab_size)))
+        return RecyclingDrafter(memory(target, namespace).recycled())
     model, vocab_ids = _small_model(name, target)
     return ModelDrafter(model, name=name, draft_top_k=draft_top_k, vocab_ids=vocab_ids,
                         target_vocab_size=target.config.vocab_size)
 
 
-def calibration(name: str, target: Transformer) -> Calibration | None:
-    """The process's calibration of drafter kind `name`'s confidences for `target`
+def calibration(name: str, target: Transformer, namespace: str = DEFAULT_NAMESPACE) -> Calibration | None:
+    """`namespace`'s calibration of drafter kind `name`'s confidences for `target`
     (None: SPECSERVE_CALIBRATE=0)."""
     if not calibration_enabled():
         return None
-    with _load_lock:
-        return _calibrations.setdefault((name, id(target)), Calibration())
+    return memory(target, namespace).calibration(name)
 
 
 def _small_model(name: str, target: Transformer) -> tuple[Transformer, list[int] | None]:
@@ -125,6 +128,7 @@ def _small_model(name: str, target: Transformer) -> tuple[Transformer, list[int]
             if trained_for != target.config.vocab_size:
                 raise InvalidArgument("drafter", f"drafter {name!r} was trained for a target with a vocabulary of "
                                                  f"{trained_for} tokens, this target has {target.config.vocab_size}")
-            pack_for_cpu(model)  # a tree level scores several tokens at once
+            # tuned as its target was (a tree level scores several tokens at once)
+            apply_cpu_tuning(model, tuning_of(target))
             _small_models[key] = (model, vocab_ids)
         return _small_models[key]

@@ -13,7 +13,7 @@ from protos import specserve_pb2 as pb
 from protos import specserve_pb2_grpc as pb_grpc
 from protos.server import start_server
 from protos.convert import params_from_pb, tree_to_pb
-from speculative.model import own_torch_threads
+from speculative.cpu_tuning import own_torch_threads
 from speculative.sampling import InvalidArgument
 
 from .pool import DrafterPool, Observed
@@ -48,10 +48,10 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         self.pool = pool
 
     def Prefill(self, request: pb.DrafterPrefillRequest, context: grpc.ServicerContext) -> pb.Ack:
-        # stream 0 on the wire is unset: the default drafter stream
+        stream = request.stream if request.HasField("stream") else 1  # unset: the default drafter stream
         _checked(context, lambda: self.pool.prefill(request.request_id, request.drafter, list(request.token_ids),
-                                                    params_from_pb(request.sampling), request.stream or 1,
-                                                    request.resumed))
+                                                    params_from_pb(request.sampling), stream,
+                                                    request.resumed, request.namespace))
         return pb.Ack()
 
     def Propose(self, request: pb.ProposeRequest, context: grpc.ServicerContext) -> pb.ProposeResponse:
@@ -59,7 +59,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         tree = _checked(context, lambda: self.pool.propose(
             request.request_id, request.context_length, list(request.new_tokens), request.max_tokens,
             speculative=list(request.speculative_tokens), min_confidence=request.min_confidence,
-            max_nodes=request.max_nodes or None, observed=_observed(request)))
+            max_nodes=request.max_nodes if request.HasField("max_nodes") else None, observed=_observed(request)))
         if tree is None:
             return pb.ProposeResponse(state_lost=True)
         return pb.ProposeResponse(tree=tree_to_pb(tree), seconds=time.perf_counter() - started)

@@ -21,10 +21,11 @@ def params_to_pb(p: SamplingParams) -> pb.SamplingParams:
     return msg
 
 
-def params_from_pb(msg: pb.SamplingParams) -> SamplingParams:
-    return SamplingParams(max_tokens=msg.max_tokens, temperature=msg.temperature,
-                          top_p=msg.top_p if msg.top_p != 0 else 1.0, top_k=msg.top_k,
-                          seed=msg.seed if msg.HasField("seed") else None)
+def params_from_pb(msg: pb.SamplingParams, default_max_tokens: int = SamplingParams.max_tokens) -> SamplingParams:
+    """The message's parameters; an unset `optional` field takes its default."""
+    return SamplingParams(max_tokens=msg.max_tokens if msg.HasField("max_tokens") else default_max_tokens,
+                          temperature=msg.temperature, top_p=msg.top_p if msg.HasField("top_p") else 1.0,
+                          top_k=msg.top_k, seed=msg.seed if msg.HasField("seed") else None)
 
 
 def sparse_to_pb(q: torch.Tensor) -> pb.SparseDist:

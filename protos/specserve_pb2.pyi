@@ -51,7 +51,7 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "messages", "sampling", "stop", "domain_hint", "request_id", "drafter", "pipelined")
+    __slots__ = ("prompt", "messages", "sampling", "stop", "domain_hint", "request_id", "drafter", "pipelined", "namespace")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +60,7 @@ class GenerateRequest(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
     PIPELINED_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     sampling: SamplingParams
@@ -68,7 +69,8 @@ class GenerateRequest(_message.Message):
     request_id: str
     drafter: str
     pipelined: bool
-    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., domain_hint: _Optional[str] = ..., request_id: _Optional[str] = ..., drafter: _Optional[str] = ..., pipelined: _Optional[bool] = ...) -> None: ...
+    namespace: str
+    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., domain_hint: _Optional[str] = ..., request_id: _Optional[str] = ..., drafter: _Optional[str] = ..., pipelined: _Optional[bool] = ..., namespace: _Optional[str] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "target_forward_passes", "draft_tokens", "accepted_draft_tokens", "mean_accepted_tokens", "drafter", "reused_drafts")
@@ -119,20 +121,22 @@ class GenerateChunk(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
 
 class DrafterPrefillRequest(_message.Message):
-    __slots__ = ("request_id", "drafter", "token_ids", "sampling", "stream", "resumed")
+    __slots__ = ("request_id", "drafter", "token_ids", "sampling", "stream", "resumed", "namespace")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     STREAM_FIELD_NUMBER: _ClassVar[int]
     RESUMED_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     drafter: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     stream: int
     resumed: int
-    def __init__(self, request_id: _Optional[str] = ..., drafter: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stream: _Optional[int] = ..., resumed: _Optional[int] = ...) -> None: ...
+    namespace: str
+    def __init__(self, request_id: _Optional[str] = ..., drafter: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stream: _Optional[int] = ..., resumed: _Optional[int] = ..., namespace: _Optional[str] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
     __slots__ = ("request_id", "context_length", "new_tokens", "max_tokens", "speculative_tokens", "min_confidence", "max_nodes", "observed_tokens", "observed_ids", "observed_probs")

@@ -4,6 +4,12 @@ The verifier owns the request's KV cache and the pending (last verified)
 token; each drafter keeps its own context, which the coordinator keeps in
 step by sending only the tokens verified since the last round.
 
+`Coordinator.run` is the loop, shaped as the in-process one
+(`speculative.decoding.generate`): a round prefills (the first, or to
+resume) or drafts, verifies and learns, each a step of the request's
+`_Request`; `speculative.stopping.clip` ends the output where the in-process
+loop would.
+
 A request has one drafter or several. One drafter's tree goes to the
 verifier as it is. Several drafters are all asked each round (at the same
 time, from a small thread pool), and their trees are fused into one
@@ -42,7 +48,6 @@ import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
@@ -53,12 +58,15 @@ from protos import specserve_pb2_grpc as pb_grpc
 from protos.convert import params_to_pb, tree_from_pb, tree_to_pb
 from speculative.calibration import Calibration, enabled as calibration_enabled
 from speculative.fusion import fuse
+from speculative.namespaces import DEFAULT_NAMESPACE, Namespaces
 from speculative.pipeline import likeliest_path, reuse_ahead
 from speculative.recycling import CANDIDATES
 from speculative.sampling import SamplingParams
+from speculative.stopping import clip
 from speculative.tree import DraftTree, nodes_for_depth
 
 from .adaptive import PassCostModel, SpeculationControl
+from .stats import RoundStats
 
 log = logging.getLogger(__name__)
 
@@ -102,45 +110,6 @@ class Channels:
             ch.close()
 
 
-@dataclass
-class DrafterStats:
-    proposed: int = 0  # nodes of the drafter's own trees
-    accepted: int = 0  # per round: how much of the accepted path its own tree held
-
-
-@dataclass
-class Span:
-    """One timed call of a request: 'draft' (the round waits for it), 'ahead' (drafting
-    the next round while this one is verified), 'verify' or 'prefill'."""
-    what: str
-    round: int
-    start: float  # time.monotonic()
-    end: float
-
-
-@dataclass
-class RoundStats:
-    target_forward_passes: int = 0
-    draft_tokens: int = 0  # nodes of the trees verified (fused ones, with several drafters)
-    accepted_draft_tokens: int = 0
-    per_drafter: dict[str, DrafterStats] = field(default_factory=dict)  # by drafter kind
-    batch_sizes: list[int] = field(default_factory=list)
-    reused_drafts: int = 0  # rounds whose tree was drafted ahead, during the previous verification
-    draft_lengths: list[int] = field(default_factory=list)  # chosen per round (adaptive speculation)
-    trace: list[Span] = field(default_factory=list)
-    started: float = field(default_factory=time.monotonic)
-    finished: float | None = None
-
-    def busy_seconds(self, *whats: str) -> float:
-        return sum(s.end - s.start for s in self.trace if s.what in whats)
-
-    def idle_fractions(self) -> dict[str, float]:
-        """Share of the request's wall time each side was not working on it."""
-        wall = max((self.finished or time.monotonic()) - self.started, 1e-9)
-        return {"drafter": max(0.0, 1 - self.busy_seconds("draft", "ahead") / wall),
-                "verifier": max(0.0, 1 - self.busy_seconds("verify", "prefill") / wall)}
-
-
 class DeadlineExceeded(Exception):
     pass
 
@@ -171,6 +140,7 @@ class Job:
     pipelined: bool = False  # draft each next round while this one is verified
     speculation: SpeculationControl | None = None  # adaptive draft length; None: always draft_length
     stop_confidence: float = 0.0  # model drafters stop after a token drafted with less confidence
+    namespace: str = DEFAULT_NAMESPACE  # the memory its drafters learn in (speculative.namespaces)
 
     @property
     def max_tree_nodes(self) -> int:
@@ -192,16 +162,18 @@ class Coordinator:
         self.channels = channels or Channels()
         # what verification passes cost, learned from every verdict here (adaptive lengths read it)
         self.pass_costs = pass_costs
-        # each drafter kind's confidence calibration (greedy fusion), learned from every request here
-        self._calibrations: dict[str, Calibration] = {}
+        # each namespace's confidence calibration of each drafter kind (greedy fusion), learned
+        # from every request of that namespace here
+        self._calibrations: Namespaces[dict[str, Calibration]] = Namespaces(lambda _: {})
         self._calibrations_lock = threading.Lock()
         # pipelined rounds send their verify calls from here while their own thread drafts ahead:
         # one call in flight per request, and a router serves at most 32 requests at once
         self.calls = ThreadPoolExecutor(max_workers=64, thread_name_prefix="verify-call")
 
-    def calibration(self, kind: str) -> Calibration:
+    def calibration(self, kind: str, namespace: str = DEFAULT_NAMESPACE) -> Calibration:
+        kinds = self._calibrations.get(namespace)
         with self._calibrations_lock:
-            return self._calibrations.setdefault(kind, Calibration())
+            return kinds.setdefault(kind, Calibration())
 
     def timeout(self, job: Job) -> float | None:
         """Seconds left before the job's deadline, for the next downstream call."""
@@ -219,119 +191,156 @@ class Coordinator:
             pass  # best effort: idle timeouts reclaim what we could not release
 
     def run(self, job: Job, stats: RoundStats) -> Iterator[list[int]]:
-        """Yield each round's newly verified tokens, counting into `stats`."""
-        verified: list[int] = []  # generated tokens; the last one is pending at the verifier
-        verifier, drafting = _VerifySide(self, job), _Drafting(self, job)
-        # adaptive speculation: one control per drafter, each learning its own acceptance
-        controls = None if job.speculation is None else [
-            dataclasses.replace(job.speculation, prior=reliability) if len(job.drafters) > 1 else job.speculation
-            for _, reliability in job.drafters]
-        ready: list[DraftTree] | None = None  # each drafter's tree for this round, drafted ahead
-        candidates = CANDIDATES if any(kind in LEARNS_FROM_TARGET for kind, _ in job.drafters) else 0
-        rnd, load = 0, 1  # round; requests sharing the verifier
+        """Yield each round's newly verified tokens, recording into `stats`."""
+        req = _Request(self, job, stats)
+        finish = None
         try:
-            while not self._finished(job, verified):
+            while finish is None:
                 if job.is_cancelled():
                     raise Cancelled()
-                rnd += 1
-                context = job.prompt_ids + verified
-                if not verified or verifier.stub is None:
-                    # first round, or the verifier lost the request: prefill every verified token;
-                    # the answer is the next token, exactly as a round would give it
-                    with self._span(stats, "prefill", rnd):
-                        prefilled = verifier.prefill(context, candidates)
-                    new, ready, load = [prefilled.next_token], None, max(1, verifier.active_requests)
-                    seeded = len(prefilled.candidate_ids) // candidates if candidates else 0
-                    if seeded:  # the target's predictions after the prompt's last tokens
-                        drafting.observe(context[len(context) - seeded:], prefilled)
+                req.rnd += 1
+                context = job.prompt_ids + req.verified
+                if not req.verified or req.verifier.stub is None:
+                    new = req.prefill(context)  # the first round, or the verifier lost the request
                 else:
-                    room, costs, round_cost = job.params.max_tokens - len(verified) - 1, None, None
-                    lengths = ([job.draft_length] * len(job.drafters) if controls is None
-                               else [c.length(load) for c in controls])
-                    budgets = [max(0, min(n, room)) for n in lengths]
-                    stats.draft_lengths.append(max(budgets))
-                    if not any(budgets):
-                        proposals = []
-                    elif ready is not None:
-                        proposals, ready = ready, None
-                        stats.reused_drafts += 1
-                    else:
-                        with self._span(stats, "draft", rnd):
-                            proposals = drafting.propose(context, budgets)
-                        costs = drafting.seconds_per_token(proposals)
-                        round_cost = drafting.overhead(stats.trace[-1].end - stats.trace[-1].start, budgets)
-                    tree = drafting.merge(proposals, budgets)
-                    guess = [tree.tokens[n] for n in likeliest_path(tree)]
-                    ahead = room - len(guess) - 1  # room left past a whole accepted guess and its bonus
-                    if job.pipelined and len(tree) and ahead > 0:
-                        call = verifier.verify_async(tree, len(context), candidates)
-                        with self._span(stats, "ahead", rnd):
-                            drafted_ahead = drafting.propose(context, [min(n, ahead) for n in lengths],
-                                                             speculative=guess)
-                        resp = verifier.result(call)
-                        stats.trace.append(Span("verify", rnd, call.started, call.ended))
-                        if resp is not None:
-                            ready = drafting.reuse(drafted_ahead, guess, list(resp.accepted), resp.bonus)
-                            for c in controls or ():
-                                c.reused(ready is not None)
-                    else:
-                        with self._span(stats, "verify", rnd):
-                            resp = verifier.verify(tree, len(context), candidates)
-                    if resp is None:
-                        ready = None
-                        continue
-                    if candidates:
-                        drafting.observe([context[-1]] + tree.tokens, resp)
-                    new = list(resp.accepted) + [resp.bonus]
-                    drafting.learn(proposals, new)
-                    stats.draft_tokens += len(tree)
-                    stats.accepted_draft_tokens += len(resp.accepted)
-                    drafting.count(proposals, resp.accepted, stats)
-                    stats.batch_sizes.append(resp.batch_size)
-                    # requests sharing the verifier: those of this pass and queued, and those it holds
-                    # between rounds (drafting, on the wire), which the next passes will carry too
-                    load = max(1, resp.batch_size + resp.queued, resp.active_requests)
-                    verify_s = stats.trace[-1].end - stats.trace[-1].start
-                    for i, (c, own) in enumerate(zip(controls or (), proposals)):
-                        if len(own):  # how deep the accepted path went in the drafter's own tree
-                            depth = max(own.depths)
-                            c.record(depth, _path_prefix(own, resp.accepted))
-                            c.observe_tree(len(own), depth)
-                        if costs and costs[i]:
-                            c.observe(costs[i], verify_s)
-                        if round_cost is not None and budgets[i] > 0:
-                            c.observe_round(round_cost, verify_s)
-                stats.target_forward_passes += 1
-                new = self._clip(job, verified, new)
-                verified.extend(new)
+                    draft = req.draft(context)
+                    verdict = req.verify(context, draft)
+                    if verdict is None:
+                        continue  # the verifier lost the request: the next round prefills it again
+                    new = req.learn(context, draft, verdict)
+                new, finish = clip(new, len(req.verified), job.params.max_tokens, job.eos_token_ids)
+                req.verified.extend(new)
                 yield new
-            drafting.give_output(job.prompt_ids + verified)
+            req.drafting.give_output(job.prompt_ids + req.verified)
         finally:
-            stats.finished = time.monotonic()
-            drafting.release()
-            verifier.release()
+            stats.finish()
+            req.release()
 
-    @staticmethod
-    @contextmanager
-    def _span(stats: RoundStats, what: str, rnd: int):
-        start = time.monotonic()
-        try:
-            yield
-        finally:
-            stats.trace.append(Span(what, rnd, start, time.monotonic()))
 
-    @staticmethod
-    def _finished(job: Job, verified: list[int]) -> bool:
-        return len(verified) >= job.params.max_tokens or (bool(verified) and verified[-1] in job.eos_token_ids)
+@dataclass
+class _Draft:
+    """One round's draft, as the steps after drafting need it."""
+    room: int  # draft tokens the request has room for before this round's bonus token
+    lengths: list[int]  # each drafter's draft length this round
+    budgets: list[int]  # ... cut to the room
+    proposals: list[DraftTree] = field(default_factory=list)  # each drafter's own tree; none when none drafts
+    tree: DraftTree = field(default_factory=DraftTree)  # what the verifier checks
+    costs: list[float] | None = None  # each drafter's seconds per token of depth, when drafted this round
+    round_cost: float | None = None  # what the drafting call cost beyond the drafters' own time
+    verify_seconds: float = 0.0  # the verify call's, once answered
 
-    @staticmethod
-    def _clip(job: Job, verified: list[int], new: list[int]) -> list[int]:
-        """Cut at the first end-of-sequence token and at max_tokens."""
-        for i, tok in enumerate(new):
-            if tok in job.eos_token_ids:
-                new = new[:i + 1]
-                break
-        return new[:job.params.max_tokens - len(verified)]
+
+class _Request:
+    """One request's rounds, a method per step (prefill, draft, verify, learn), and what
+    they carry from one round to the next."""
+
+    def __init__(self, coord: Coordinator, job: Job, stats: RoundStats):
+        self.job, self.stats = job, stats
+        self.verified: list[int] = []  # generated tokens; the last one is pending at the verifier
+        self.verifier, self.drafting = _VerifySide(coord, job), _Drafting(coord, job)
+        # adaptive speculation: one control per drafter, each learning its own acceptance
+        self.controls = None if job.speculation is None else [
+            dataclasses.replace(job.speculation, prior=reliability) if len(job.drafters) > 1 else job.speculation
+            for _, reliability in job.drafters]
+        self.ready: list[DraftTree] | None = None  # each drafter's tree for this round, drafted ahead
+        self.candidates = CANDIDATES if any(kind in LEARNS_FROM_TARGET for kind, _ in job.drafters) else 0
+        self.rnd, self.load = 0, 1  # round; requests sharing the verifier
+
+    def prefill(self, context: list[int]) -> list[int]:
+        """Prefill every verified token; the answer is the next token, exactly as a round
+        would give it."""
+        with self.stats.span("prefill", self.rnd):
+            prefilled = self.verifier.prefill(context, self.candidates)
+        self.ready, self.load = None, max(1, self.verifier.active_requests)
+        seeded = len(prefilled.candidate_ids) // self.candidates if self.candidates else 0
+        if seeded:  # the target's predictions after the prompt's last tokens
+            self.drafting.observe(context[len(context) - seeded:], prefilled)
+        self.stats.record_prefill()
+        return [prefilled.next_token]
+
+    def draft(self, context: list[int]) -> _Draft:
+        """Each drafter's tree for this round (those drafted ahead, if the last verdict kept
+        them), at the lengths the controls choose for the load, and the tree to verify."""
+        job = self.job
+        room = job.params.max_tokens - len(self.verified) - 1
+        lengths = ([job.draft_length] * len(job.drafters) if self.controls is None
+                   else [c.length(self.load) for c in self.controls])
+        draft = _Draft(room, lengths, [max(0, min(n, room)) for n in lengths])
+        self.stats.record_draft_length(max(draft.budgets))
+        if not any(draft.budgets):
+            pass  # nothing to draft: the round verifies the bonus token alone
+        elif self.ready is not None:
+            draft.proposals, self.ready = self.ready, None
+            self.stats.record_reuse()
+        else:
+            with self.stats.span("draft", self.rnd) as span:
+                draft.proposals = self.drafting.propose(context, draft.budgets)
+            draft.costs = self.drafting.seconds_per_token(draft.proposals)
+            draft.round_cost = self.drafting.overhead(span.seconds, draft.budgets)
+        draft.tree = self.drafting.merge(draft.proposals, draft.budgets)
+        return draft
+
+    def verify(self, context: list[int], draft: _Draft) -> pb.VerifyResponse | None:
+        """The verdict on the round's tree, or None when the request must be prefilled again.
+        Pipelined, the drafters draft the next round meanwhile."""
+        guess = [draft.tree.tokens[n] for n in likeliest_path(draft.tree)] if self.job.pipelined else []
+        ahead = draft.room - len(guess) - 1  # room left past a whole accepted guess and its bonus
+        if self.job.pipelined and len(draft.tree) and ahead > 0:
+            resp = self._verify_drafting_ahead(context, draft, guess, ahead)
+        else:
+            with self.stats.span("verify", self.rnd) as span:
+                resp = self.verifier.verify(draft.tree, len(context), self.candidates)
+            draft.verify_seconds = span.seconds
+        if resp is None:
+            self.ready = None
+        return resp
+
+    def _verify_drafting_ahead(self, context: list[int], draft: _Draft, guess: list[int],
+                               ahead: int) -> pb.VerifyResponse | None:
+        """Verify from another thread while the drafters draft the next round past `guess`
+        (the tree's likeliest path); keep that draft if the verdict allows."""
+        call = self.verifier.verify_async(draft.tree, len(context), self.candidates)
+        with self.stats.span("ahead", self.rnd):
+            drafted_ahead = self.drafting.propose(context, [min(n, ahead) for n in draft.lengths], speculative=guess)
+        resp = self.verifier.result(call)
+        draft.verify_seconds = self.stats.record_span("verify", self.rnd, call.started, call.ended).seconds
+        if resp is not None:
+            self.ready = self.drafting.reuse(drafted_ahead, guess, list(resp.accepted), resp.bonus)
+            for c in self.controls or ():
+                c.reused(self.ready is not None)
+        return resp
+
+    def learn(self, context: list[int], draft: _Draft, resp: pb.VerifyResponse) -> list[int]:
+        """Teach the verdict to all that learn from it (drafters that learn from the target's
+        scores, the fusion's calibrations, the stats, the adaptive controls); returns the
+        round's new tokens."""
+        if self.candidates:
+            self.drafting.observe([context[-1]] + draft.tree.tokens, resp)
+        new = list(resp.accepted) + [resp.bonus]
+        self.drafting.learn(draft.proposals, new)
+        self.stats.record_round(len(draft.tree), len(resp.accepted), resp.batch_size)
+        self.drafting.count(draft.proposals, resp.accepted, self.stats)
+        # requests sharing the verifier: those of this pass and queued, and those it holds
+        # between rounds (drafting, on the wire), which the next passes will carry too
+        self.load = max(1, resp.batch_size + resp.queued, resp.active_requests)
+        self._adapt(draft, resp.accepted)
+        return new
+
+    def _adapt(self, draft: _Draft, accepted: Sequence[int]) -> None:
+        """Each drafter's control learns its acceptance and what drafting and verifying cost."""
+        for i, (c, own) in enumerate(zip(self.controls or (), draft.proposals)):
+            if len(own):  # how deep the accepted path went in the drafter's own tree
+                depth = max(own.depths)
+                c.record(depth, _path_prefix(own, accepted))
+                c.observe_tree(len(own), depth)
+            if draft.costs and draft.costs[i]:
+                c.observe(draft.costs[i], draft.verify_seconds)
+            if draft.round_cost is not None and draft.budgets[i] > 0:
+                c.observe_round(draft.round_cost, draft.verify_seconds)
+
+    def release(self) -> None:
+        self.drafting.release()
+        self.verifier.release()
 
 
 class _Side:
@@ -461,7 +470,7 @@ class _Drafting:
                       for i, (kind, _) in enumerate(job.drafters)]
         self._threads = ThreadPoolExecutor(len(self.sides), thread_name_prefix="draft") if several else None
         # greedy fusion ranks nodes by each drafter's calibrated confidence (`speculative.calibration`)
-        self.calibrations = ([coord.calibration(kind) for kind, _ in job.drafters]
+        self.calibrations = ([coord.calibration(kind, job.namespace) for kind, _ in job.drafters]
                              if several and job.params.greedy and calibration_enabled() else None)
 
     def propose(self, context: list[int], budgets: list[int], speculative: list[int] = ()) -> list[DraftTree]:
@@ -519,9 +528,7 @@ class _Drafting:
     def count(self, trees: list[DraftTree], accepted: Sequence[int], stats: RoundStats) -> None:
         """Credit each drafter with its own tree's nodes and its share of the accepted path."""
         for side, tree in zip(self.sides, trees):
-            own = stats.per_drafter.setdefault(side.drafter, DrafterStats())
-            own.proposed += len(tree.tokens)
-            own.accepted += _path_prefix(tree, accepted)
+            stats.record_drafter(side.drafter, len(tree.tokens), _path_prefix(tree, accepted))
 
     def observe(self, tokens: list[int], resp: pb.VerifyResponse | pb.VerifierPrefillResponse) -> None:
         """The target's candidates at the positions it scored (`tokens`: a verify's root, then
@@ -593,7 +600,7 @@ class _DraftSide(_Side):
             stub = pb_grpc.DrafterStub(self.coord.channels.get(address))
             req = pb.DrafterPrefillRequest(request_id=self.request_id, drafter=self.drafter, token_ids=context,
                                            sampling=params_to_pb(self.job.params), stream=self.stream,
-                                           resumed=self.prefills)
+                                           resumed=self.prefills, namespace=self.job.namespace)
             self.prefills += 1
             try:
                 stub.Prefill(req, timeout=self.coord.timeout(self.job))
@@ -607,8 +614,8 @@ class _DraftSide(_Side):
         return False
 
     def propose(self, context: list[int], budget: int, speculative: list[int] = (),
-                max_nodes: int = 0) -> pb.DraftTree:
-        """A draft tree `budget` deep and at most `max_nodes` wide (0: a chain's worth) for
+                max_nodes: int | None = None) -> pb.DraftTree:
+        """A draft tree `budget` deep and at most `max_nodes` wide (None: a chain's worth) for
         `context` (and past `speculative`, drafting ahead), or an empty one (plain decoding)
         if no drafter can help."""
         for _ in range(3):

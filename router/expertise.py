@@ -39,8 +39,14 @@ totals and adds what is new to its windows. Its own outcomes count in its
 cache at once. Outcomes not yet written are lost if the process dies (at most
 `refresh_s` worth, an acceptable loss for statistics); `close()` writes them.
 
+Namespaces: a router learns within one memory namespace
+(`speculative.namespaces`); `in_namespace(ns)` is a router with the same
+settings that learns within another, so one tenant's traffic (or one benchmark
+mode's) never moves another's rankings.
+
 The store is duck-typed (`record_acceptance(drafter, domain, proposed,
-accepted)`, `acceptance_stats() -> {(drafter, domain): (proposed, accepted)}`),
+accepted, namespace)`, `acceptance_stats(domain, namespace) -> {(drafter, domain):
+(proposed, accepted)}`),
 because `router/` does not import `cluster/`. Its errors reach the caller;
 a failed refresh keeps the cache and what is unwritten, and is retried only
 after `refresh_s`.
@@ -62,9 +68,10 @@ Key = tuple[str, str]  # (drafter, domain)
 
 
 class AcceptanceStore(Protocol):
-    def record_acceptance(self, drafter: str, domain: str, proposed: int, accepted: int) -> None: ...
+    def record_acceptance(self, drafter: str, domain: str, proposed: int, accepted: int,
+                          namespace: str = "") -> None: ...
 
-    def acceptance_stats(self, domain: str | None = None) -> dict[Key, tuple[int, int]]: ...
+    def acceptance_stats(self, domain: str | None = None, namespace: str = "") -> dict[Key, tuple[int, int]]: ...
 
 
 class Route(NamedTuple):
@@ -79,7 +86,7 @@ class ExpertiseRouter:
                  epsilon: float = 0.02, rng: np.random.Generator | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  specialties: Mapping[str, Collection[str]] | None = None,
-                 specialty_prior: tuple[float, float] = (4.0, 2.0)):
+                 specialty_prior: tuple[float, float] = (4.0, 2.0), namespace: str = ""):
         """prior: Beta (alpha, beta) of a pair with no evidence, as pseudo-counts of
         accepted and rejected tokens; specialty_prior: the same for a drafter on a domain
         of its `specialties` ({drafter: domains}). rng and clock are injectable for tests."""
@@ -90,7 +97,7 @@ class ExpertiseRouter:
         if unknown:
             raise ValueError(f"unknown specialty domain(s) {', '.join(sorted(unknown))}; known: {', '.join(DOMAINS)}")
         self.specialties = {drafter: frozenset(domains) for drafter, domains in (specialties or {}).items()}
-        self.specialty_prior = specialty_prior
+        self.specialty_prior, self.namespace = specialty_prior, namespace
         self.store, self.refresh_s, self.prior, self.window, self.epsilon = store, refresh_s, prior, window, epsilon
         self.classifier = DomainClassifier.load() if classifier is None else classifier
         self._rng = rng or np.random.default_rng()
@@ -101,6 +108,16 @@ class ExpertiseRouter:
         self._seen: dict[Key, tuple[int, int]] = {}  # store totals already in the evidence
         self._unwritten: dict[Key, tuple[int, int]] = {}  # own outcomes not yet in the store
         self._next_refresh = -float("inf")
+
+    def in_namespace(self, namespace: str) -> "ExpertiseRouter":
+        """A router with these settings and classifier that learns within `namespace`."""
+        with self._lock:
+            seed = int(self._rng.integers(2**63))
+        return ExpertiseRouter(self.store, self.classifier, refresh_s=self.refresh_s, prior=self.prior,
+                               window=self.window, epsilon=self.epsilon, clock=self._clock,
+                               rng=np.random.default_rng(seed),
+                               specialties=self.specialties, specialty_prior=self.specialty_prior,
+                               namespace=namespace)
 
     # -- per request ------------------------------------------------------------
     def domain(self, prompt: str, hint: str | None = None) -> str:
@@ -174,7 +191,7 @@ class ExpertiseRouter:
             self._next_refresh = self._clock() + self.refresh_s
             unwritten = dict(self._unwritten)
         for key, (p, a) in unwritten.items():
-            self.store.record_acceptance(*key, p, a)
+            self.store.record_acceptance(*key, p, a, self.namespace)
             with self._lock:  # written: now in the totals, and already in the evidence
                 left = self._unwritten[key]  # record() may have added since
                 self._unwritten[key] = (left[0] - p, left[1] - a)
@@ -182,7 +199,7 @@ class ExpertiseRouter:
                     del self._unwritten[key]
                 seen = self._seen.get(key, (0, 0))
                 self._seen[key] = (seen[0] + p, seen[1] + a)
-        totals = self.store.acceptance_stats()
+        totals = self.store.acceptance_stats(None, self.namespace)
         with self._lock:
             for key, (p, a) in totals.items():
                 seen = self._seen.get(key, (0, 0))

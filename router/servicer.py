@@ -4,47 +4,47 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass
 
 import grpc
 
-from drafter_service.registry import check_drafter
 from protos import specserve_pb2 as pb
 from protos import specserve_pb2_grpc as pb_grpc
+from protos.convert import params_from_pb
 from protos.server import start_server
-from speculative.sampling import InvalidArgument, SamplingParams
+from speculative.drafter_kinds import check_drafter
+from speculative.namespaces import DEFAULT_NAMESPACE, Namespaces, check_namespace
+from speculative.sampling import InvalidArgument
+from speculative.stopping import clip
 from speculative.tokenizer import Tokenizer
 
-from .coordinator import Cancelled, Coordinator, DeadlineExceeded, Job, NoService, RoundStats
+from .coordinator import Cancelled, Coordinator, DeadlineExceeded, Job, NoService
 from .domains import DOMAINS
 from .adaptive import SpeculationControl
 from .expertise import ExpertiseRouter
 from .metrics import RouterMetrics
+from .settings import RouterSettings
+from .stats import RoundStats
 from .text import StreamingText
 
 ROLES = {"system", "user", "assistant"}
 NO_DEADLINE_S = 1e7  # time_remaining() above this means the client set no deadline
 
 
-@dataclass
-class RouterConfig:
+class RouterConfig(RouterSettings):
+    """A router's settings (router.settings, every default there) and what it takes
+    from its target and its drafter pools."""
+
     context_length: int
     eos_token_ids: list[int]
     vocab_size: int  # the target's
-    default_drafter: str = "pld"  # "auto": expertise routing over `routed_drafters`
-    routed_drafters: tuple[str, ...] = ()
-    fused_drafters: int = 1  # drafters a routed ("auto") request gets, their trees fused
-    draft_length: int = 5
-    tree_budget: int = 8  # most nodes of a round's tree (fused, or one tree drafter's)
-    max_prompt_tokens: int = 4096
-    default_max_tokens: int = 128
+    routed_drafters: tuple[str, ...] = ()  # what "auto" routes over: the pools' kinds
+    default_max_tokens: int = 128  # of a request that sets no max_tokens
     max_stop_strings: int = 8
-    pipelined: bool = False  # draft the next round while this one is verified (a request may override)
-    adaptive: bool = False  # draft length per request and load (router.adaptive); else always draft_length
-    stop_confidence: float = 0.0  # model drafters end a draft after a token drafted with less confidence
-    verify_row_cost: float = 0.06  # one more request's row in a pass, as a share of a one-row, one-token pass
-    verify_token_cost: float = 0.06  # one more verified token in a row, likewise
-    verify_pad_cost: float = 0.01  # attention over one more padded slot of one row, likewise
+
+    @classmethod
+    def of(cls, settings: RouterSettings, **runtime) -> RouterConfig:
+        """`settings` as they are, with the target-derived fields and `routed_drafters`."""
+        return cls(**settings.model_dump(), **runtime)
 
 
 class RouterServicer(pb_grpc.SpecserveServicer):
@@ -60,6 +60,10 @@ class RouterServicer(pb_grpc.SpecserveServicer):
     def __init__(self, tokenizer: Tokenizer, coordinator: Coordinator, config: RouterConfig,
                  expertise: ExpertiseRouter | None = None, metrics: RouterMetrics | None = None):
         self.tokenizer, self.coordinator, self.config, self.expertise = tokenizer, coordinator, config, expertise
+        # each memory namespace's expertise statistics, learned apart (speculative.namespaces)
+        self._expertise = None if expertise is None else Namespaces(
+            lambda ns: expertise if ns == DEFAULT_NAMESPACE else expertise.in_namespace(ns),
+            forget=ExpertiseRouter.close)
         self.metrics = metrics or RouterMetrics()
         if coordinator.pass_costs is not None:
             self.metrics.watch_pass_costs(coordinator.pass_costs)
@@ -87,13 +91,12 @@ class RouterServicer(pb_grpc.SpecserveServicer):
         if len(ids) > cfg.max_prompt_tokens:
             raise InvalidArgument("prompt", f"{len(ids)} tokens exceeds the limit of {cfg.max_prompt_tokens}")
         s = req.sampling
-        params = SamplingParams(max_tokens=s.max_tokens or cfg.default_max_tokens, temperature=s.temperature,
-                                top_p=s.top_p if s.top_p != 0 else 1.0, top_k=s.top_k,
-                                seed=s.seed if s.HasField("seed") else None)
+        params = params_from_pb(s, cfg.default_max_tokens)
         params.validate(len(ids), cfg.context_length)
         if req.domain_hint and req.domain_hint not in DOMAINS:
             raise InvalidArgument("domain_hint", f"unknown domain {req.domain_hint!r}; known: {', '.join(DOMAINS)}")
-        domain, drafters = self._drafters(req)
+        namespace = check_namespace(req.namespace)
+        domain, drafters = self._drafters(req, self._expertise_of(namespace))
         if len(req.stop) > cfg.max_stop_strings or any(not s for s in req.stop):
             raise InvalidArgument("stop", f"at most {cfg.max_stop_strings} non-empty strings")
         remaining = context.time_remaining()
@@ -114,21 +117,32 @@ class RouterServicer(pb_grpc.SpecserveServicer):
                    vocab_size=cfg.vocab_size, eos_token_ids=cfg.eos_token_ids, domain=domain,
                    deadline=None if remaining is None else time.monotonic() + remaining,
                    is_cancelled=lambda: not context.is_active(), pipelined=pipelined,
-                   speculation=speculation, stop_confidence=cfg.stop_confidence)
+                   speculation=speculation, stop_confidence=cfg.stop_confidence, namespace=namespace)
 
-    def _drafters(self, req: pb.GenerateRequest) -> tuple[str | None, tuple[tuple[str, float], ...]]:
-        """The request's domain (None without an expertise router) and its (drafter, reliability) pairs."""
+    def close(self) -> None:
+        """Write every namespace's routing outcomes not yet in the state store."""
+        for expertise in {id(e): e for e in [self.expertise, *(self._expertise.values() if self._expertise else ())]
+                          if e is not None}.values():
+            expertise.close()
+
+    def _expertise_of(self, namespace: str) -> ExpertiseRouter | None:
+        return None if self._expertise is None else self._expertise.get(namespace)
+
+    def _drafters(self, req: pb.GenerateRequest, expertise: ExpertiseRouter | None
+                  ) -> tuple[str | None, tuple[tuple[str, float], ...]]:
+        """The request's domain (None without an expertise router) and its (drafter, reliability)
+        pairs, from the expertise statistics of its namespace."""
         drafter = req.drafter or self.config.default_drafter
         hint = req.domain_hint or None
-        if drafter == "auto" and self.expertise is not None:  # else check_drafter refuses "auto"
-            route = self.expertise.route(_user_text(req), self.config.routed_drafters,
-                                         k=self.config.fused_drafters, hint=hint)
+        if drafter == "auto" and expertise is not None:  # else check_drafter refuses "auto"
+            route = expertise.route(_user_text(req), self.config.routed_drafters,
+                                    k=self.config.fused_drafters, hint=hint)
             return route.domain, tuple((d, route.reliability[d]) for d in route.drafters)
         check_drafter(drafter)
-        domain = None if self.expertise is None else self.expertise.domain(_user_text(req), hint)
+        domain = None if expertise is None else expertise.domain(_user_text(req), hint)
         if "+" in drafter:  # several pinned: each is asked by the coordinator, their trees fused
             kinds = tuple(dict.fromkeys(drafter.split("+")))
-            return domain, tuple((k, 1.0 if domain is None else self.expertise.reliability(k, domain)) for k in kinds)
+            return domain, tuple((k, 1.0 if domain is None else expertise.reliability(k, domain)) for k in kinds)
         return domain, ((drafter, 1.0),)  # alone: its reliability weighs nothing
 
     # -- running ------------------------------------------------------------------
@@ -143,14 +157,14 @@ class RouterServicer(pb_grpc.SpecserveServicer):
         count = 0
         try:
             for new in self.coordinator.run(job, stats):
+                # the coordinator clipped them already: this names why the output ends, if it does
+                new, reason = clip(new, count, job.params.max_tokens, job.eos_token_ids)
                 count += len(new)
                 delta = text.add(new)
                 if text.stopped:
                     yield job, delta, new, stats, "stop"
                     return
-                reason = None
-                if count >= job.params.max_tokens or new[-1] in job.eos_token_ids:
-                    reason = "stop" if new[-1] in job.eos_token_ids else "length"
+                if reason is not None:
                     delta += text.finish()
                 yield job, delta, new, stats, reason
         except DeadlineExceeded:
@@ -163,10 +177,11 @@ class RouterServicer(pb_grpc.SpecserveServicer):
             context.abort(grpc.StatusCode.INTERNAL, f"downstream {e.code().name}: {e.details()}")
         finally:
             self.metrics.observe(stats, "+".join(d for d, _ in job.drafters), count)
-            if self.expertise is not None and job.domain is not None:
+            expertise = self._expertise_of(job.namespace)
+            if expertise is not None and job.domain is not None:
                 for drafter, own in stats.per_drafter.items():
                     if own.proposed:
-                        self.expertise.record(drafter, job.domain, own.proposed, own.accepted)
+                        expertise.record(drafter, job.domain, own.proposed, own.accepted)
 
     @staticmethod
     def _usage(job: Job, stats: RoundStats, completion: int) -> pb.Usage:

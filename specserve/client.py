@@ -125,7 +125,8 @@ def _credentials(tls: bool, root_certificates: bytes | None) -> grpc.ChannelCred
 
 def _request(prompt: str | None, messages: Sequence[Mapping[str, str]] | None, max_tokens: int,
              temperature: float, top_p: float, top_k: int, seed: int | None, stop: Sequence[str],
-             domain_hint: str, drafter: str, request_id: str, pipelined: bool | None = None) -> pb.GenerateRequest:
+             domain_hint: str, drafter: str, request_id: str, pipelined: bool | None = None,
+             namespace: str = "") -> pb.GenerateRequest:
     if (prompt is None) == (messages is None):
         raise ValueError("give exactly one of prompt or messages")
     if messages is not None and not messages:
@@ -134,7 +135,7 @@ def _request(prompt: str | None, messages: Sequence[Mapping[str, str]] | None, m
     if seed is not None:  # `optional` on the wire: unset means unseeded
         sampling.seed = seed
     req = pb.GenerateRequest(sampling=sampling, stop=list(stop), domain_hint=domain_hint, drafter=drafter,
-                             request_id=request_id)
+                             request_id=request_id, namespace=namespace)
     if pipelined is not None:  # unset: the server's setting
         req.pipelined = pipelined
     if prompt is not None:
@@ -197,10 +198,11 @@ class Client(_Base):
     def generate(self, prompt: str | None = None, *, messages: Sequence[Mapping[str, str]] | None = None,
                  max_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                  seed: int | None = None, stop: Sequence[str] = (), domain_hint: str = "", drafter: str = "",
-                 request_id: str = "", pipelined: bool | None = None, timeout: float | None = None,
+                 request_id: str = "", pipelined: bool | None = None, namespace: str = "",
+                 timeout: float | None = None,
                  metadata: Sequence[tuple[str, str]] = ()) -> Completion:
         req = _request(prompt, messages, max_tokens, temperature, top_p, top_k, seed, stop, domain_hint, drafter,
-                       request_id, pipelined)
+                       request_id, pipelined, namespace)
         try:
             return _completion(self._stub.Generate(req, **self._call_args(timeout, metadata)))
         except grpc.RpcError as e:
@@ -209,11 +211,12 @@ class Client(_Base):
     def stream(self, prompt: str | None = None, *, messages: Sequence[Mapping[str, str]] | None = None,
                max_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                seed: int | None = None, stop: Sequence[str] = (), domain_hint: str = "", drafter: str = "",
-               request_id: str = "", pipelined: bool | None = None, timeout: float | None = None,
+               request_id: str = "", pipelined: bool | None = None, namespace: str = "",
+               timeout: float | None = None,
                metadata: Sequence[tuple[str, str]] = ()) -> Iterator[Chunk]:
         # Not a generator itself, so bad arguments raise here and the call starts now.
         req = _request(prompt, messages, max_tokens, temperature, top_p, top_k, seed, stop, domain_hint, drafter,
-                       request_id, pipelined)
+                       request_id, pipelined, namespace)
         return self._chunks(self._stub.GenerateStream(req, **self._call_args(timeout, metadata)))
 
     @staticmethod
@@ -250,10 +253,11 @@ class AsyncClient(_Base):
     async def generate(self, prompt: str | None = None, *, messages: Sequence[Mapping[str, str]] | None = None,
                        max_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                        seed: int | None = None, stop: Sequence[str] = (), domain_hint: str = "", drafter: str = "",
-                       request_id: str = "", pipelined: bool | None = None, timeout: float | None = None,
+                       request_id: str = "", pipelined: bool | None = None, namespace: str = "",
+                       timeout: float | None = None,
                        metadata: Sequence[tuple[str, str]] = ()) -> Completion:
         req = _request(prompt, messages, max_tokens, temperature, top_p, top_k, seed, stop, domain_hint, drafter,
-                       request_id, pipelined)
+                       request_id, pipelined, namespace)
         try:
             return _completion(await self._stub.Generate(req, **self._call_args(timeout, metadata)))
         except grpc.RpcError as e:
@@ -262,10 +266,11 @@ class AsyncClient(_Base):
     def stream(self, prompt: str | None = None, *, messages: Sequence[Mapping[str, str]] | None = None,
                max_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                seed: int | None = None, stop: Sequence[str] = (), domain_hint: str = "", drafter: str = "",
-               request_id: str = "", pipelined: bool | None = None, timeout: float | None = None,
+               request_id: str = "", pipelined: bool | None = None, namespace: str = "",
+               timeout: float | None = None,
                metadata: Sequence[tuple[str, str]] = ()) -> AsyncIterator[Chunk]:
         req = _request(prompt, messages, max_tokens, temperature, top_p, top_k, seed, stop, domain_hint, drafter,
-                       request_id, pipelined)
+                       request_id, pipelined, namespace)
         return self._chunks(self._stub.GenerateStream(req, **self._call_args(timeout, metadata)))
 
     @staticmethod

@@ -45,7 +45,7 @@ def server():
     target = tiny_model(0)
     pool, engine = DrafterPool(target, kinds=["pld"]), VerifierEngine(target, max_batch=4, max_len=64)
     config = RouterConfig(context_length=TINY.max_position_embeddings - 12, eos_token_ids=[], vocab_size=V,
-                          default_drafter="pld", draft_length=3)
+                          default_drafter="pld", draft_length=3, adaptive=False)
     with loopback(pool, engine) as coordinator:
         router, port = serve_router(RouterServicer(CharTokenizer(), coordinator, config), "127.0.0.1", 0)
         yield f"127.0.0.1:{port}"
@@ -84,13 +84,18 @@ def test_summary_of_known_latencies():
 
 @pytest.fixture
 def replayed(monkeypatch) -> list:
-    """(drafter, arrivals, prompts) of every (level, mode) run, as run_level got them."""
+    """(drafter, arrivals, prompts) of every (level, mode) run, as run_level got them; and
+    each run's memory namespace in `namespaces`."""
     calls = []
     real_run_level = load.run_level
 
-    def recording(client, arrivals, prompts, drafter, *rest):
+    def recording(client, arrivals, prompts, drafter, max_tokens, bar, namespace=""):
         calls.append((drafter, arrivals, prompts))
-        return real_run_level(client, arrivals, prompts, drafter, *rest)
+        namespaces.append(namespace)
+        return real_run_level(client, arrivals, prompts, drafter, max_tokens, bar, namespace)
+
+    namespaces = []
+    recording.namespaces = namespaces
 
     monkeypatch.setattr(load, "run_level", recording)
     return calls
@@ -121,6 +126,10 @@ def test_load_run_against_a_real_router(server, replayed, tmp_path, capsys):
     assert [d for d, _, _ in replayed] == ["none", "", "", "none"]
     assert replayed[0][1:] == replayed[1][1:] and replayed[2][1:] == replayed[3][1:]
     assert {a.client for a in replayed[2][1]} == {0, 1}
+    # each mode learns in its own memory namespace, the same across levels: one mode never
+    # drafts the answers another gave to the same prompts
+    spaces = load.run_level.namespaces
+    assert spaces[0] == spaces[3] != spaces[1] == spaces[2] and all(spaces)
     assert "| 2 | 1 | auto |" in out.with_suffix(".md").read_text()
     assert "Highest load (2 clients)" in capsys.readouterr().out
 

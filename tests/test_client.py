@@ -315,7 +315,7 @@ def specserve(*args: str) -> subprocess.CompletedProcess:
 
 def test_cli_json_through_the_server(server):
     r = specserve("--server", server.addr, "--json", "--chat", "--prompt", "Name three colours.",
-                  "--max-tokens", "4", "--seed", "7")
+                  "--max-tokens", "4", "--seed", "7", "--namespace", "tenant-a")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out.pop("seconds") > 0 and out.pop("tokens_per_s") > 0
@@ -326,6 +326,7 @@ def test_cli_json_through_the_server(server):
     req = server.servicer.requests[-1]
     assert [(m.role, m.content) for m in req.messages] == [("user", "Name three colours.")]
     assert (req.drafter, req.sampling.seed) == ("", 7)  # no --drafter: the router chooses
+    assert req.namespace == "tenant-a"
 
 
 def test_cli_streams_text_through_the_server(server):

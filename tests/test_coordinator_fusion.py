@@ -28,10 +28,11 @@ from loopback import loopback
 from protos import specserve_pb2 as pb
 from protos import specserve_pb2_grpc as pb_grpc
 from protos.convert import tree_from_pb, tree_to_pb
-from router.coordinator import Coordinator, Job, RoundStats
+from router.coordinator import Coordinator, Job
 from router.expertise import ExpertiseRouter
 from router.servicer import RouterConfig, RouterServicer
 from router.servicer import serve as serve_router
+from router.stats import RoundStats
 from speculative.batching import VerifyItem, verify_batch
 from speculative.calibration import Calibration
 from speculative.decoding import generate
@@ -59,11 +60,11 @@ class RecordingPool(DrafterPool):
         self.proposals: dict[str, list[DraftTree]] = defaultdict(list)
         self.broken: set[str] = set()
 
-    def prefill(self, request_id, kind, token_ids, params, stream=1, resumed=0):
+    def prefill(self, request_id, kind, token_ids, params, stream=1, *args, **kwargs):
         if kind in self.broken:
             raise RuntimeError(f"{kind} is broken")  # UNKNOWN on the wire: the caller tries another pool
         self.streams[request_id] = stream
-        super().prefill(request_id, kind, token_ids, params, stream, resumed)
+        super().prefill(request_id, kind, token_ids, params, stream, *args, **kwargs)
 
     def propose(self, request_id, *args, **kwargs):
         tree = super().propose(request_id, *args, **kwargs)
@@ -295,7 +296,8 @@ def test_a_routed_request_fuses_its_best_drafters_and_records_each(target, servi
     candidates = tuple(kind for kind, _ in fused)
     config = RouterConfig(context_length=TINY.max_position_embeddings - TREE_BUDGET - 4, eos_token_ids=[],
                           vocab_size=V, default_drafter="auto", routed_drafters=candidates,
-                          fused_drafters=2, draft_length=DRAFT_LENGTH, tree_budget=TREE_BUDGET)
+                          fused_drafters=2, draft_length=DRAFT_LENGTH, tree_budget=TREE_BUDGET,
+                          adaptive=False, stop_confidence=0.0)
     server, port = serve_router(RouterServicer(DigitTokenizer(), coordinator, config, expertise), "127.0.0.1", 0)
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     try:

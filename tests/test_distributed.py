@@ -32,9 +32,11 @@ PROMPTS = [p for _, p in dev_prompts(10)]
 MAX_TOKENS = 24
 # requests that name no drafter fuse pld and suffix (expertise routing, confidence fusion),
 # every request is pipelined and its draft length adaptive
-CONFIG = ServeConfig(port=0, verifiers=1, drafter_pools=2, drafter_kinds=["pld", "suffix"], fused_drafters=2,
-                     pipelined=True, adaptive=True, max_batch=8,
-                     max_len=2048, heartbeat_s=0.5, service_ttl_s=3.0, verifier_threads=1, routing_refresh_s=0.5)
+CONFIG = ServeConfig(port=0,
+                     router=dict(fused_drafters=2, pipelined=True, adaptive=True, routing_refresh_s=0.5),
+                     verifiers=dict(count=1, max_batch=8, max_len=2048, threads=1),
+                     drafter_pools=dict(count=2, kinds=["pld", "suffix"]),
+                     registry=dict(heartbeat_s=0.5, service_ttl_s=3.0))
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +61,7 @@ def reference(smollm2):
     """Single-process outputs for PROMPTS (the engine the oracle test checks)."""
     engine = LocalEngine(*smollm2)
     params = SamplingParams(max_tokens=MAX_TOKENS)
-    return [engine.run(Request(p, True, params, "pld", CONFIG.draft_length)).token_ids for p in PROMPTS]
+    return [engine.run(Request(p, True, params, "pld", CONFIG.router.draft_length)).token_ids for p in PROMPTS]
 
 
 def request(prompt: str, drafter: str = "", **sampling) -> pb.GenerateRequest:
@@ -150,6 +152,9 @@ def test_concurrent_streams_are_correct_and_batched(cluster, stub, reference):
     ({"prompt": "hi", "sampling": pb.SamplingParams(max_tokens=100_000)}, "max_tokens"),
     ({"prompt": "hi", "sampling": pb.SamplingParams(max_tokens=8, temperature=-1)}, "temperature"),
     ({"prompt": "hi", "sampling": pb.SamplingParams(max_tokens=8, top_p=1.5)}, "top_p"),
+    ({"prompt": "hi", "sampling": pb.SamplingParams(max_tokens=8, top_p=0)}, "top_p"),  # set: 0 is a value
+    ({"prompt": "hi", "sampling": pb.SamplingParams(max_tokens=0)}, "max_tokens"),
+    ({"prompt": "hi", "namespace": "two words"}, "namespace"),
     ({"prompt": "hi", "sampling": pb.SamplingParams(max_tokens=8, top_k=-3)}, "top_k"),
     ({"prompt": "word " * 5000}, "prompt"),  # over max_prompt_tokens
     ({"prompt": "hi", "domain_hint": "astrology"}, "domain_hint"),
@@ -198,7 +203,8 @@ def test_killed_drafter_pools_do_not_lose_the_request(cluster, stub, reference, 
     store = open_state_store(redis_url)
     before = {s.address for s in store.list_services("drafter")}
     engine = LocalEngine(*smollm2)
-    want = engine.run(Request(PROMPTS[1], True, SamplingParams(max_tokens=96), "pld", CONFIG.draft_length)).token_ids
+    want = engine.run(Request(PROMPTS[1], True, SamplingParams(max_tokens=96), "pld",
+                              CONFIG.router.draft_length)).token_ids
     stream = stub.GenerateStream(request(PROMPTS[1], max_tokens=96), timeout=300)
     got = list(next(stream).token_ids)
     for actor in cluster.drafters:

@@ -232,9 +232,9 @@ class CountingStore(EmbeddedStateStore):
         super().__init__()
         self.reads = self.writes = 0
 
-    def acceptance_stats(self, domain=None):
+    def acceptance_stats(self, domain=None, namespace=""):
         self.reads += 1
-        return super().acceptance_stats(domain)
+        return super().acceptance_stats(domain, namespace)
 
     def record_acceptance(self, *args) -> None:
         self.writes += 1
@@ -257,10 +257,10 @@ def test_store_is_read_at_most_once_per_refresh_interval(classifier) -> None:
 class FailingStore(EmbeddedStateStore):
     up = True
 
-    def acceptance_stats(self, domain=None):
+    def acceptance_stats(self, domain=None, namespace=""):
         if not self.up:
             raise ConnectionError("store down")
-        return super().acceptance_stats(domain)
+        return super().acceptance_stats(domain, namespace)
 
     def record_acceptance(self, *args) -> None:
         if not self.up:
@@ -303,3 +303,19 @@ def test_shipped_drafters_declare_the_domains_they_were_trained_for() -> None:
     assert "math_reasoning" in domains["small-math"] and "translation" in domains["small-language"]
     assert {"summarization", "qa", "rag"} <= set(domains["small-extraction"])
     assert set().union(*domains.values()) <= set(DOMAINS)
+
+
+def test_a_namespace_learns_apart_and_replicas_of_it_share(store, classifier) -> None:
+    """What one tenant's (or one benchmark mode's) traffic teaches the routing stays in its
+    namespace; replicas serving the same namespace still share it through the store."""
+    clock, outcomes = Clock(), np.random.default_rng(3)
+    default = make_router(store, classifier, clock, seed=1)
+    tenant = [default.in_namespace("tenant-a"), make_router(store, classifier, clock, seed=2,
+                                                            namespace="tenant-a")]
+    serve(tenant, clock, {"alpha": 0.95, "beta": 0.05}, "qa", 60, outcomes)
+    clock.t += REFRESH_S
+    for replica in tenant:
+        assert replica.reliability("alpha", "qa") > 0.8 and replica.reliability("beta", "qa") < 0.3
+    assert default.reliability("alpha", "qa") == default.reliability("beta", "qa") == 0.5  # its prior alone
+    assert default.in_namespace("tenant-b").reliability("alpha", "qa") == 0.5
+    assert store.acceptance_stats() == {}

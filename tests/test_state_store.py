@@ -179,6 +179,16 @@ def test_acceptance_stats(store: StateStore) -> None:
     assert store.acceptance_stats("nothing") == {}
 
 
+def test_acceptance_is_kept_per_namespace(store: StateStore) -> None:
+    store.record_acceptance("suffix", "code", proposed=10, accepted=9)
+    store.record_acceptance("suffix", "code", proposed=4, accepted=1, namespace="tenant-a")
+    store.record_acceptance("suffix", "code", proposed=2, accepted=2, namespace="tenant-b")
+    assert store.acceptance_stats() == {("suffix", "code"): (10, 9)}
+    assert store.acceptance_stats(namespace="tenant-a") == {("suffix", "code"): (4, 1)}
+    assert store.acceptance_stats("code", "tenant-b") == {("suffix", "code"): (2, 2)}
+    assert store.acceptance_stats(namespace="nobody") == {}
+
+
 @pytest.mark.parametrize("proposed, accepted", [(3, 4), (3, -1), (-1, -1)])
 def test_acceptance_bad_counts_refused(store: StateStore, proposed: int, accepted: int) -> None:
     with pytest.raises(ValueError):

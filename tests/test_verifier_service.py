@@ -204,7 +204,7 @@ def invalid(call, request, field: str) -> str:
 def test_bad_input_is_invalid_argument_naming_the_field(tiny):
     greedy = params_to_pb(SamplingParams(max_tokens=4))
 
-    def prefill(request_id: str, tokens: list[int], sampling: pb.SamplingParams = greedy, max_len: int = 0):
+    def prefill(request_id: str, tokens: list[int], sampling: pb.SamplingParams = greedy, max_len: int | None = None):
         return pb.VerifierPrefillRequest(request_id=request_id, token_ids=tokens, sampling=sampling, max_len=max_len)
 
     def verify(tree: pb.DraftTree, request_id: str = "ok") -> pb.VerifyRequest:
@@ -219,6 +219,7 @@ def test_bad_input_is_invalid_argument_naming_the_field(tiny):
         invalid(stub.Prefill, prefill("e", [1, 8]), "token_ids")
         invalid(stub.Prefill, prefill("e", [1], pb.SamplingParams(max_tokens=4, temperature=1.0, top_p=2.0)), "top_p")
         invalid(stub.Prefill, prefill("e", [1], max_len=65), "max_len")
+        invalid(stub.Prefill, prefill("e", [1], max_len=0), "max_len")  # set, 0 is a value, and too few
         resumed = prefill("e", [1])
         resumed.resumed = -1
         invalid(stub.Prefill, resumed, "resumed")

@@ -12,7 +12,7 @@ from protos import specserve_pb2 as pb
 from protos import specserve_pb2_grpc as pb_grpc
 from protos.server import start_server
 from protos.convert import params_from_pb, tree_from_pb
-from speculative.model import own_torch_threads
+from speculative.cpu_tuning import own_torch_threads
 from speculative.sampling import InvalidArgument
 from speculative.tree import DraftTree
 
@@ -51,9 +51,9 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                 context: grpc.ServicerContext) -> pb.VerifierPrefillResponse:
         def prefill() -> PrefillOutcome:
             tokens = list(request.token_ids)
-            if request.max_len and request.max_len < len(tokens):
+            if request.HasField("max_len") and request.max_len < len(tokens):
                 raise InvalidArgument("max_len", f"{request.max_len} is less than the {len(tokens)} token_ids")
-            reserve = request.max_len - len(tokens) if request.max_len else 0  # 0: unset, reserve nothing
+            reserve = request.max_len - len(tokens) if request.HasField("max_len") else 0  # unset: reserve nothing
             return self.engine.prefill(request.request_id, tokens, params_from_pb(request.sampling), reserve,
                                        request.candidates, request.resumed)
 
