@@ -15,6 +15,7 @@ import torch
 
 from speculative.model import Transformer, attention_mask, causal_ancestors
 from speculative.calibration import Calibration
+from speculative.drafter_kinds import Abilities, abilities as kind_abilities
 from speculative.cpu_tuning import PAD_ROWS_TO
 from speculative.fusion import fuse
 from speculative.ngram import lookup_continuation
@@ -42,6 +43,7 @@ class PromptLookupDrafter:
     last n-gram. Its draws are deterministic, so q is one-hot."""
 
     name = "pld"
+    abilities = kind_abilities("pld")
 
     def __init__(self, vocab_size: int, max_ngram: int = 3, min_ngram: int = 1):
         self.vocab_size, self.max_ngram, self.min_ngram = vocab_size, max_ngram, min_ngram
@@ -59,6 +61,7 @@ class SuffixDrafter:
     q is one-hot, which multi-draft verification handles exactly."""
 
     name = "suffix"
+    abilities = kind_abilities("suffix")
 
     def __init__(self, index: SuffixIndex, vocab_size: int):
         self.index, self.vocab_size = index, vocab_size
@@ -86,6 +89,7 @@ class RecyclingDrafter:
     deterministic, so each node's q is one-hot, as the suffix drafter's."""
 
     name = "recycle"
+    abilities = kind_abilities("recycle")
 
     def __init__(self, table: RecycledCandidates):
         self.table = table
@@ -110,6 +114,8 @@ class ModelDrafter:
     stands for every other target token on input and is never proposed. Its
     q, spread back over the target's vocabulary, is still exactly what the
     draft was drawn from."""
+
+    abilities = Abilities(stops_on_confidence=True)
 
     def __init__(self, model: Transformer, layers: Sequence[int] | None = None, name: str = "model",
                  max_len: int | None = None, draft_top_k: int | None = None,
@@ -341,6 +347,7 @@ class MultiSampleDrafter:
 
     def __init__(self, base, branches: int):
         self.base, self.branches = base, branches
+        self.abilities = base.abilities
         self.name = f"{getattr(base, 'name', 'drafter')}x{branches}"
 
     def propose(self, context: Sequence[int], max_tokens: int, params: SamplingParams,
@@ -375,9 +382,10 @@ class FusedDrafter:
         self._last: tuple[int, int, list[DraftTree]] | None = None
         # only a fusion with a member that learns from the target's scores asks for them
         # (the decoding loop pays for the prompt's and each round's top candidates)
-        self._learners = [d for d, _ in self.members if hasattr(d, "observe")]
-        if self._learners:
-            self.observe = self._observe
+        self.abilities = Abilities()
+        for drafter, _ in self.members:
+            self.abilities = self.abilities.joined(drafter.abilities)
+        self._learners = [d for d, _ in self.members if d.abilities.learns_from_target]
 
     def propose(self, context: Sequence[int], max_tokens: int, params: SamplingParams,
                 generator: torch.Generator, verified: int | None = None, max_nodes: int | None = None) -> DraftTree:
@@ -408,6 +416,6 @@ class FusedDrafter:
                     cal.learn(tree, known[n:])
         self._last = None
 
-    def _observe(self, tokens: Sequence[int], ids: torch.Tensor, probs: torch.Tensor) -> None:
+    def observe(self, tokens: Sequence[int], ids: torch.Tensor, probs: torch.Tensor) -> None:
         for drafter in self._learners:
             drafter.observe(tokens, ids, probs)

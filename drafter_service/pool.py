@@ -118,7 +118,7 @@ class DrafterPool:
             if len(state.context) != context_length:
                 return None
             state.context.extend(new_tokens)
-            if observed is not None and len(observed[0]) and hasattr(state.drafter, "observe"):
+            if observed is not None and len(observed[0]) and state.drafter.abilities.learns_from_target:
                 state.drafter.observe(*observed)
             return self._draft(state, max_tokens, list(speculative), min_confidence, max_nodes)
 
@@ -150,7 +150,7 @@ class DrafterPool:
         room = self.target.config.max_position_embeddings - len(context)
         if room < 0:
             return DraftTree()
-        if hasattr(state.drafter, "stop_below"):
+        if state.drafter.abilities.stops_on_confidence:
             state.drafter.stop_below = min_confidence
         return state.drafter.propose(context, min(max_tokens, room), state.params, state.generator,
                                      verified=len(state.context), max_nodes=max_nodes)

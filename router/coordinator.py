@@ -57,6 +57,7 @@ from protos import specserve_pb2 as pb
 from protos import specserve_pb2_grpc as pb_grpc
 from protos.convert import params_to_pb, tree_from_pb, tree_to_pb
 from speculative.calibration import Calibration, enabled as calibration_enabled
+from speculative.drafter_kinds import abilities
 from speculative.fusion import fuse
 from speculative.namespaces import DEFAULT_NAMESPACE, Namespaces
 from speculative.pipeline import likeliest_path, reuse_ahead
@@ -70,12 +71,6 @@ from .stats import RoundStats
 
 log = logging.getLogger(__name__)
 
-# Drafters whose shared index learns from every request's output (SuffixDecoding):
-# a request that asked one for little or nothing still gives it the whole output.
-LEARNS_FROM_OUTPUTS = frozenset({"suffix"})
-# Drafters that learn from the target's own predictions (Token Recycling): the verifier
-# reports its top candidates at every position it scores, and they get them.
-LEARNS_FROM_TARGET = frozenset({"recycle"})
 MAX_OBSERVED = 4096  # positions kept for a drafter not asked to draft for a while (newest kept)
 
 # gRPC failures after which another replica (or no drafting) is the answer
@@ -243,7 +238,7 @@ class _Request:
             dataclasses.replace(job.speculation, prior=reliability) if len(job.drafters) > 1 else job.speculation
             for _, reliability in job.drafters]
         self.ready: list[DraftTree] | None = None  # each drafter's tree for this round, drafted ahead
-        self.candidates = CANDIDATES if any(kind in LEARNS_FROM_TARGET for kind, _ in job.drafters) else 0
+        self.candidates = CANDIDATES if any(abilities(kind).learns_from_target for kind, _ in job.drafters) else 0
         self.rnd, self.load = 0, 1  # round; requests sharing the verifier
 
     def prefill(self, context: list[int]) -> list[int]:
@@ -268,7 +263,9 @@ class _Request:
         draft = _Draft(room, lengths, [max(0, min(n, room)) for n in lengths])
         self.stats.record_draft_length(max(draft.budgets))
         if not any(draft.budgets):
-            pass  # nothing to draft: the round verifies the bonus token alone
+            # nothing to draft: the round verifies the bonus token alone, and a tree drafted
+            # ahead for this round's context would be one token behind the next round's
+            self.ready = None
         elif self.ready is not None:
             draft.proposals, self.ready = self.ready, None
             self.stats.record_reuse()
@@ -537,14 +534,14 @@ class _Drafting:
         if not resp.candidate_ids or len(resp.candidate_ids) % len(tokens):
             return  # a verifier that did not report them: nothing to learn this round
         for side in self.sides:
-            if side.drafter in LEARNS_FROM_TARGET:
+            if abilities(side.drafter).learns_from_target:
                 side.observe(tokens, resp.candidate_ids, resp.candidate_probs)
 
     def give_output(self, context: list[int]) -> None:
         """A finished request's whole context, to the drafters that learn from every output,
         however little they drafted (a drafter skipped while its length was 0 lags behind)."""
         for side in self.sides:
-            if side.drafter in LEARNS_FROM_OUTPUTS and side.synced < len(context):
+            if abilities(side.drafter).learns_from_outputs and side.synced < len(context):
                 try:
                     side.propose(context, 0)
                 except (grpc.RpcError, DeadlineExceeded):

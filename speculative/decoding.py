@@ -21,6 +21,7 @@ import torch
 from .model import KVCache, Transformer, attention_mask, causal_ancestors
 from .sampling import InvalidArgument, SamplingParams, first_token, make_generator
 from .batching import VerifyItem, verify_batch
+from .drafter_kinds import Abilities
 from .pipeline import likeliest_path, reuse_ahead
 from .recycling import PROMPT_SEED, top_candidates
 from .stopping import clip
@@ -41,12 +42,15 @@ class Drafter(Protocol):
     size (None: `max_tokens`). Chain drafters ignore `max_nodes`; tree
     drafters may branch to fill it.
 
-    A drafter may also have `observe(tokens, ids, probs)`: after each
+    `abilities` declares what else it does (`speculative.drafter_kinds.Abilities`).
+    One that `learns_from_target` has `observe(tokens, ids, probs)`: after each
     verification pass it gets the tokens of the positions the target scored
     (the root, then the tree's nodes) and the target's likeliest next tokens
     at each (`speculative.recycling.top_candidates`), to learn from (Token
-    Recycling).
+    Recycling). One that `stops_on_confidence` has `stop_below`.
     """
+
+    abilities: Abilities
 
     def propose(self, context: Sequence[int], max_tokens: int, params: SamplingParams,
                 generator: torch.Generator, verified: int | None = None,
@@ -110,10 +114,15 @@ class Round:
     ready: DraftTree | None = None  # the next round's tree: drafted ahead and kept by the verdict
 
 
+def _observer(drafter: Drafter | None):
+    """The drafter's `observe`, if it learns from the target's scores."""
+    return drafter.observe if drafter is not None and drafter.abilities.learns_from_target else None
+
+
 def prefill(spec: Speculation, prompt_ids: Sequence[int]) -> int:
     """Put the prompt in the cache; returns the target's first token. A drafter that learns
     from the target's scores also gets its predictions after the prompt's last tokens."""
-    observe = getattr(spec.drafter, "observe", None)
+    observe = _observer(spec.drafter)
     device, n = spec.target.device, len(prompt_ids)
     seed = min(n, PROMPT_SEED) if observe is not None else 1
     logits = spec.target(torch.tensor([list(prompt_ids)], device=device), torch.arange(n, device=device)[None],
@@ -178,7 +187,7 @@ def generate(target: Transformer, prompt_ids: Sequence[int], params: SamplingPar
         raise InvalidArgument("tree_budget", f"must be >= 0, got {tree_budget}")
     params.validate(len(prompt_ids), target.config.max_position_embeddings)
     started = time.perf_counter()
-    observe = getattr(drafter, "observe", None)  # a drafter that learns from the target's scores
+    observe = _observer(drafter)
     spec = Speculation(
         target, target.new_cache(len(prompt_ids) + params.max_tokens + max(draft_length, nodes) + 1), params,
         verifier_rng=make_generator(params.seed, target.device, stream=0),

@@ -11,6 +11,7 @@ one tree per round. The configuration and the router validate names here;
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import InvalidArgument
@@ -19,6 +20,48 @@ from .errors import InvalidArgument
 SHIPPED_DIR = Path(__file__).resolve().parent.parent / "drafter_service" / "checkpoints"
 SHIPPED_DRAFTERS = ("small-general", "small-math", "small-extraction", "small-language")
 DRAFTER_NAMES = ("none", "pld", "layerskip", "suffix", "recycle") + SHIPPED_DRAFTERS
+
+
+@dataclass(frozen=True)
+class Abilities:
+    """What a drafter kind does beyond proposing trees, declared once so that the
+    decoding loop, the pool and the router ask instead of naming kinds."""
+
+    # after each verification pass it takes the target's likeliest next tokens at every
+    # position the pass scored (`observe`), so the target's verifier must report them
+    learns_from_target: bool = False
+    # it learns from every verified output, so a request that asked it for little or
+    # nothing still gives it the whole output when it ends
+    learns_from_outputs: bool = False
+    # what it learns is shared by the requests of a memory namespace (speculative.namespaces)
+    shares_memory: bool = False
+    # it ends a draft after a token drawn with less confidence than it is told (SpecDec++)
+    stops_on_confidence: bool = False
+
+    def joined(self, other: "Abilities") -> "Abilities":
+        """What a fusion of the two learns from (a fusion forwards no confidence stop)."""
+        return Abilities(self.learns_from_target or other.learns_from_target,
+                         self.learns_from_outputs or other.learns_from_outputs,
+                         self.shares_memory or other.shares_memory)
+
+
+_ABILITIES = {
+    "suffix": Abilities(learns_from_outputs=True, shares_memory=True),
+    "recycle": Abilities(learns_from_target=True, shares_memory=True),
+}
+_MODEL = Abilities(stops_on_confidence=True)  # layerskip, small drafters, trained directories
+
+
+def abilities(name: str) -> Abilities:
+    """What drafter `name` (a kind, a directory, or several joined by '+') declares."""
+    if "+" in name:
+        joined = Abilities()
+        for part in name.split("+"):
+            joined = joined.joined(abilities(part))
+        return joined
+    if name in ("none", "pld"):
+        return Abilities()
+    return _ABILITIES.get(name, _MODEL)
 
 
 def is_drafter_dir(path: str | Path) -> bool:

@@ -9,6 +9,7 @@ import torch
 
 from drafter_service.drafters import FusedDrafter
 from speculative.calibration import MIDPOINTS, Calibration
+from speculative.drafter_kinds import Abilities
 from speculative.sampling import SamplingParams
 from speculative.tree import DraftTree
 
@@ -43,6 +44,8 @@ def test_rates_start_at_the_confidence_and_follow_the_evidence():
 
 class Fixed:
     """A drafter that always proposes the same chain at the same confidence."""
+
+    abilities = Abilities()
 
     def __init__(self, tokens, confidence):
         self.tokens, self.confidence, self.name = tokens, confidence, f"fixed{tokens}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from drafter_service.drafters import ModelDrafter
@@ -118,3 +119,17 @@ def test_sampled_tree_draws_each_chain_from_the_drafters_own_q_and_leaves_the_ca
     longer = ctx + [tree.tokens[0], 4]
     assert drafter.propose(longer, 3, GREEDY, torch.Generator()).tokens == \
         ModelDrafter(model, max_len=64).propose(longer, 3, GREEDY, torch.Generator()).tokens
+
+
+@pytest.mark.parametrize("name", ["pld", "suffix", "recycle", "layerskip", "pld+suffix", "recycle+layerskip",
+                                  "suffix+recycle+layerskip"])
+def test_each_drafter_declares_the_abilities_its_name_has(name):
+    """The router and the pool read a drafter's abilities by name (no torch) or on the drafter
+    itself; both must say the same, and what a drafter declares it must have."""
+    from drafter_service.registry import make_drafter
+    from speculative.drafter_kinds import abilities
+
+    drafter = make_drafter(name, tiny_model(0))
+    assert drafter.abilities == abilities(name)
+    assert callable(getattr(drafter, "observe", None)) or not drafter.abilities.learns_from_target
+    assert hasattr(drafter, "stop_below") or not drafter.abilities.stops_on_confidence

@@ -78,8 +78,9 @@ def test_only_a_fusion_with_a_learner_asks_for_the_targets_scores():
 
     table = RecycledCandidates(TINY.vocab_size, k=3)
     plain = FusedDrafter([(PromptLookupDrafter(TINY.vocab_size), 1.0)] * 2)
-    assert not hasattr(plain, "observe")  # the decoding loop then computes no candidates
+    assert not plain.abilities.learns_from_target  # the decoding loop then computes no candidates
     fused = FusedDrafter([(PromptLookupDrafter(TINY.vocab_size), 1.0), (RecyclingDrafter(table), 1.0)])
+    assert fused.abilities.learns_from_target
     fused.observe([1], torch.tensor([[2, 3]]), torch.tensor([[0.6, 0.3]]))
     assert table.ids[1, :2].tolist() == [2, 3]
 
