@@ -154,16 +154,17 @@ def draft_token_ms(engine: LocalEngine, drafters: list[str], target_ms: float, p
     and its ratio to one target forward of one token; with `tree_nodes`, also of one
     level of a greedy token tree of that many nodes, `tokens` deep."""
     from drafter_service.registry import make_drafter
+    from speculative.decoding import DraftRequest
 
     context = [int(t) for t in torch.arange(prefix) * 7 % 1000 + 100]
     out = {}
     for name in drafters:
         drafter = make_drafter(name, engine.model)
-        drafter.propose(context, tokens, SamplingParams(), None)  # prefill the drafter's cache
+        drafter.propose(DraftRequest(context, tokens, SamplingParams()))  # prefill the drafter's cache
         times = []
         for _ in range(repeats):
             start = time.perf_counter()
-            drafter.propose(context, tokens, SamplingParams(), None)  # re-feeds the last token, drafts `tokens`
+            drafter.propose(DraftRequest(context, tokens, SamplingParams()))  # re-feeds the last token, drafts `tokens`
             times.append((time.perf_counter() - start) / tokens)
         ms = statistics.median(times) * 1000
         out[name] = {"ms": round(ms, 2), "ratio_to_target_forward": round(ms / target_ms, 3)}
@@ -171,7 +172,7 @@ def draft_token_ms(engine: LocalEngine, drafters: list[str], target_ms: float, p
             levels = []
             for _ in range(repeats):
                 start = time.perf_counter()
-                drafter.propose(context, tokens, SamplingParams(), None, max_nodes=tree_nodes)
+                drafter.propose(DraftRequest(context, tokens, SamplingParams(), max_nodes=tree_nodes))
                 levels.append((time.perf_counter() - start) / tokens)
             level_ms = statistics.median(levels) * 1000
             out[name].update(tree_level_ms=round(level_ms, 2), tree_level_ratio=round(level_ms / target_ms, 3))

@@ -9,12 +9,14 @@ the context it is given.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Sequence
 
 import torch
 
 from speculative.model import Transformer, attention_mask, causal_ancestors
 from speculative.calibration import Calibration
+from speculative.decoding import DraftRequest
 from speculative.drafter_kinds import Abilities, abilities as kind_abilities
 from speculative.cpu_tuning import PAD_ROWS_TO
 from speculative.fusion import fuse
@@ -48,10 +50,9 @@ class PromptLookupDrafter:
     def __init__(self, vocab_size: int, max_ngram: int = 3, min_ngram: int = 1):
         self.vocab_size, self.max_ngram, self.min_ngram = vocab_size, max_ngram, min_ngram
 
-    def propose(self, context: Sequence[int], max_tokens: int, params: SamplingParams,
-                generator: torch.Generator, verified: int | None = None, max_nodes: int | None = None) -> DraftTree:
-        tokens = lookup_continuation(context, max_tokens, self.max_ngram, self.min_ngram)
-        return DraftTree.chain(tokens, None if params.greedy else _one_hot(tokens, self.vocab_size))
+    def propose(self, request: DraftRequest) -> DraftTree:
+        tokens = lookup_continuation(request.context, request.depth, self.max_ngram, self.min_ngram)
+        return DraftTree.chain(tokens, None if request.params.greedy else _one_hot(tokens, self.vocab_size))
 
 
 class SuffixDrafter:
@@ -68,16 +69,15 @@ class SuffixDrafter:
         self.stream = SuffixStream()
         self.fed: list[int] = []  # the verified context fed so far (its length and last token say if it holds)
 
-    def propose(self, context: Sequence[int], max_tokens: int, params: SamplingParams,
-                generator: torch.Generator, verified: int | None = None, max_nodes: int | None = None) -> DraftTree:
-        known = list(context[:len(context) if verified is None else verified])  # a guess ahead is not fed
+    def propose(self, request: DraftRequest) -> DraftTree:
+        known = list(request.known)  # a guess ahead is not fed
         n = len(self.fed)
         if len(known) < n or (n and known[n - 1] != self.fed[-1]):  # not our request's context: start over
             self.stream, self.fed, n = SuffixStream(), [], 0
         self.index.feed(self.stream, known[n:])
         self.fed = known
-        tree = self.index.propose(context, max_tokens if max_nodes is None else max_nodes, max_depth=max_tokens)
-        if not params.greedy and len(tree):
+        tree = self.index.propose(request.context, request.nodes, max_depth=request.depth)
+        if not request.params.greedy and len(tree):
             tree.draw_q = _one_hot([tree.tokens[node] for node in tree.draw_nodes], self.vocab_size)
         return tree
 
@@ -97,10 +97,9 @@ class RecyclingDrafter:
     def observe(self, tokens: Sequence[int], ids: torch.Tensor, probs: torch.Tensor) -> None:
         self.table.observe(tokens, ids, probs)
 
-    def propose(self, context: Sequence[int], max_tokens: int, params: SamplingParams,
-                generator: torch.Generator, verified: int | None = None, max_nodes: int | None = None) -> DraftTree:
-        tree = self.table.propose(context[-1], max_tokens if max_nodes is None else max_nodes, max_tokens)
-        if not params.greedy and len(tree):
+    def propose(self, request: DraftRequest) -> DraftTree:
+        tree = self.table.propose(request.context[-1], request.nodes, request.depth)
+        if not request.params.greedy and len(tree):
             tree.draw_q = _one_hot([tree.tokens[node] for node in tree.draw_nodes], self.table.vocab_size)
         return tree
 
@@ -136,11 +135,11 @@ class ModelDrafter:
         self.cache = None
         self.cached: list[int] = []  # tokens whose keys and values the cache holds
 
-    def _sync(self, context: Sequence[int], max_tokens: int) -> torch.Tensor:
+    def _sync(self, context: Sequence[int], depth: int) -> torch.Tensor:
         """Bring the cache to context[:-1] plus the last token; return logits after it."""
         # the cache grows with the request (doubling), never past max_len; PAD_ROWS_TO spare
         # slots hold a padded pass
-        need = min(len(context) + max_tokens + PAD_ROWS_TO, self.max_len)
+        need = min(len(context) + depth + PAD_ROWS_TO, self.max_len)
         if self.cache is None:
             n_layers = len(self.layers) if self.layers is not None else None
             self.cache = self.model.new_cache(min(max(need, 256), self.max_len), num_layers=n_layers)
@@ -169,19 +168,18 @@ class ModelDrafter:
             logits = torch.cat((logits[:-1], logits.new_full((1,), float("-inf"))))
         return logits
 
-    def propose(self, context: Sequence[int], max_tokens: int, params: SamplingParams,
-                generator: torch.Generator, verified: int | None = None, max_nodes: int | None = None) -> DraftTree:
-        if len(context) + max_tokens > self.max_len:
-            max_tokens = self.max_len - len(context)
-        max_nodes = max_tokens if max_nodes is None else max_nodes
-        if max_tokens > 0 and max_nodes > max_tokens:
+    def propose(self, request: DraftRequest) -> DraftTree:
+        context, params, generator = request.context, request.params, request.generator
+        depth = min(request.depth, self.max_len - len(context))  # the cache holds no more
+        nodes = depth if request.max_nodes is None else request.max_nodes
+        if depth > 0 and nodes > depth:
             if params.greedy:
-                return self._propose_tree(context, max_tokens, max_nodes)
-            if max_nodes >= 2 * max_tokens:
-                return self._sample_tree(context, max_tokens, max_nodes // max_tokens, params, generator)
-        logits = self._sync(context, max_tokens)
+                return self._propose_tree(context, depth, nodes)
+            if nodes >= 2 * depth:
+                return self._sample_tree(context, depth, nodes // depth, params, generator)
+        logits = self._sync(context, depth)
         tokens, qs, confidence = [], [], []
-        for i in range(max_tokens):
+        for i in range(depth):
             if params.greedy:
                 tok = int(logits.argmax())
                 confidence.append(float(torch.softmax(logits.float(), -1)[tok]))
@@ -197,7 +195,7 @@ class ModelDrafter:
             # whether to draw another depends on it, which verification allows.
             if confidence[-1] < self.stop_below:
                 break
-            if i + 1 < max_tokens:
+            if i + 1 < depth:
                 logits = self._feed([tok], len(self.cached))
         return DraftTree.chain(tokens, torch.stack(qs) if qs else None, confidence)
 
@@ -350,11 +348,10 @@ class MultiSampleDrafter:
         self.abilities = base.abilities
         self.name = f"{getattr(base, 'name', 'drafter')}x{branches}"
 
-    def propose(self, context: Sequence[int], max_tokens: int, params: SamplingParams,
-                generator: torch.Generator, verified: int | None = None, max_nodes: int | None = None) -> DraftTree:
+    def propose(self, request: DraftRequest) -> DraftTree:
         tree = DraftTree()
         for _ in range(self.branches):
-            chain = self.base.propose(context, max_tokens, params, generator, verified)
+            chain = self.base.propose(replace(request, max_nodes=None))
             tree.add_chain(chain.tokens, chain.draw_q, confidence=chain.confidence)
         return tree
 
@@ -387,23 +384,22 @@ class FusedDrafter:
             self.abilities = self.abilities.joined(drafter.abilities)
         self._learners = [d for d, _ in self.members if d.abilities.learns_from_target]
 
-    def propose(self, context: Sequence[int], max_tokens: int, params: SamplingParams,
-                generator: torch.Generator, verified: int | None = None, max_nodes: int | None = None) -> DraftTree:
-        tokens = min(max_tokens, self.member_tokens or max_tokens)
-        max_nodes = max_tokens if max_nodes is None else max_nodes
-        if params.greedy:
-            self._learn(context[:len(context) if verified is None else verified])
+    def propose(self, request: DraftRequest) -> DraftTree:
+        context, greedy, nodes = request.context, request.params.greedy, request.nodes
+        member = replace(request, depth=min(request.depth, self.member_tokens or request.depth), max_nodes=nodes)
+        if greedy:
+            self._learn(request.known)
         proposals = []
         for drafter, reliability in self.members:
-            own = None if params.greedy else torch.Generator().manual_seed(
-                int(torch.randint(2**62, (), generator=generator)))
-            proposals.append((drafter.propose(context, tokens, params, own, verified, max_nodes), reliability))
-        if not params.greedy:
-            return fuse(proposals, max_nodes, greedy=False)
-        if verified is None or verified == len(context):  # not a draft ahead of an unverified guess
+            own = None if greedy else torch.Generator().manual_seed(
+                int(torch.randint(2**62, (), generator=request.generator)))
+            proposals.append((drafter.propose(replace(member, generator=own)), reliability))
+        if not greedy:
+            return fuse(proposals, nodes, greedy=False)
+        if len(request.known) == len(context):  # not a draft ahead of an unverified guess
             self._last = (len(context), context[-1], [tree for tree, _ in proposals])
         return fuse([(cal.calibrated(tree) if cal else tree, reliability)
-                     for (tree, reliability), cal in zip(proposals, self.calibrations)], max_nodes, greedy=True)
+                     for (tree, reliability), cal in zip(proposals, self.calibrations)], nodes, greedy=True)
 
     def _learn(self, known: Sequence[int]) -> None:
         """Teach the calibrations last round's verdict: what the target took after its context."""

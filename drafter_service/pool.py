@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from speculative.decoding import Drafter
+from speculative.decoding import Drafter, DraftRequest
 from speculative.model import Transformer
 from speculative.namespaces import DEFAULT_NAMESPACE, check_namespace
 from speculative.sampling import InvalidArgument, SamplingParams, make_generator
@@ -152,8 +152,8 @@ class DrafterPool:
             return DraftTree()
         if state.drafter.abilities.stops_on_confidence:
             state.drafter.stop_below = min_confidence
-        return state.drafter.propose(context, min(max_tokens, room), state.params, state.generator,
-                                     verified=len(state.context), max_nodes=max_nodes)
+        return state.drafter.propose(DraftRequest(context, min(max_tokens, room), state.params, state.generator,
+                                                  verified=len(state.context), max_nodes=max_nodes))
 
     def _check_observed(self, tokens: Sequence[int], ids: torch.Tensor, probs: torch.Tensor) -> None:
         self._check_vocabulary("observed_tokens", tokens)

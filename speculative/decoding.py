@@ -28,19 +28,37 @@ from .stopping import clip
 from .tree import DraftTree, nodes_for_depth
 
 
+@dataclass(frozen=True)
+class DraftRequest:
+    """What one `Drafter.propose` call asks for."""
+
+    context: Sequence[int]  # every verified token; drafting ahead, the guessed ones after them
+    depth: int  # the most tokens deep the tree may go (a chain's length)
+    params: SamplingParams
+    generator: torch.Generator | None = None  # the request's drafter stream (None: greedy callers)
+    verified: int | None = None  # how many of `context` are verified (None: all)
+    max_nodes: int | None = None  # the most nodes of the tree (None: `depth`, a chain's worth)
+
+    @property
+    def nodes(self) -> int:
+        """The node budget."""
+        return self.depth if self.max_nodes is None else self.max_nodes
+
+    @property
+    def known(self) -> Sequence[int]:
+        """The verified part of the context: all a drafter may learn from."""
+        return self.context if self.verified is None else self.context[:self.verified]
+
+
 class Drafter(Protocol):
-    """Proposes a draft tree that continues `context` (all verified tokens).
+    """Proposes a draft tree that continues a request's context (`DraftRequest`).
 
     A drafter keeps whatever state it likes per request (a KV cache, say) and
-    must bring it in line with `context` itself: tokens it guessed that the
+    must bring it in line with the context itself: tokens it guessed that the
     verifier rejected are simply absent from the next context. When drafting
-    ahead (pipelining), only the first `verified` tokens of `context` are
-    verified (None: all); a drafter that learns from the text (a shared
-    suffix index) must learn from those only.
-
-    `max_tokens` bounds the tree's depth (a chain's length); `max_nodes` its
-    size (None: `max_tokens`). Chain drafters ignore `max_nodes`; tree
-    drafters may branch to fill it.
+    ahead (pipelining), only `request.known` is verified; a drafter that learns
+    from the text (a shared suffix index) must learn from that only. Chain
+    drafters ignore the node budget; tree drafters may branch to fill it.
 
     `abilities` declares what else it does (`speculative.drafter_kinds.Abilities`).
     One that `learns_from_target` has `observe(tokens, ids, probs)`: after each
@@ -52,9 +70,7 @@ class Drafter(Protocol):
 
     abilities: Abilities
 
-    def propose(self, context: Sequence[int], max_tokens: int, params: SamplingParams,
-                generator: torch.Generator, verified: int | None = None,
-                max_nodes: int | None = None) -> DraftTree: ...
+    def propose(self, request: DraftRequest) -> DraftTree: ...
 
 
 @dataclass
@@ -141,8 +157,8 @@ def speculative_round(spec: Speculation, context: list[int], left: int, ready: D
     tree, ahead, guess = DraftTree(), None, []
     if spec.drafter is not None and budget > 0:
         nodes = nodes_for_depth(budget, spec.draft_length, spec.tree_budget)
-        tree = ready if ready else spec.drafter.propose(context, budget, spec.params, spec.drafter_rng,
-                                                        max_nodes=nodes)
+        tree = ready if ready else spec.drafter.propose(DraftRequest(context, budget, spec.params, spec.drafter_rng,
+                                                                     max_nodes=nodes))
         tree = tree.truncated(nodes)
         if spec.pipelined:
             guess = [tree.tokens[node] for node in likeliest_path(tree)]
@@ -160,8 +176,9 @@ def _draft_ahead(spec: Speculation, context: list[int], guess: list[int], left: 
     room = min(spec.draft_length, left - len(guess) - 2)
     if room <= 0:
         return None
-    return spec.drafter.propose(context + guess, room, spec.params, spec.drafter_rng, verified=len(context),
-                                max_nodes=nodes_for_depth(room, spec.draft_length, spec.tree_budget))
+    return spec.drafter.propose(DraftRequest(context + guess, room, spec.params, spec.drafter_rng,
+                                             verified=len(context),
+                                             max_nodes=nodes_for_depth(room, spec.draft_length, spec.tree_budget)))
 
 
 def generate(target: Transformer, prompt_ids: Sequence[int], params: SamplingParams,

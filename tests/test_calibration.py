@@ -9,6 +9,7 @@ import torch
 
 from drafter_service.drafters import FusedDrafter
 from speculative.calibration import MIDPOINTS, Calibration
+from speculative.decoding import DraftRequest
 from speculative.drafter_kinds import Abilities
 from speculative.sampling import SamplingParams
 from speculative.tree import DraftTree
@@ -50,8 +51,9 @@ class Fixed:
     def __init__(self, tokens, confidence):
         self.tokens, self.confidence, self.name = tokens, confidence, f"fixed{tokens}"
 
-    def propose(self, context, max_tokens, params, generator, verified=None, max_nodes=None):
-        return DraftTree.chain(self.tokens[:max_tokens], confidence=[self.confidence] * min(max_tokens, len(self.tokens)))
+    def propose(self, request):
+        depth = request.depth
+        return DraftTree.chain(self.tokens[:depth], confidence=[self.confidence] * min(depth, len(self.tokens)))
 
 
 @pytest.mark.parametrize("calibrated", [True, False])
@@ -64,7 +66,7 @@ def test_fused_drafter_learns_which_member_to_trust(calibrated):
     fused = FusedDrafter([(wrong, 1.0), (right, 1.0)], calibrations=cals)
     params, context, firsts = SamplingParams(max_tokens=100), [0], []
     for _ in range(12):
-        tree = fused.propose(context, 2, params, torch.Generator(), max_nodes=2)
+        tree = fused.propose(DraftRequest(context, 2, params, torch.Generator(), max_nodes=2))
         firsts.append(tree.tokens[0])
         context = context + [3, 4, 9]  # the target's tokens: B's chain, then its bonus token
     assert firsts[0] == 1  # before any evidence the sure member leads
@@ -75,9 +77,9 @@ def test_a_draft_ahead_teaches_nothing_and_a_foreign_context_is_ignored():
     cal = Calibration()
     fused = FusedDrafter([(Fixed([3, 4], 0.95), 1.0)], calibrations=[cal])
     params = SamplingParams(max_tokens=100)
-    fused.propose([0], 2, params, torch.Generator(), max_nodes=2)
-    fused.propose([0, 3, 4, 9, 3], 2, params, torch.Generator(), verified=4, max_nodes=2)  # ahead of a guess
+    fused.propose(DraftRequest([0], 2, params, torch.Generator(), max_nodes=2))
+    fused.propose(DraftRequest([0, 3, 4, 9, 3], 2, params, torch.Generator(), verified=4, max_nodes=2))  # ahead of a guess
     labelled = sum(cal.labels)
     assert labelled == pytest.approx(2.0, rel=1e-2)  # the first round's two nodes, from the verified part
-    fused.propose([7, 7, 7, 7, 7], 2, params, torch.Generator(), max_nodes=2)  # nothing stored to learn from
+    fused.propose(DraftRequest([7, 7, 7, 7, 7], 2, params, torch.Generator(), max_nodes=2))  # nothing stored to learn from
     assert sum(cal.labels) == pytest.approx(labelled)

@@ -35,7 +35,7 @@ from router.servicer import serve as serve_router
 from router.stats import RoundStats
 from speculative.batching import VerifyItem, verify_batch
 from speculative.calibration import Calibration
-from speculative.decoding import generate
+from speculative.decoding import DraftRequest, generate
 from speculative.fusion import fuse
 from speculative.model import attention_mask, causal_ancestors
 from speculative.sampling import InvalidArgument, SamplingParams, make_generator, probabilities, sample
@@ -239,7 +239,7 @@ def local_fused_sampling(target, drafter_model, fused, prompt: list[int], params
         budget = min(DRAFT_LENGTH, params.max_tokens - len(out) - 1)
         tree = DraftTree()
         if budget > 0:
-            trees = [tree_from_pb(tree_to_pb(d.propose(context, budget, params, rng)), V)
+            trees = [tree_from_pb(tree_to_pb(d.propose(DraftRequest(context, budget, params, rng))), V)
                      for d, rng in zip(drafters, streams)]
             tree = fuse([(t, r) for t, (_, r) in zip(trees, fused)], TREE_BUDGET, greedy=False)
         [(path, bonus)] = verify_batch(target, cache, [VerifyItem(0, context[-1], tree, params, verifier_rng)])

@@ -14,6 +14,7 @@ from drafter_service.servicer import serve
 from protos import specserve_pb2 as pb
 from protos import specserve_pb2_grpc as pb_grpc
 from protos.convert import params_to_pb, sparse_from_pb, tree_from_pb
+from speculative.decoding import DraftRequest
 from speculative.sampling import SamplingParams, make_generator
 from tiny import TINY, tiny_model
 
@@ -68,12 +69,12 @@ def test_proposals_over_grpc_equal_the_in_process_drafter(target, connect, kind)
     rng = make_generator(None, stream=1)  # greedy: never drawn from
     context = list(REPETITIVE)
     prefill(stub, "r", kind, context)
-    assert wire_tokens(propose(stub, "r", len(context), [])) == local.propose(context, 5, GREEDY, rng).tokens
+    assert wire_tokens(propose(stub, "r", len(context), [])) == local.propose(DraftRequest(context, 5, GREEDY, rng)).tokens
     drafted = 0
     for new in ROUNDS:
         response = propose(stub, "r", len(context), new)
         context += new
-        expected = local.propose(context, 5, GREEDY, rng).tokens
+        expected = local.propose(DraftRequest(context, 5, GREEDY, rng)).tokens
         assert wire_tokens(response) == expected
         assert response.seconds > 0
         drafted += len(expected)
@@ -86,7 +87,7 @@ def test_state_loss_then_prefill_recovers(target, connect):
     context = REPETITIVE + [3, 4]
     assert propose(stub, "never-seen", 3, [1]).state_lost
     prefill(stub, "r", "layerskip", context)
-    expected = local.propose(context, 4, GREEDY, make_generator(None, stream=1)).tokens
+    expected = local.propose(DraftRequest(context, 4, GREEDY, make_generator(None, stream=1))).tokens
     assert wire_tokens(propose(stub, "r", len(context), [], max_tokens=4)) == expected
     assert propose(stub, "r", len(context) - 1, [2]).state_lost  # the caller's view of the context differs
     assert propose(stub, "r", len(context) + 1, []).state_lost
@@ -121,7 +122,7 @@ def test_sampled_drafts_are_sparse_and_seeded(target, connect):
     for new in [[], *ROUNDS]:
         responses = [propose(stub, "s", len(context), new) for stub in stubs]
         context += new
-        expected = local.propose(context, 5, params, rng)
+        expected = local.propose(DraftRequest(context, 5, params, rng))
         assert responses[0].tree == responses[1].tree  # two fresh pools, one seed: the same draws
         assert list(responses[0].tree.tokens) == expected.tokens
         wire = responses[0].tree.draw_q

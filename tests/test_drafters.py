@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from drafter_service.drafters import ModelDrafter
+from speculative.decoding import DraftRequest
 from speculative.sampling import SamplingParams
 from tiny import tiny_model
 
@@ -18,8 +19,8 @@ def test_cache_grows_with_the_request_and_proposals_stay_the_same():
     long_lived = ModelDrafter(model)
     sizes = []
     for n in (5, 200, 300, 650):
-        got = long_lived.propose(context[:n], 4, GREEDY, torch.Generator()).tokens
-        fresh = ModelDrafter(model).propose(context[:n], 4, GREEDY, torch.Generator()).tokens
+        got = long_lived.propose(DraftRequest(context[:n], 4, GREEDY, torch.Generator())).tokens
+        fresh = ModelDrafter(model).propose(DraftRequest(context[:n], 4, GREEDY, torch.Generator())).tokens
         assert got == fresh, f"context of {n} tokens"
         sizes.append(long_lived.cache.max_len)
     assert sizes == [256, 256, 512, 1024], sizes
@@ -29,10 +30,10 @@ def test_lost_state_recovers_by_reprefilling():
     model = tiny_model(1)
     ctx = [1, 2, 3, 4, 5, 6, 7, 1, 2]
     a = ModelDrafter(model, max_len=64)
-    a.propose(ctx[:4], 3, GREEDY, torch.Generator())
+    a.propose(DraftRequest(ctx[:4], 3, GREEDY, torch.Generator()))
     # a new process knows nothing: it rebuilds from the verified context alone
     b = ModelDrafter(model, max_len=64)
-    assert a.propose(ctx, 3, GREEDY, torch.Generator()).tokens == b.propose(ctx, 3, GREEDY, torch.Generator()).tokens
+    assert a.propose(DraftRequest(ctx, 3, GREEDY, torch.Generator())).tokens == b.propose(DraftRequest(ctx, 3, GREEDY, torch.Generator())).tokens
 
 
 def test_trimmed_vocabulary_drafter_maps_tokens_both_ways():
@@ -41,12 +42,12 @@ def test_trimmed_vocabulary_drafter_maps_tokens_both_ways():
     vocab_ids = [1, 4, 6]
     drafter = ModelDrafter(small, max_len=64, vocab_ids=vocab_ids, target_vocab_size=8)
     ctx = [1, 4, 6, 0, 7, 1]  # 0 and 7 are outside its vocabulary
-    tokens = drafter.propose(ctx, 4, GREEDY, torch.Generator()).tokens
+    tokens = drafter.propose(DraftRequest(ctx, 4, GREEDY, torch.Generator())).tokens
     assert set(tokens) <= set(vocab_ids)
     # the same chain drafted directly with the small model on mapped ids
     mapped = [0, 1, 2, 3, 3, 0]
     plain = ModelDrafter(small, max_len=64)
-    plain.propose(mapped, 1, GREEDY, torch.Generator())
+    plain.propose(DraftRequest(mapped, 1, GREEDY, torch.Generator()))
     expect, ctx2 = [], list(mapped)
     for _ in range(4):
         logits = plain._sync(ctx2, 1).clone()
@@ -55,7 +56,7 @@ def test_trimmed_vocabulary_drafter_maps_tokens_both_ways():
         expect.append(vocab_ids[nxt])
         ctx2.append(nxt)
     assert tokens == expect
-    sampled = drafter.propose(ctx, 3, SamplingParams(temperature=1.0), torch.Generator().manual_seed(0))
+    sampled = drafter.propose(DraftRequest(ctx, 3, SamplingParams(temperature=1.0), torch.Generator().manual_seed(0)))
     assert sampled.draw_q.shape == (3, 8)
     assert torch.allclose(sampled.draw_q.sum(-1), torch.ones(3))
     assert sampled.draw_q[:, [0, 2, 3, 5, 7]].sum() == 0  # no mass outside its vocabulary
@@ -70,10 +71,10 @@ def test_greedy_tree_holds_the_drafters_likeliest_paths_and_leaves_the_cache_cle
     model = tiny_model(3)
     ctx = [1, 5, 2, 7, 3]
     drafter = ModelDrafter(model, max_len=64)
-    tree = drafter.propose(ctx, 3, GREEDY, torch.Generator(), max_nodes=7)
+    tree = drafter.propose(DraftRequest(ctx, 3, GREEDY, torch.Generator(), max_nodes=7))
     assert 1 < len(tree) <= 7 and max(tree.depths) <= 3
     assert all(p < i for i, p in enumerate(tree.parents))  # parents first
-    chain = ModelDrafter(model, max_len=64).propose(ctx, 3, GREEDY, torch.Generator())
+    chain = ModelDrafter(model, max_len=64).propose(DraftRequest(ctx, 3, GREEDY, torch.Generator()))
     assert tree.tokens[0] == chain.tokens[0]  # the best node is the drafter's argmax
     scores = []
     for node in range(len(tree)):
@@ -84,14 +85,14 @@ def test_greedy_tree_holds_the_drafters_likeliest_paths_and_leaves_the_cache_cle
     assert scores == sorted(scores, reverse=True)  # best-first: truncated(k) keeps the best k
     # the tree's keys and values are gone: the next proposal is a fresh drafter's
     longer = ctx + [tree.tokens[0], 4]
-    assert drafter.propose(longer, 3, GREEDY, torch.Generator()).tokens == \
-        ModelDrafter(model, max_len=64).propose(longer, 3, GREEDY, torch.Generator()).tokens
+    assert drafter.propose(DraftRequest(longer, 3, GREEDY, torch.Generator())).tokens == \
+        ModelDrafter(model, max_len=64).propose(DraftRequest(longer, 3, GREEDY, torch.Generator())).tokens
 
 
 def test_greedy_tree_of_a_trimmed_vocabulary_drafter_proposes_target_tokens():
     small = tiny_model(2, vocab_size=4)
     drafter = ModelDrafter(small, max_len=64, vocab_ids=[1, 4, 6], target_vocab_size=8)
-    tree = drafter.propose([1, 4, 6, 0, 7, 1], 3, GREEDY, torch.Generator(), max_nodes=6)
+    tree = drafter.propose(DraftRequest([1, 4, 6, 0, 7, 1], 3, GREEDY, torch.Generator(), max_nodes=6))
     assert len(tree) > 3 and set(tree.tokens) <= {1, 4, 6}
 
 
@@ -103,7 +104,7 @@ def test_sampled_tree_draws_each_chain_from_the_drafters_own_q_and_leaves_the_ca
     ctx = [1, 5, 2, 7, 3]
     params = SamplingParams(temperature=1.0)
     drafter = ModelDrafter(model, max_len=64)
-    tree = drafter.propose(ctx, 3, params, torch.Generator().manual_seed(0), max_nodes=9)
+    tree = drafter.propose(DraftRequest(ctx, 3, params, torch.Generator().manual_seed(0), max_nodes=9))
     assert len(tree.draw_nodes) == 9 and tree.draw_q.shape == (9, 8)
     assert 3 <= len(tree) <= 9 and max(tree.depths) == 3
     assert all(p < i for i, p in enumerate(tree.parents))
@@ -113,12 +114,12 @@ def test_sampled_tree_draws_each_chain_from_the_drafters_own_q_and_leaves_the_ca
         q = torch.softmax(ModelDrafter(model, max_len=64)._sync(ctx + path[:-1], 1).float(), -1)
         assert torch.allclose(tree.draw_q[d], q, atol=1e-5), f"draw {d}"
     # more than one distinct chain over many seeds: the chains really are drawn apart
-    shapes = {len(drafter.propose(ctx, 3, params, torch.Generator().manual_seed(s), max_nodes=9))
+    shapes = {len(drafter.propose(DraftRequest(ctx, 3, params, torch.Generator().manual_seed(s), max_nodes=9)))
               for s in range(20)}
     assert max(shapes) > 3
     longer = ctx + [tree.tokens[0], 4]
-    assert drafter.propose(longer, 3, GREEDY, torch.Generator()).tokens == \
-        ModelDrafter(model, max_len=64).propose(longer, 3, GREEDY, torch.Generator()).tokens
+    assert drafter.propose(DraftRequest(longer, 3, GREEDY, torch.Generator())).tokens == \
+        ModelDrafter(model, max_len=64).propose(DraftRequest(longer, 3, GREEDY, torch.Generator())).tokens
 
 
 @pytest.mark.parametrize("name", ["pld", "suffix", "recycle", "layerskip", "pld+suffix", "recycle+layerskip",

@@ -22,6 +22,7 @@ import torch
 import speculative.decoding as decoding
 from drafter_service.drafters import FusedDrafter, ModelDrafter, MultiSampleDrafter, PromptLookupDrafter
 from speculative.batching import VerifyItem, verify_batch
+from speculative.decoding import DraftRequest
 from speculative.fusion import draw_order, fuse
 from speculative.model import attention_mask, causal_ancestors
 from speculative.sampling import SamplingParams, make_generator, sample
@@ -396,7 +397,7 @@ def first_two_sampled(target, drafter, params, conditional) -> torch.Tensor:
     for seed in range(SAMPLES):
         verifier_rng = make_generator(seed, stream=0)
         cache.rollback(n)
-        tree = drafter.propose(PROMPT, BUDGET, params, make_generator(seed, stream=1))
+        tree = drafter.propose(DraftRequest(PROMPT, BUDGET, params, make_generator(seed, stream=1)))
         drafted += len(tree)
         [(path, bonus)] = verify_batch(target, cache, [VerifyItem(0, PROMPT[-1], tree, params, verifier_rng)])
         out = [tree.tokens[node] for node in path] + [bonus]

@@ -8,6 +8,7 @@ import torch
 
 import speculative.decoding as decoding
 from drafter_service.drafters import ModelDrafter, SuffixDrafter
+from speculative.decoding import DraftRequest
 from speculative.pipeline import likeliest_path, reuse_ahead, subtree
 from speculative.sampling import SamplingParams
 from speculative.suffix import SuffixIndex
@@ -65,16 +66,16 @@ def test_drafting_ahead_does_not_teach_the_suffix_index_unverified_tokens():
     index = SuffixIndex(depth=4, max_draft=4)
     drafter = SuffixDrafter(index, TINY.vocab_size)
     context = [1, 2, 3]
-    drafter.propose(context + [4, 5], 2, SamplingParams(), None, verified=len(context))
+    drafter.propose(DraftRequest(context + [4, 5], 2, SamplingParams(), None, verified=len(context)))
     assert index.propose([3], 2).tokens == []  # 3 was never seen followed by 4
-    drafter.propose(context + [4, 5], 2, SamplingParams(), None)
+    drafter.propose(DraftRequest(context + [4, 5], 2, SamplingParams(), None))
     assert index.propose([3], 2).tokens == [4, 5]
 
 
 def test_confidence_stop_ends_the_draft_after_an_unsure_token():
     model = tiny_model(1, logit_scale=0.5)  # flat: no token is drafted with confidence 0.9
     drafter = ModelDrafter(model, max_len=64)
-    assert len(drafter.propose([1, 2, 3], 4, SamplingParams(), None)) == 4
+    assert len(drafter.propose(DraftRequest([1, 2, 3], 4, SamplingParams(), None))) == 4
     drafter.stop_below = 0.9
-    tree = drafter.propose([1, 2, 3], 4, SamplingParams(), None)
+    tree = drafter.propose(DraftRequest([1, 2, 3], 4, SamplingParams(), None))
     assert len(tree) == 1 and tree.confidence[0] < 0.9

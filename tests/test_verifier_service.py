@@ -28,7 +28,7 @@ from protos import specserve_pb2 as pb
 from protos import specserve_pb2_grpc as pb_grpc
 from protos.convert import params_to_pb, tree_to_pb
 from speculative import batching
-from speculative.decoding import generate
+from speculative.decoding import DraftRequest, generate
 from speculative.sampling import SamplingParams, make_generator
 from speculative.tree import DraftTree
 from tiny import tiny_model
@@ -98,7 +98,7 @@ class Remote:
         budget = min(DRAFT_LENGTH, self.params.max_tokens - len(self.tokens) - 1)
         tree = DraftTree()
         if budget > 0:
-            tree = self.drafter.propose(self.prompt + self.tokens, budget, self.params, self.drafter_rng)
+            tree = self.drafter.propose(DraftRequest(self.prompt + self.tokens, budget, self.params, self.drafter_rng))
             tree = tree.truncated(budget)
         resp = self.stub.Verify(pb.VerifyRequest(request_id=self.request_id, tree=tree_to_pb(tree)))
         assert not resp.state_lost
