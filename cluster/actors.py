@@ -172,7 +172,7 @@ class RouterActor(_ServiceActor):
 
         from cluster.env import cache_dir_from_env
         from router.adaptive import PassCostModel
-        from router.coordinator import Coordinator
+        from router.coordinator import SPARE_SLOTS, Coordinator
         from router.expertise import ExpertiseRouter
         from router.metrics import RouterMetrics
         from router.servicer import RouterConfig, RouterServicer, serve
@@ -197,7 +197,7 @@ class RouterActor(_ServiceActor):
         # a request, and the largest tree a round can send, must fit the verifier's KV slots
         # as well as the model's context
         largest_tree = max(settings.draft_length, settings.tree_budget)
-        context = min(model_cfg.max_position_embeddings, cfg.verifiers.max_len - largest_tree - 4)
+        context = min(model_cfg.max_position_embeddings, cfg.verifiers.max_len - largest_tree - SPARE_SLOTS)
         config = RouterConfig.of(settings, context_length=context,
                                  eos_token_ids=tokenizer.eos_token_ids or model_cfg.eos_token_ids,
                                  vocab_size=model_cfg.vocab_size, routed_drafters=tuple(cfg.drafter_pools.kinds))

@@ -71,6 +71,10 @@ from .stats import RoundStats
 
 log = logging.getLogger(__name__)
 
+# KV slots a request reserves at the verifier past its prompt, its whole output and its
+# largest tree: a small margin (a round's root token needs one); the router's context limit
+# leaves the same room (cluster/actors.py)
+SPARE_SLOTS = 4
 MAX_OBSERVED = 4096  # positions kept for a drafter not asked to draft for a while (newest kept)
 
 # gRPC failures after which another replica (or no drafting) is the answer
@@ -376,7 +380,7 @@ class _VerifySide(_Side):
     def prefill(self, tokens: list[int], candidates: int = 0) -> pb.VerifierPrefillResponse:
         """The answer holds the target's next token (and, with `candidates`, its top candidates
         after the last tokens)."""
-        reserve = len(tokens) + self.job.params.max_tokens + self.job.max_tree_nodes + 4
+        reserve = len(tokens) + self.job.params.max_tokens + self.job.max_tree_nodes + SPARE_SLOTS
         for address in self.coord.verifiers():
             if address in self.failed:
                 continue
