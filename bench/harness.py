@@ -21,6 +21,7 @@ import torch
 from tqdm import tqdm
 
 from bench.chart import write_chart
+from bench.load import CLIENT_TIMEOUT_S
 from cluster.local import LocalEngine, Request
 from drafter_service.registry import SHIPPED_DRAFTERS
 from router.domains import BENCH_GROUPS, BENCH_PROMPTS_PER_GROUP, bench_group, read_questions
@@ -33,6 +34,7 @@ MODEL_DRAFTERS = ("layerskip",) + SHIPPED_DRAFTERS  # drafters that run a networ
 SERVED = "served-"  # served-<mode>: the same drafter through a running server (--server), rounds in sequence
 PIPELINED = "pipelined-"  # pipelined-<mode>: served, drafting each next round while the verifier checks this one
 REMOTE = (SERVED, PIPELINED)
+HF_PLD_TOKENS = 10  # hf-pld's prompt_lookup_num_tokens: transformers' own default for prompt lookup
 
 
 def served_drafter(mode: str) -> str | None:
@@ -79,7 +81,7 @@ class HFRunner:
         self.model.eval()
 
     def run(self, ids: list[int], params: SamplingParams, mode: str) -> tuple[list[int], float]:
-        extra = {"prompt_lookup_num_tokens": 10} if mode == "hf-pld" else {}
+        extra = {"prompt_lookup_num_tokens": HF_PLD_TOKENS} if mode == "hf-pld" else {}
         if not params.greedy:
             torch.manual_seed(params.seed or 0)
             extra.update(do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k)
@@ -99,7 +101,7 @@ class ServedRunner:
     def __init__(self, address: str):
         from specserve.client import Client
 
-        self.client = Client(address, timeout=600)
+        self.client = Client(address, timeout=CLIENT_TIMEOUT_S)
 
     def run(self, prompt: str, params: SamplingParams, mode: str, namespace: str = ""
             ) -> tuple[list[int], float, int, tuple[int, int]]:

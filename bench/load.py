@@ -35,6 +35,7 @@ from specserve.client import Client, SpecserveError
 BASELINE = "none"  # plain decoding; the ratios are against it
 AUTO = "auto"  # the request names no drafter (""): the server chooses
 PERCENTILES = "numpy.percentile, linear interpolation, over the requests that succeeded"
+CLIENT_TIMEOUT_S = 600  # a request under load on a few CPU cores may take minutes; only a stuck one fails
 
 
 @dataclass(frozen=True)
@@ -168,7 +169,7 @@ def run_load(args) -> dict:
     # same prompts, and one must not draft another's answers from memory
     run_id = uuid.uuid4().hex[:8]
     namespaces = {mode: f"load-{run_id}/{mode}" for mode in args.load_modes}
-    with Client(args.server, timeout=600) as client:
+    with Client(args.server, timeout=CLIENT_TIMEOUT_S) as client:
         for mode in args.load_modes:  # untimed: the first request to a server pays for warming it up
             try:
                 # not a bench prompt: a suffix drafter would remember its answer

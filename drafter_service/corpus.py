@@ -24,6 +24,7 @@ from speculative.model import Transformer, attention_mask, causal_ancestors
 from speculative.tokenizer import Tokenizer
 
 TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".jsonl"}
+MIN_WINDOW_TOKENS = 9  # a text's last window shorter than this teaches too little to keep
 
 
 def corpus_files(paths: Iterable[str | Path]) -> list[Path]:
@@ -69,7 +70,7 @@ def _messages(record: dict, f: Path, line: int) -> list[dict[str, str]]:
 
 
 def _windows(ids: list[int], window: int) -> list[list[int]]:
-    return [ids[i:i + window] for i in range(0, len(ids), window) if len(ids[i:i + window]) > 8]
+    return [ids[i:i + window] for i in range(0, len(ids), window) if len(ids[i:i + window]) >= MIN_WINDOW_TOKENS]
 
 
 @torch.inference_mode()

@@ -26,6 +26,8 @@ from speculative.sampling import SamplingParams, probabilities, sample
 from speculative.suffix import SuffixIndex, SuffixStream
 from speculative.tree import DraftTree
 
+FIRST_CACHE_SLOTS = 256  # a model drafter's first KV cache: most requests fit, and it doubles as they grow
+
 
 def _one_hot(tokens: Sequence[int], vocab_size: int) -> torch.Tensor:
     q = torch.zeros(len(tokens), vocab_size)
@@ -142,7 +144,7 @@ class ModelDrafter:
         need = min(len(context) + depth + PAD_ROWS_TO, self.max_len)
         if self.cache is None:
             n_layers = len(self.layers) if self.layers is not None else None
-            self.cache = self.model.new_cache(min(max(need, 256), self.max_len), num_layers=n_layers)
+            self.cache = self.model.new_cache(min(max(need, FIRST_CACHE_SLOTS), self.max_len), num_layers=n_layers)
         elif need > self.cache.max_len:
             self.cache = self.cache.grown(min(max(need, 2 * self.cache.max_len), self.max_len))
         common = 0

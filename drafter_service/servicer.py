@@ -17,7 +17,9 @@ from speculative.cpu_tuning import own_torch_threads
 from speculative.sampling import InvalidArgument
 
 from .pool import DrafterPool, Observed
+from .settings import DrafterPoolSettings
 
+_SETTINGS = DrafterPoolSettings()  # the server's defaults are the served pools'
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Drafter"].full_name
 
 T = TypeVar("T")
@@ -69,7 +71,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
 
 
 def serve(pool: DrafterPool, host: str = "127.0.0.1", port: int = 0,
-          max_workers: int = 16, threads: int = 1) -> tuple[grpc.Server, int]:
+          max_workers: int = 16, threads: int = _SETTINGS.threads) -> tuple[grpc.Server, int]:
     """Start serving `pool` on host:port (0 picks a free port); returns the server and its port.
     Drafters run on the server's threads, `threads` torch threads each."""
     return start_server(pb_grpc.add_DrafterServicer_to_server, DrafterServicer(pool), SERVICE_NAME,

@@ -46,6 +46,13 @@ from speculative.model import Transformer
 from .checkpoint import load_drafter, save_drafter
 from .corpus import answer_with_teacher, corpus_files, read_corpus, teacher_top_k
 
+INIT_STD = 0.02  # weights not copied from the target start at N(0, INIT_STD^2), as Llama's initializer_range
+WEIGHT_DECAY = 0.01  # torch AdamW's default, written out
+WARMUP_STEPS = 20  # linear learning-rate warm-up before the cosine decay
+# a position whose teacher mass on the drafter's trimmed vocabulary is below this is not trained on:
+# its target is mostly tokens the drafter cannot propose
+MIN_TEACHER_MASS = 0.05
+
 
 @dataclass
 class TrainConfig:
@@ -172,7 +179,7 @@ def build_student(cfg: TrainConfig, target: Transformer, vocab_ids: list[int] | 
     student = Transformer(scfg)
     for p in student.parameters():
         if p.dim() == 2:
-            torch.nn.init.normal_(p, std=0.02)
+            torch.nn.init.normal_(p, std=INIT_STD)
     with torch.no_grad():
         emb = target.embed.weight.float()
         if not copy:  # the target's embedding on its top principal directions
@@ -228,7 +235,7 @@ class Batch:
             probs = torch.where(ids == unk, 0.0, probs)
         mass = probs.sum(-1, keepdim=True)
         self.top_ids, self.top_probs = ids, probs / mass.clamp_min(1e-9)
-        self.weights = position_weights(item, prompt_weight) * (mass[:, 0] > 0.05)  # mostly out-of-vocab: skip
+        self.weights = position_weights(item, prompt_weight) * (mass[:, 0] > MIN_TEACHER_MASS)
         self.answer = torch.zeros_like(self.weights, dtype=torch.bool)
         self.answer[max(item["answer_from"] - 1, 0):-1] = True
 
@@ -291,7 +298,7 @@ def train(cfg: TrainConfig, log=print, *, cache_dir: str | None = None, cpu_tuni
     unk = None if vocab_ids is None else len(vocab_ids)
     batches = [Batch(it, to_student, unk, cfg.prompt_weight) for it in train_items]
     evals = [Batch(it, to_student, unk, cfg.prompt_weight) for it in eval_items]
-    opt = torch.optim.AdamW(student.parameters(), lr=cfg.lr, weight_decay=0.01)
+    opt = torch.optim.AdamW(student.parameters(), lr=cfg.lr, weight_decay=WEIGHT_DECAY)
     step, elapsed = 0, 0.0
     if state is not None:
         opt.load_state_dict(state["optimizer"])
@@ -308,7 +315,7 @@ def train(cfg: TrainConfig, log=print, *, cache_dir: str | None = None, cpu_tuni
     while elapsed < budget:
         t0 = time.monotonic()
         for g in opt.param_groups:  # cosine over the time budget, short warm-up
-            g["lr"] = cfg.lr * min(1.0, (step + 1) / 20) * 0.5 * (1 + math.cos(math.pi * elapsed / budget))
+            g["lr"] = cfg.lr * min(1.0, (step + 1) / WARMUP_STEPS) * 0.5 * (1 + math.cos(math.pi * elapsed / budget))
         opt.zero_grad()
         loss_sum = weight = agree = answer = seen = 0.0
         while seen < cfg.tokens_per_step:  # counts positions, so a step ends even where weights are 0

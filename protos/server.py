@@ -3,12 +3,24 @@ checking and server reflection, as every specserve server has."""
 
 from __future__ import annotations
 
+import time
 from concurrent import futures
 from typing import Any, Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+NO_DEADLINE_S = 1e7  # time_remaining() above this means the caller set no deadline
+
+
+def call_deadline(context: grpc.ServicerContext) -> float | None:
+    """When the caller stops waiting (time.monotonic()), None if it set no deadline: a call
+    without one reports a huge time remaining, which passed downstream overflows."""
+    remaining = context.time_remaining()
+    if remaining is None or remaining > NO_DEADLINE_S:
+        return None
+    return time.monotonic() + remaining
 
 
 def start_server(register: Callable[[Any, grpc.Server], None], servicer: Any, service: str,

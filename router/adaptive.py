@@ -61,6 +61,16 @@ from .settings import RouterSettings
 # the verify costs' defaults are the settings' (one place); a control is given the configured ones
 _SETTINGS = RouterSettings()
 
+# Weight of the newest measurement in the running means of a drafter's costs, tree width and
+# draft reuse: about the last five rounds count, so a request's estimates follow its text
+# as it changes without one slow round swinging them.
+RUNNING_MEAN_WEIGHT = 0.2
+SEEN_PASSES = 4096  # recent pass keys remembered: far more than a batch's requests report at once
+
+
+def _running_mean(mean: float, value: float) -> float:
+    return (1.0 - RUNNING_MEAN_WEIGHT) * mean + RUNNING_MEAN_WEIGHT * value
+
 
 def expected_tokens(acceptance: float, k: int) -> float:
     """Tokens a pass gains with a k-token chain whose tokens are each accepted with `acceptance`."""
@@ -143,24 +153,24 @@ class SpeculationControl:
 
     def reused(self, hit: bool) -> None:
         """A pipelined round's verdict kept (or dropped) the draft made ahead of it."""
-        self._reuse = 0.8 * self._reuse + 0.2 * float(hit)
+        self._reuse = _running_mean(self._reuse, float(hit))
 
     def observe_tree(self, nodes: int, depth: int) -> None:
         """Learn how wide the drafter's trees are (a running mean of nodes per level)."""
         if nodes > 0 and depth > 0:
-            self.width = 0.8 * self.width + 0.2 * (nodes / depth)
+            self.width = _running_mean(self.width, nodes / depth)
 
     def observe(self, draft_seconds_per_token: float, pass_seconds: float) -> None:
         """Learn the drafter's cost relative to a target pass (a running mean)."""
         if draft_seconds_per_token > 0 and pass_seconds > 0:
             ratio = draft_seconds_per_token / pass_seconds
-            self.draft_token_cost = ratio if self.draft_token_cost == 0 else 0.8 * self.draft_token_cost + 0.2 * ratio
+            self.draft_token_cost = ratio if self.draft_token_cost == 0 else _running_mean(self.draft_token_cost, ratio)
 
     def observe_round(self, overhead_seconds: float, pass_seconds: float) -> None:
         """Learn what asking the drafters costs beyond their drafting (a running mean)."""
         if overhead_seconds >= 0 and pass_seconds > 0:
             ratio = overhead_seconds / pass_seconds
-            self.draft_round_cost = 0.8 * self.draft_round_cost + 0.2 * ratio
+            self.draft_round_cost = _running_mean(self.draft_round_cost, ratio)
 
 
 class PassCostModel:
@@ -216,7 +226,7 @@ class PassCostModel:
             if key in self._seen:
                 return
             self._seen[key] = None
-            if len(self._seen) > 4096:
+            if len(self._seen) > SEEN_PASSES:
                 self._seen.popitem(last=False)
             x = torch.tensor([1.0, rows - 1, tokens - rows, rows * width - tokens], dtype=torch.float64)
             self._xtx.mul_(self.forget).add_(torch.outer(x, x))

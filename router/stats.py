@@ -106,8 +106,3 @@ class RoundStats:
     def busy_by_side(self) -> dict[str, float]:
         """Seconds each side worked on the request."""
         return {"drafter": self.busy_seconds(*DRAFTER_WORK), "verifier": self.busy_seconds(*VERIFIER_WORK)}
-
-    def idle_fractions(self) -> dict[str, float]:
-        """Share of the request's wall time each side was not working on it."""
-        wall = max(self.wall_seconds(), 1e-9)
-        return {side: max(0.0, 1 - busy / wall) for side, busy in self.busy_by_side().items()}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -15,6 +15,7 @@ class ModelConfig:
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    # Llama's defaults, also for a config.json or GGUF that leaves them out (from_hf, loading)
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None  # Llama 3 style ("rope_type": "llama3")
@@ -35,7 +36,7 @@ class ModelConfig:
         eos = d.get("eos_token_id")
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         rope_params = d.get("rope_parameters") or {}
-        rope_theta = d.get("rope_theta", rope_params.get("rope_theta", 10000.0))
+        rope_theta = d.get("rope_theta", rope_params.get("rope_theta", cls.rope_theta))
         rope_scaling = d.get("rope_scaling")
         if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
             rope_scaling = rope_params
@@ -49,10 +50,10 @@ class ModelConfig:
             num_heads=heads,
             num_kv_heads=d.get("num_key_value_heads") or heads,
             head_dim=d.get("head_dim") or d["hidden_size"] // heads,
-            rms_norm_eps=d.get("rms_norm_eps", 1e-5),
+            rms_norm_eps=d.get("rms_norm_eps", cls.rms_norm_eps),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            max_position_embeddings=d.get("max_position_embeddings", 2048),
+            max_position_embeddings=d.get("max_position_embeddings", cls.max_position_embeddings),
             tie_word_embeddings=d.get("tie_word_embeddings", False),
             attention_bias=d.get("attention_bias", model_type == "qwen2"),
             bos_token_id=d.get("bos_token_id"),
@@ -88,6 +89,3 @@ class ModelConfig:
         if self.eos_token_ids:
             d["eos_token_id"] = self.eos_token_ids[0] if len(self.eos_token_ids) == 1 else self.eos_token_ids
         return d
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)

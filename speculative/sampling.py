@@ -9,6 +9,11 @@ import torch
 
 from .errors import InvalidArgument  # raised here, and imported from here by the services
 
+# A seeded request's stream draws from torch seed seed * STREAM_STRIDE + stream: a prime far
+# above any stream number, so each (seed, stream) pair gets its own torch seed. Changing it
+# changes every seeded output.
+STREAM_STRIDE = 1_000_003
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -86,7 +91,7 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu", stream:
     if seed is None:
         g.seed()
     elif not resumed:
-        g.manual_seed((seed * 1_000_003 + stream) % (2**63))
+        g.manual_seed((seed * STREAM_STRIDE + stream) % (2**63))
     else:
         digest = hashlib.blake2b(f"{seed}/{stream}/{resumed}".encode(), digest_size=8).digest()
         g.manual_seed(int.from_bytes(digest, "little") % (2**63))

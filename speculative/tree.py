@@ -51,13 +51,6 @@ class DraftTree:
     def children(self, node: int) -> list[int]:
         return [i for i, p in enumerate(self.parents) if p == node]
 
-    def path_to(self, node: int) -> list[int]:
-        path = []
-        while node >= 0:
-            path.append(node)
-            node = self.parents[node]
-        return path[::-1]
-
     def ancestors(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """[1+N, 1+N] bool: row r may attend to column c (root is row 0, node i is row i+1)."""
         n = len(self.tokens)

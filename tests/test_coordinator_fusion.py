@@ -41,6 +41,7 @@ from speculative.model import attention_mask, causal_ancestors
 from speculative.sampling import InvalidArgument, SamplingParams, make_generator, probabilities, sample
 from speculative.tree import DraftTree
 from tiny import TINY, tiny_model
+from trees import path_to
 from verifier_service.engine import VerifierEngine
 
 V = TINY.vocab_size
@@ -127,7 +128,7 @@ def served(coordinator: Coordinator, j: Job) -> tuple[list[int], RoundStats]:
 
 
 def paths(tree: DraftTree) -> set[tuple[int, ...]]:
-    return {tuple(tree.tokens[n] for n in tree.path_to(node)) for node in range(len(tree))}
+    return {tuple(tree.tokens[n] for n in path_to(tree, node)) for node in range(len(tree))}
 
 
 def proposal(pool: RecordingPool, request_id: str, kind: str, i: int) -> DraftTree:

@@ -23,6 +23,7 @@ REPETITIVE = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2]  # prompt lookup finds "1 2" -
 # Verified tokens per round: some follow the drafts, some do not, so the
 # drafters' state must be rolled back and resynced.
 ROUNDS = [[3, 4], [6], [5, 1, 2, 7], [0, 0]]
+KINDS = ("pld", "layerskip")  # the drafters these tests ask the pool for
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +65,7 @@ def wire_tokens(response: pb.ProposeResponse) -> list[int]:
 
 @pytest.mark.parametrize("kind", ["pld", "layerskip"])
 def test_proposals_over_grpc_equal_the_in_process_drafter(target, connect, kind):
-    stub = connect(DrafterPool(target))
+    stub = connect(DrafterPool(target, KINDS))
     local = make_drafter(kind, target)
     rng = make_generator(None, stream=1)  # greedy: never drawn from
     context = list(REPETITIVE)
@@ -82,7 +83,7 @@ def test_proposals_over_grpc_equal_the_in_process_drafter(target, connect, kind)
 
 
 def test_state_loss_then_prefill_recovers(target, connect):
-    stub = connect(DrafterPool(target))
+    stub = connect(DrafterPool(target, KINDS))
     local = make_drafter("layerskip", target)
     context = REPETITIVE + [3, 4]
     assert propose(stub, "never-seen", 3, [1]).state_lost
@@ -98,7 +99,7 @@ def test_state_loss_then_prefill_recovers(target, connect):
 
 def test_idle_requests_are_evicted(target, connect):
     now = [0.0]
-    pool = DrafterPool(target, idle_timeout_s=300.0, clock=lambda: now[0])
+    pool = DrafterPool(target, KINDS, idle_timeout_s=300.0, clock=lambda: now[0])
     stub = connect(pool)
     prefill(stub, "old", "pld", REPETITIVE)
     now[0] = 200.0
@@ -108,12 +109,13 @@ def test_idle_requests_are_evicted(target, connect):
     assert pool.active_requests() == 1
     assert propose(stub, "old", len(REPETITIVE), []).state_lost
     now[0] = 700.0  # "recent" was last used at 350
-    assert pool.evict_idle() == 1 and pool.active_requests() == 0
+    assert propose(stub, "recent", len(REPETITIVE), []).state_lost
+    assert pool.active_requests() == 0
 
 
 def test_sampled_drafts_are_sparse_and_seeded(target, connect):
     top_k, params = 3, SamplingParams(max_tokens=16, temperature=1.0, seed=7)
-    stubs = [connect(DrafterPool(target, draft_top_k=top_k)) for _ in range(2)]
+    stubs = [connect(DrafterPool(target, KINDS, draft_top_k=top_k)) for _ in range(2)]
     local = make_drafter("layerskip", target, draft_top_k=top_k)
     rng = make_generator(params.seed, stream=1)  # the single-process loop's drafter stream
     context = list(REPETITIVE)
@@ -144,7 +146,7 @@ def test_sampled_drafts_are_sparse_and_seeded(target, connect):
     (lambda s: propose(s, "b", len(REPETITIVE), [TINY.vocab_size]), "new_tokens"),
 ])
 def test_bad_input_names_the_field_and_the_server_goes_on(target, connect, call, field):
-    stub = connect(DrafterPool(target))
+    stub = connect(DrafterPool(target, KINDS))
     with pytest.raises(grpc.RpcError) as err:
         call(stub)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -154,7 +156,7 @@ def test_bad_input_names_the_field_and_the_server_goes_on(target, connect, call,
 
 
 def test_health_and_reflection(target):
-    server, port = serve(DrafterPool(target))
+    server, port = serve(DrafterPool(target, KINDS))
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             health = health_pb2_grpc.HealthStub(channel)

@@ -9,6 +9,7 @@ from drafter_service.drafters import ModelDrafter
 from speculative.decoding import DraftRequest
 from speculative.sampling import SamplingParams
 from tiny import tiny_model
+from trees import path_to
 
 GREEDY = SamplingParams()
 
@@ -78,10 +79,10 @@ def test_greedy_tree_holds_the_drafters_likeliest_paths_and_leaves_the_cache_cle
     assert tree.tokens[0] == chain.tokens[0]  # the best node is the drafter's argmax
     scores = []
     for node in range(len(tree)):
-        path = [tree.tokens[n] for n in tree.path_to(node)]
+        path = [tree.tokens[n] for n in path_to(tree, node)]
         # each node's confidence is the drafter's own probability of it after its path
         assert abs(tree.confidence[node] - _probability_after(model, ctx + path[:-1], path[-1])) < 1e-5
-        scores.append(torch.tensor([tree.confidence[n] for n in tree.path_to(node)]).prod().item())
+        scores.append(torch.tensor([tree.confidence[n] for n in path_to(tree, node)]).prod().item())
     assert scores == sorted(scores, reverse=True)  # best-first: truncated(k) keeps the best k
     # the tree's keys and values are gone: the next proposal is a fresh drafter's
     longer = ctx + [tree.tokens[0], 4]
@@ -110,7 +111,7 @@ def test_sampled_tree_draws_each_chain_from_the_drafters_own_q_and_leaves_the_ca
     assert all(p < i for i, p in enumerate(tree.parents))
     assert sorted(tree.depths[n] for n in tree.draw_nodes) == [1, 1, 1, 2, 2, 2, 3, 3, 3]
     for d, node in enumerate(tree.draw_nodes):
-        path = [tree.tokens[n] for n in tree.path_to(node)]
+        path = [tree.tokens[n] for n in path_to(tree, node)]
         q = torch.softmax(ModelDrafter(model, max_len=64)._sync(ctx + path[:-1], 1).float(), -1)
         assert torch.allclose(tree.draw_q[d], q, atol=1e-5), f"draw {d}"
     # more than one distinct chain over many seeds: the chains really are drawn apart

@@ -30,6 +30,7 @@ from speculative.tree import DraftTree
 from speculative.verification import residual
 from test_sampling_distribution import ALPHA, PROMPT, chi_square_p, exact_joint, target  # noqa: F401 (fixture)
 from tiny import TINY, tiny_model
+from trees import path_to
 
 
 def one_hot(tokens, v=8):
@@ -46,7 +47,7 @@ def tree_of(chains, confidence=None, v=8):
 
 def paths(tree):
     """Each node's token path from the root."""
-    return [tuple(tree.tokens[n] for n in tree.path_to(node)) for node in range(len(tree))]
+    return [tuple(tree.tokens[n] for n in path_to(tree, node)) for node in range(len(tree))]
 
 
 # ---- structure -------------------------------------------------------------------------------
@@ -128,7 +129,7 @@ def test_greedy_keeps_the_best_nodes_and_their_scores():
         frontier = [s for path, s in best.items() if path not in kept and (len(path) == 1 or path[:-1] in kept)]
         assert min(best[p] for p in kept) >= max(frontier, default=0.0) - 1e-12
         for node, path in enumerate(paths(fused)):  # confidence along a path multiplies back to its score
-            assert math.prod(fused.confidence[n] for n in fused.path_to(node)) == pytest.approx(best[path], abs=1e-12)
+            assert math.prod(fused.confidence[n] for n in path_to(fused, node)) == pytest.approx(best[path], abs=1e-12)
 
 
 def test_drafters_that_agree_outrank_one_more_confident_drafter():

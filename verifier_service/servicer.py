@@ -3,14 +3,13 @@ health checking and server reflection so generic tools can probe it."""
 
 from __future__ import annotations
 
-import time
 from typing import Callable, TypeVar
 
 import grpc
 
 from protos import specserve_pb2 as pb
 from protos import specserve_pb2_grpc as pb_grpc
-from protos.server import start_server
+from protos.server import call_deadline, start_server
 from protos.convert import params_from_pb, tree_from_pb
 from speculative.cpu_tuning import own_torch_threads
 from speculative.sampling import InvalidArgument
@@ -67,10 +66,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
     def Verify(self, request: pb.VerifyRequest, context: grpc.ServicerContext) -> pb.VerifyResponse:
         def verify() -> pb.VerifyResponse:
             try:
-                remaining = context.time_remaining()  # None, or huge, without a deadline
-                deadline = time.monotonic() + remaining if remaining is not None and remaining < 1e7 else None
                 out = self.engine.verify(request.request_id, _parse_tree(request.tree, self.engine.vocab_size),
-                                         request.context_length or None, deadline, request.candidates)
+                                         request.context_length or None, call_deadline(context), request.candidates)
             except UnknownRequest:
                 return pb.VerifyResponse(state_lost=True)
             resp = pb.VerifyResponse(accepted=out.accepted, bonus=out.bonus, batch_size=out.batch_size,

@@ -1,0 +1,25 @@
+"""The verifier's settings: the `[verifiers]` section of `specserve serve`'s
+configuration (cluster/config.py) and the defaults of VerifierEngine, so each
+is written here once. Loads pydantic only, no torch.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class VerifierSettings(BaseModel):
+    """`[verifiers]`: the verifier actors, each holding the target and its KV cache."""
+
+    model_config = ConfigDict(extra="forbid")  # a typo in the file is an error, not a silent default
+
+    count: int = Field(1, ge=1, description="verifier actors")
+    max_batch: int = Field(8, ge=1, description="requests one verifier holds and batches")
+    max_len: int = Field(4096, ge=16, description="KV slots per request in a verifier")
+    max_batch_tokens: int = Field(256, ge=1, description="most tokens in one batched verification")
+    threads: int | None = Field(None, ge=1, description="torch threads of a verifier's engine (default: all cores)")
+    resources: dict[str, float] = Field({"verifier": 1}, description="Ray resources each verifier needs")
+    max_count: int | None = Field(None, ge=1, description="most verifier replicas the autoscaler starts "
+                                                          "(default: count, no autoscaling)")
+    target_occupancy: float = Field(0.75, gt=0, le=1, description="autoscaling aims each verifier at this share "
+                                                                  "of its rows held or queued")
