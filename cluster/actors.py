@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 import uuid
 
 import ray
@@ -19,6 +20,7 @@ log = logging.getLogger(__name__)
 
 STATE_ACTOR = "specserve-state"
 NAMESPACE = "specserve"
+DRAIN_POLL_S = 0.2  # how often a draining service looks whether its requests are done
 
 
 @ray.remote(num_cpus=0, max_restarts=-1)
@@ -50,7 +52,10 @@ def connect_store(redis_url: str | None):
         from .state import open_state_store
 
         return open_state_store(redis_url)
-    return _ActorStore(ray.get_actor(STATE_ACTOR, namespace=NAMESPACE))
+    # the first service to start creates it (`specserve serve` and `serve run` alike); detached,
+    # so it outlives the replica that created it
+    return _ActorStore(StateStoreActor.options(name=STATE_ACTOR, namespace=NAMESPACE, get_if_exists=True,
+                                               lifetime="detached").remote())
 
 
 class _Registration:
@@ -99,7 +104,11 @@ def load_on_one_thread(cfg: ServeConfig):
                         cpu_tuning=cpu_tuning_from_env())
 
 
-class _ServiceActor:
+class _ServiceHost:
+    """A service's process: what it serves, its gRPC server and its registration. Hosted
+    by a plain Ray actor (`specserve serve` without Serve, the tests) or a Serve replica
+    (deploy/app.py)."""
+
     kind = ""
 
     def address(self) -> str:
@@ -111,6 +120,21 @@ class _ServiceActor:
     def pid(self) -> int:
         return os.getpid()
 
+    def held(self) -> int:
+        """Requests this service holds now (a draining replica waits for none)."""
+        return 0
+
+    def drain(self, timeout_s: float) -> None:
+        """Leave the registry, so no new request comes, let the requests held finish (for up to
+        `timeout_s`; a router resumes any left from its checkpoint elsewhere), then shut down."""
+        if not hasattr(self, "registration"):  # the constructor failed: nothing to drain
+            return
+        self.registration.stop()
+        give_up = time.monotonic() + timeout_s
+        while self.held() and time.monotonic() < give_up:
+            time.sleep(DRAIN_POLL_S)
+        self.shutdown()
+
     def shutdown(self) -> None:
         self.registration.stop()
         self.server.stop(grace=1.0)
@@ -121,8 +145,7 @@ class _ServiceActor:
                 pass
 
 
-@ray.remote(num_cpus=0, max_restarts=-1)
-class VerifierActor(_ServiceActor):
+class VerifierHost(_ServiceHost):
     kind = "verifier"
 
     def __init__(self, cfg_dict: dict, redis_url: str | None):
@@ -138,15 +161,18 @@ class VerifierActor(_ServiceActor):
                                      max_batch_tokens=v.max_batch_tokens, checkpoints=store,
                                      threads=v.threads or cpu_cores())
         self.server, port = serve(self.engine, host="0.0.0.0", port=0)
+        self.cfg, self.store = cfg, store
         self.registration = _Registration(store, self.kind, f"{ray.util.get_node_ip_address()}:{port}",
                                           cfg.registry)
 
     def stats(self) -> dict:
         return self.engine.stats()
 
+    def held(self) -> int:
+        return self.engine.stats()["active_requests"]
 
-@ray.remote(num_cpus=0, max_restarts=-1)
-class DrafterPoolActor(_ServiceActor):
+
+class DrafterPoolHost(_ServiceHost):
     kind = "drafter"
 
     def __init__(self, cfg_dict: dict, redis_url: str | None):
@@ -159,12 +185,15 @@ class DrafterPoolActor(_ServiceActor):
         pools = cfg.drafter_pools
         self.pool = DrafterPool(model, kinds=tuple(pools.kinds))
         self.server, port = serve(self.pool, host="0.0.0.0", port=0, threads=pools.threads)
+        self.cfg, self.store = cfg, store
         self.registration = _Registration(store, self.kind, f"{ray.util.get_node_ip_address()}:{port}",
                                           cfg.registry, meta={"kinds": pools.kinds})
 
+    def held(self) -> int:
+        return self.pool.active_requests()
 
-@ray.remote(num_cpus=0, max_restarts=-1)
-class RouterActor(_ServiceActor):
+
+class RouterHost(_ServiceHost):
     kind = "router"
 
     def __init__(self, cfg_dict: dict, redis_url: str | None):
@@ -193,7 +222,8 @@ class RouterActor(_ServiceActor):
         settings = cfg.router
         pass_costs = (PassCostModel(settings.verify_row_cost, settings.verify_token_cost, settings.verify_pad_cost)
                       if settings.learn_verify_costs else None)
-        coordinator = Coordinator(verifiers=live("verifier"), drafters=live("drafter"), pass_costs=pass_costs)
+        coordinator = Coordinator(verifiers=live("verifier"), drafters=live("drafter"), pass_costs=pass_costs,
+                                  service_wait_s=settings.service_wait_s)
         # a request, and the largest tree a round can send, must fit the verifier's KV slots
         # as well as the model's context
         largest_tree = max(settings.draft_length, settings.tree_budget)
@@ -208,8 +238,58 @@ class RouterActor(_ServiceActor):
         metrics = RouterMetrics()
         if cfg.metrics_port is not None:
             metrics.serve(cfg.metrics_port, cfg.host)
-        servicer = RouterServicer(tokenizer, coordinator, config, self.expertise, metrics)
-        self.server, port = serve(servicer, host=cfg.host, port=cfg.port)
-        self.close_hooks = [servicer.close]  # every namespace's routing outcomes
+        self.servicer = RouterServicer(tokenizer, coordinator, config, self.expertise, metrics)
+        self.server, port = serve(self.servicer, host=cfg.host, port=cfg.port)
+        self.close_hooks = [self.servicer.close]  # every namespace's routing outcomes
+        self.store, self.cfg = store, cfg
         host = ray.util.get_node_ip_address() if cfg.host in ("0.0.0.0", "::") else cfg.host
         self.registration = _Registration(store, self.kind, f"{host}:{port}", cfg.registry)
+
+    def held(self) -> int:
+        return self.servicer.ongoing
+
+    def ready(self) -> str | None:
+        """None when a request would succeed now, else why not (`services_ready`)."""
+        return services_ready(self.store, self.cfg)
+
+
+def services_ready(store, cfg: ServeConfig, timeout_s: float = 1.0) -> str | None:
+    """None when a verifier and pools hosting every configured drafter are registered and
+    answer their health checks, else what is missing."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    def serving(address: str) -> bool:
+        with grpc.insecure_channel(address) as channel:
+            try:
+                reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+            except grpc.RpcError:
+                return False
+            return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    if not any(serving(s.address) for s in store.list_services("verifier")):
+        return "no verifier is serving yet"
+    if cfg.drafter_pools.count:
+        hosted = set()
+        for s in store.list_services("drafter"):
+            if serving(s.address):
+                hosted.update(s.meta.get("kinds", ()))
+        missing = sorted(set(cfg.drafter_pools.kinds) - hosted)
+        if missing:
+            return f"no drafter pool serving {', '.join(missing)} yet"
+    return None
+
+
+@ray.remote(num_cpus=0, max_restarts=-1)
+class VerifierActor(VerifierHost):
+    pass
+
+
+@ray.remote(num_cpus=0, max_restarts=-1)
+class DrafterPoolActor(DrafterPoolHost):
+    pass
+
+
+@ray.remote(num_cpus=0, max_restarts=-1)
+class RouterActor(RouterHost):
+    pass

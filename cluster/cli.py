@@ -58,10 +58,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "statistics the request learns in and drafts from (default: the server's shared one)")
     _add_model_args(g)
 
-    s = sub.add_parser("serve", help="serve the model over gRPC on a Ray cluster (local, or RAY_ADDRESS)")
+    s = sub.add_parser("serve", help="serve the model (OpenAI HTTP and gRPC) on a Ray cluster (local, or RAY_ADDRESS)")
     s.add_argument("--config", default=None, help="TOML file of settings (see docs/SERVING.md)")
     s.add_argument("--host", default=None, help="router address to listen on (overrides the config)")
-    s.add_argument("--port", type=int, default=None, help="router port (overrides the config)")
+    s.add_argument("--port", type=int, default=None, help="router gRPC port (overrides the config)")
+    s.add_argument("--http-port", type=int, default=None, help="OpenAI-compatible HTTP port (overrides the config)")
 
     b = sub.add_parser("bench", help="benchmark decoding modes on Spec-Bench questions")
     b.add_argument("--questions", required=True, help="Spec-Bench JSONL file")
@@ -227,7 +228,10 @@ def cmd_serve(args) -> int:
     try:
         cfg = load_config(args.config)
         overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
-        cfg = ServeConfig.model_validate({**cfg.model_dump(), **overrides})
+        spec = {**cfg.model_dump(), **overrides}
+        if args.http_port is not None:
+            spec["http"] = {**spec["http"], "port": args.http_port}
+        cfg = ServeConfig.model_validate(spec)
     except ValidationError as e:
         err = e.errors()[0]
         # a section's key is named section.key; an error of the file as a whole, by the file

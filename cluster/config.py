@@ -2,8 +2,11 @@
 
 One tree: the top level names the model and the router's address, and each
 part of the deployment has its section, a model handed as it is to what it
-configures (`[router]`: router.settings.RouterSettings, `[verifiers]`,
-`[drafter_pools]`, `[registry]`), so each default is written once, there.
+configures (`[router]`: router.settings.RouterSettings, `[verifiers]`:
+verifier_service.settings.VerifierSettings, `[drafter_pools]`:
+drafter_service.settings.DrafterPoolSettings, `[registry]`, ...), so each
+default is written once, there; the sections that live with their service
+are re-exported here.
 Loads no torch: names are checked by speculative.drafter_kinds.
 """
 
@@ -15,42 +18,42 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from drafter_service.settings import DrafterPoolSettings
 from router.settings import RouterSettings
-from speculative.drafter_kinds import DRAFTER_NAMES, is_drafter
+from verifier_service.settings import VerifierSettings
 
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid")  # a typo in the file is an error, not a silent default
 
 
-class VerifierSettings(_Section):
-    """`[verifiers]`: the verifier actors, each holding the target and its KV cache."""
+class RouterReplicaSettings(_Section):
+    """`[routers]`: the router replicas (speculation settings are `[router]`'s)."""
 
-    count: int = Field(1, ge=1, description="verifier actors")
-    max_batch: int = Field(8, ge=1, description="requests one verifier holds and batches")
-    max_len: int = Field(4096, ge=16, description="KV slots per request in a verifier")
-    max_batch_tokens: int = Field(256, ge=1, description="most tokens in one batched verification")
-    threads: int | None = Field(None, ge=1, description="torch threads of a verifier's engine (default: all cores)")
-    resources: dict[str, float] = Field({"verifier": 1}, description="Ray resources each verifier needs")
+    count: int = Field(1, ge=1, description="router replicas (the minimum when autoscaling)")
+    max_count: int | None = Field(None, ge=1, description="most router replicas the autoscaler starts "
+                                                          "(default: count, no autoscaling)")
+    target_ongoing: float = Field(16, gt=0, description="autoscaling aims each router at this many requests "
+                                                        "in flight (gRPC and HTTP)")
 
 
-class DrafterPoolSettings(_Section):
-    """`[drafter_pools]`: the drafter pool actors and the drafters each hosts."""
+class AutoscalingSettings(_Section):
+    """`[autoscaling]`: how fast Serve follows the signals (each service's `max_count` turns it on)."""
 
-    count: int = Field(1, ge=0, description="drafter pool actors")
-    kinds: list[str] = Field(
-        ["pld", "suffix", "recycle", "small-general", "small-math", "small-extraction", "small-language"],
-        description="drafters the pools host; with default_drafter 'auto' the router picks among them")
-    threads: int = Field(1, ge=1, description="torch threads of each pool server thread")
-    resources: dict[str, float] = Field({"drafter": 1}, description="Ray resources each pool needs")
+    upscale_delay_s: float = Field(10.0, ge=0, description="a need for more replicas must last this long")
+    downscale_delay_s: float = Field(60.0, ge=0, description="a need for fewer replicas must last this long")
+    metrics_interval_s: float = Field(2.0, gt=0, description="how often replicas report their signal")
+    look_back_period_s: float = Field(10.0, gt=0, description="the window the signal is averaged over")
+    graceful_shutdown_s: float = Field(60.0, ge=0, description="a replica going away first finishes requests "
+                                                               "in flight for up to this long")
 
-    @field_validator("kinds")
-    @classmethod
-    def _known_kinds(cls, kinds: list[str]) -> list[str]:
-        unknown = [k for k in kinds if k == "none" or not is_drafter(k)]
-        if unknown:
-            raise ValueError(f"unknown drafter kinds {unknown}; choose from {list(DRAFTER_NAMES[1:])}")
-        return kinds
+
+class HttpSettings(_Section):
+    """`[http]`: the OpenAI-compatible HTTP API (Ray Serve's proxy)."""
+
+    port: int = Field(8000, ge=0, le=65535, description="HTTP port on the router's host")
+    served_model_name: str | None = Field(None, description="the model's id in the API (default: the model "
+                                                            "file's or directory's name)")
 
 
 class RegistrySettings(_Section):
@@ -74,6 +77,9 @@ class ServeConfig(_Section):
     verifiers: VerifierSettings = Field(default_factory=VerifierSettings)
     drafter_pools: DrafterPoolSettings = Field(default_factory=DrafterPoolSettings)
     registry: RegistrySettings = Field(default_factory=RegistrySettings)
+    routers: RouterReplicaSettings = Field(default_factory=RouterReplicaSettings)
+    autoscaling: AutoscalingSettings = Field(default_factory=AutoscalingSettings)
+    http: HttpSettings = Field(default_factory=HttpSettings)
 
     @model_validator(mode="before")
     @classmethod
@@ -81,6 +87,8 @@ class ServeConfig(_Section):
         # a section's key written at the top level: name its section rather than call it unknown
         if isinstance(data, dict):
             for key in data:
+                if key in cls.model_fields:
+                    continue
                 for name, field in cls.model_fields.items():
                     section = field.annotation
                     if isinstance(section, type) and issubclass(section, BaseModel) and key in section.model_fields:

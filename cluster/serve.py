@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 from dataclasses import dataclass, field
 
 import ray
@@ -17,6 +18,9 @@ import ray
 from .actors import NAMESPACE, STATE_ACTOR, DrafterPoolActor, RouterActor, StateStoreActor, VerifierActor
 from .config import ServeConfig
 from .state import REDIS_URL_ENV
+
+APP_NAME = "specserve"
+READY_POLL_S = 0.5
 
 
 @dataclass
@@ -40,8 +44,9 @@ def init_ray(cfg: ServeConfig) -> None:
         return
     resources: dict[str, float] = {}
     for part in (cfg.verifiers, cfg.drafter_pools):
+        most = max(part.count, part.max_count or 0)  # room for every replica autoscaling may start
         for name, amount in part.resources.items():
-            resources[name] = resources.get(name, 0) + amount * part.count
+            resources[name] = resources.get(name, 0) + amount * most
     ray.init(namespace=NAMESPACE, resources=resources, include_dashboard=False, log_to_driver=False)
 
 
@@ -71,18 +76,41 @@ def shutdown(dep: Deployment) -> None:
             pass
 
 
+def start_app(cfg: ServeConfig, redis_url: str | None = None, progress=print):
+    """Deploy the Serve application (deploy/app.py) on the Ray cluster (initialised) and
+    return the router's handle once a request would succeed (`progress` hears why not yet)."""
+    from ray import serve
+
+    from deploy.app import build
+
+    serve.start(http_options={"host": cfg.host, "port": cfg.http.port})
+    serve.run(build(cfg, redis_url), name=APP_NAME, route_prefix="/", blocking=False)
+    router = serve.get_deployment_handle("Router", app_name=APP_NAME)
+    said = None
+    while (reason := router.ready.remote().result()) is not None:
+        if reason != said:
+            progress(f"specserve: waiting: {reason}")
+            said = reason
+        time.sleep(READY_POLL_S)
+    return router
+
+
 def run(cfg: ServeConfig) -> int:
-    """Serve until interrupted (SIGINT or SIGTERM)."""
+    """Serve the application until interrupted (SIGINT or SIGTERM)."""
+    from ray import serve
+
     init_ray(cfg)
     print(f"specserve: starting {cfg.verifiers.count} verifier(s) and {cfg.drafter_pools.count} drafter pool(s)...",
           flush=True)
-    dep = deploy(cfg)
-    print(f"specserve: serving on {dep.address} (gRPC, specserve.v1.Specserve)", flush=True)
+    start_app(cfg, progress=lambda line: print(line, flush=True))
+    grpc_address = f"{cfg.host}:{cfg.port}"
+    print(f"specserve: serving on http://{cfg.host}:{cfg.http.port}/v1 (OpenAI HTTP) and {grpc_address} "
+          f"(gRPC, specserve.v1.Specserve)", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
     print("specserve: shutting down", flush=True)
-    shutdown(dep)
+    serve.shutdown()
     ray.shutdown()
     return 0

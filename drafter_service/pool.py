@@ -25,7 +25,10 @@ from speculative.namespaces import DEFAULT_NAMESPACE, check_namespace
 from speculative.sampling import InvalidArgument, SamplingParams, make_generator
 from speculative.tree import DraftTree
 
-from .registry import is_drafter, make_drafter
+from .registry import make_drafter
+from .settings import DrafterPoolSettings, check_kinds
+
+_SETTINGS = DrafterPoolSettings()  # the pool's defaults are the served pools'
 
 
 # what the target predicted at the positions it scored: their tokens, and its likeliest
@@ -44,16 +47,15 @@ class _Request:
 
 
 class DrafterPool:
-    def __init__(self, target_model: Transformer, kinds: Sequence[str] = ("pld", "layerskip"),
+    def __init__(self, target_model: Transformer, kinds: Sequence[str] = tuple(_SETTINGS.kinds),
                  idle_timeout_s: float = 300.0, draft_top_k: int = 32,
                  clock: Callable[[], float] = time.monotonic):
-        unknown = [k for k in kinds if k == "none" or not is_drafter(k)]
-        if unknown:
-            raise ValueError(f"not drafter kinds: {unknown}")
+        check_kinds(kinds)
         self.target, self.kinds = target_model, tuple(kinds)
         self.idle_timeout_s, self.draft_top_k, self.clock = idle_timeout_s, draft_top_k, clock
         self._requests: dict[str, _Request] = {}
         self._lock = threading.Lock()  # guards the dict only; drafting holds a request's own lock
+        self._busy_s = 0.0  # time spent drafting, summed over the server's threads (autoscaling reads it)
 
     def prefill(self, request_id: str, kind: str, token_ids: Sequence[int], params: SamplingParams,
                 stream: int = 1, resumed: int = 0, namespace: str = DEFAULT_NAMESPACE) -> None:
@@ -120,20 +122,25 @@ class DrafterPool:
             state.context.extend(new_tokens)
             if observed is not None and len(observed[0]) and state.drafter.abilities.learns_from_target:
                 state.drafter.observe(*observed)
-            return self._draft(state, max_tokens, list(speculative), min_confidence, max_nodes)
+            started = time.monotonic()
+            try:
+                return self._draft(state, max_tokens, list(speculative), min_confidence, max_nodes)
+            finally:
+                with self._lock:
+                    self._busy_s += time.monotonic() - started
 
     def release(self, request_id: str) -> bool:
         with self._lock:
             return self._requests.pop(request_id, None) is not None
 
-    def evict_idle(self) -> int:
-        """Drop requests idle longer than the timeout; returns how many."""
-        with self._lock:
-            return self._evict_idle_locked()
-
     def active_requests(self) -> int:
         with self._lock:
             return len(self._requests)
+
+    def busy_seconds(self) -> float:
+        """Seconds spent drafting so far, summed over the threads that drafted."""
+        with self._lock:
+            return self._busy_s
 
     def _evict_idle_locked(self) -> int:
         now = self.clock()

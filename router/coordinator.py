@@ -75,7 +75,15 @@ log = logging.getLogger(__name__)
 # largest tree: a small margin (a round's root token needs one); the router's context limit
 # leaves the same room (cluster/actors.py)
 SPARE_SLOTS = 4
+# how often a request waiting for a verifier looks at the registry again
+SERVICE_POLL_S = 0.2
 MAX_OBSERVED = 4096  # positions kept for a drafter not asked to draft for a while (newest kept)
+# tries of one Propose (another pool after a failure, a prefill after lost state); then the
+# round goes undrafted rather than wait on failing pools
+PROPOSE_ATTEMPTS = 3
+# pipelined rounds' verify calls: one in flight per request, with room to spare over the
+# requests a router serves at once (router.servicer.serve's threads)
+VERIFY_CALL_THREADS = 64
 
 # gRPC failures after which another replica (or no drafting) is the answer
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
@@ -156,8 +164,11 @@ class Coordinator:
     """Runs jobs against the services that `verifiers()` and `drafters()` list."""
 
     def __init__(self, verifiers: Callable[[], list[str]], drafters: Callable[[], list[str]],
-                 channels: Channels | None = None, pass_costs: PassCostModel | None = None):
+                 channels: Channels | None = None, pass_costs: PassCostModel | None = None,
+                 service_wait_s: float = 0.0):
         self.verifiers, self.drafters = verifiers, drafters
+        # how long a request waits for a verifier to be listed before it fails UNAVAILABLE
+        self.service_wait_s = service_wait_s
         self.channels = channels or Channels()
         # what verification passes cost, learned from every verdict here (adaptive lengths read it)
         self.pass_costs = pass_costs
@@ -165,9 +176,8 @@ class Coordinator:
         # from every request of that namespace here
         self._calibrations: Namespaces[dict[str, Calibration]] = Namespaces(lambda _: {})
         self._calibrations_lock = threading.Lock()
-        # pipelined rounds send their verify calls from here while their own thread drafts ahead:
-        # one call in flight per request, and a router serves at most 32 requests at once
-        self.calls = ThreadPoolExecutor(max_workers=64, thread_name_prefix="verify-call")
+        # pipelined rounds send their verify calls from here while their own thread drafts ahead
+        self.calls = ThreadPoolExecutor(max_workers=VERIFY_CALL_THREADS, thread_name_prefix="verify-call")
 
     def calibration(self, kind: str, namespace: str = DEFAULT_NAMESPACE) -> Calibration:
         kinds = self._calibrations.get(namespace)
@@ -381,9 +391,7 @@ class _VerifySide(_Side):
         """The answer holds the target's next token (and, with `candidates`, its top candidates
         after the last tokens)."""
         reserve = len(tokens) + self.job.params.max_tokens + self.job.max_tree_nodes + SPARE_SLOTS
-        for address in self.coord.verifiers():
-            if address in self.failed:
-                continue
+        for address in self._live_verifiers():
             stub = pb_grpc.VerifierStub(self.coord.channels.get(address))
             req = pb.VerifierPrefillRequest(request_id=self.request_id, token_ids=tokens,
                                             sampling=params_to_pb(self.job.params), max_len=reserve,
@@ -403,6 +411,20 @@ class _VerifySide(_Side):
             self.address, self.stub, self.active_requests = address, stub, resp.active_requests
             return resp
         raise NoService("no verifier is available")
+
+    def _live_verifiers(self) -> Iterator[str]:
+        """Listed verifiers not yet failed for this request; while there is none (the service is
+        starting, or one is restarting) wait for one, up to the coordinator's service wait and
+        the request's deadline."""
+        give_up = time.monotonic() + self.coord.service_wait_s
+        while True:
+            fresh = [a for a in self.coord.verifiers() if a not in self.failed]
+            yield from fresh
+            if time.monotonic() >= give_up:
+                return
+            if self.job.is_cancelled():
+                raise Cancelled()
+            time.sleep(min(SERVICE_POLL_S, max(0.0, self.coord.timeout(self.job) or SERVICE_POLL_S)))
 
     def verify(self, tree: DraftTree, context_length: int, candidates: int = 0) -> pb.VerifyResponse | None:
         """The verdict, or None when the request must be prefilled again. The call blocks this
@@ -619,7 +641,7 @@ class _DraftSide(_Side):
         """A draft tree `budget` deep and at most `max_nodes` wide (None: a chain's worth) for
         `context` (and past `speculative`, drafting ahead), or an empty one (plain decoding)
         if no drafter can help."""
-        for _ in range(3):
+        for _ in range(PROPOSE_ATTEMPTS):
             if self.disabled:
                 return pb.DraftTree()
             if self.stub is None and not self._connect(context):

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
-import time
+import threading
 import uuid
+from dataclasses import dataclass
+from typing import Callable, Iterator
 
 import grpc
 
 from protos import specserve_pb2 as pb
 from protos import specserve_pb2_grpc as pb_grpc
 from protos.convert import params_from_pb
-from protos.server import start_server
+from protos.server import call_deadline, start_server
 from speculative.drafter_kinds import check_drafter
+from speculative.errors import PromptTooLong
 from speculative.namespaces import DEFAULT_NAMESPACE, Namespaces, check_namespace
 from speculative.sampling import InvalidArgument
 from speculative.stopping import clip
@@ -27,7 +30,28 @@ from .stats import RoundStats
 from .text import StreamingText
 
 ROLES = {"system", "user", "assistant"}
-NO_DEADLINE_S = 1e7  # time_remaining() above this means the client set no deadline
+
+
+class RequestFailed(Exception):
+    """Why a request could not go on: a gRPC status, its message, and the request field at
+    fault when there is one (the HTTP API maps these to its own codes)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, field: str | None = None, too_long: bool = False):
+        super().__init__(message)
+        self.code, self.message, self.field, self.too_long = code, message, field, too_long
+
+
+@dataclass(frozen=True)
+class Call:
+    """What the router knows of its caller: when it stops waiting (time.monotonic, None
+    for never) and whether it is still there."""
+
+    deadline: float | None = None
+    is_active: Callable[[], bool] = lambda: True
+
+    @classmethod
+    def of_grpc(cls, context: grpc.ServicerContext) -> Call:
+        return cls(call_deadline(context), context.is_active)
 
 
 class RouterConfig(RouterSettings):
@@ -65,6 +89,8 @@ class RouterServicer(pb_grpc.SpecserveServicer):
             lambda ns: expertise if ns == DEFAULT_NAMESPACE else expertise.in_namespace(ns),
             forget=ExpertiseRouter.close)
         self.metrics = metrics or RouterMetrics()
+        self.ongoing = 0  # requests in flight, gRPC and HTTP: what router autoscaling follows
+        self._ongoing_lock = threading.Lock()
         if coordinator.pass_costs is not None:
             self.metrics.watch_pass_costs(coordinator.pass_costs)
         if config.default_drafter == "auto" and (expertise is None or not config.routed_drafters):
@@ -73,7 +99,7 @@ class RouterServicer(pb_grpc.SpecserveServicer):
             raise ValueError("fused_drafters and tree_budget must be at least 1")
 
     # -- validation -----------------------------------------------------------
-    def _job(self, req: pb.GenerateRequest, context: grpc.ServicerContext) -> Job:
+    def _job(self, req: pb.GenerateRequest, call: Call) -> Job:
         cfg = self.config
         if req.prompt and req.messages:
             raise InvalidArgument("prompt", "give a prompt or messages, not both")
@@ -89,7 +115,7 @@ class RouterServicer(pb_grpc.SpecserveServicer):
                 raise InvalidArgument("prompt", "must not be empty")
             ids = self.tokenizer.encode(req.prompt)
         if len(ids) > cfg.max_prompt_tokens:
-            raise InvalidArgument("prompt", f"{len(ids)} tokens exceeds the limit of {cfg.max_prompt_tokens}")
+            raise PromptTooLong("prompt", f"{len(ids)} tokens exceeds the limit of {cfg.max_prompt_tokens}")
         s = req.sampling
         params = params_from_pb(s, cfg.default_max_tokens)
         params.validate(len(ids), cfg.context_length)
@@ -99,9 +125,6 @@ class RouterServicer(pb_grpc.SpecserveServicer):
         domain, drafters = self._drafters(req, self._expertise_of(namespace))
         if len(req.stop) > cfg.max_stop_strings or any(not s for s in req.stop):
             raise InvalidArgument("stop", f"at most {cfg.max_stop_strings} non-empty strings")
-        remaining = context.time_remaining()
-        if remaining is not None and remaining > NO_DEADLINE_S:
-            remaining = None  # a call without a deadline reports a huge one; passed downstream it overflows
         pipelined = req.pipelined if req.HasField("pipelined") else cfg.pipelined
         speculation = None
         if cfg.adaptive:
@@ -115,8 +138,7 @@ class RouterServicer(pb_grpc.SpecserveServicer):
         return Job(request_id=req.request_id or uuid.uuid4().hex, prompt_ids=ids, params=params,
                    drafters=drafters, draft_length=cfg.draft_length, tree_budget=cfg.tree_budget,
                    vocab_size=cfg.vocab_size, eos_token_ids=cfg.eos_token_ids, domain=domain,
-                   deadline=None if remaining is None else time.monotonic() + remaining,
-                   is_cancelled=lambda: not context.is_active(), pipelined=pipelined,
+                   deadline=call.deadline, is_cancelled=lambda: not call.is_active(), pipelined=pipelined,
                    speculation=speculation, stop_confidence=cfg.stop_confidence, namespace=namespace)
 
     def close(self) -> None:
@@ -146,15 +168,19 @@ class RouterServicer(pb_grpc.SpecserveServicer):
         return domain, ((drafter, 1.0),)  # alone: its reliability weighs nothing
 
     # -- running ------------------------------------------------------------------
-    def _chunks(self, req: pb.GenerateRequest, context: grpc.ServicerContext):
-        """Yield (job, text delta, new tokens, stats, finish_reason or None) per round."""
+    def chunks(self, req: pb.GenerateRequest, call: Call) -> Iterator[pb.GenerateChunk]:
+        """The request's output, a chunk per round; the last carries the finish reason and usage.
+        Raises RequestFailed. The one path into the router: gRPC and HTTP both come through here."""
         try:
-            job = self._job(req, context)
+            job = self._job(req, call)
         except InvalidArgument as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, str(e), e.field,
+                                too_long=isinstance(e, PromptTooLong)) from None
         stats = RoundStats()
         text = StreamingText(self.tokenizer.decode, req.stop)
         count = 0
+        with self._ongoing_lock:
+            self.ongoing += 1
         try:
             for new in self.coordinator.run(job, stats):
                 # the coordinator clipped them already: this names why the output ends, if it does
@@ -162,20 +188,27 @@ class RouterServicer(pb_grpc.SpecserveServicer):
                 count += len(new)
                 delta = text.add(new)
                 if text.stopped:
-                    yield job, delta, new, stats, "stop"
-                    return
-                if reason is not None:
+                    reason = "stop"
+                elif reason is not None:
                     delta += text.finish()
-                yield job, delta, new, stats, reason
+                chunk = pb.GenerateChunk(request_id=job.request_id, text=delta, token_ids=new)
+                if reason is not None:
+                    chunk.finish_reason = reason
+                    chunk.usage.CopyFrom(self._usage(job, stats, count))
+                yield chunk
+                if reason is not None:
+                    return
         except DeadlineExceeded:
-            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded during generation")
+            raise RequestFailed(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded during generation") from None
         except Cancelled:
             return
         except NoService as e:
-            context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            raise RequestFailed(grpc.StatusCode.UNAVAILABLE, str(e)) from None
         except grpc.RpcError as e:
-            context.abort(grpc.StatusCode.INTERNAL, f"downstream {e.code().name}: {e.details()}")
+            raise RequestFailed(grpc.StatusCode.INTERNAL, f"downstream {e.code().name}: {e.details()}") from None
         finally:
+            with self._ongoing_lock:
+                self.ongoing -= 1
             self.metrics.observe(stats, "+".join(d for d, _ in job.drafters), count)
             expertise = self._expertise_of(job.namespace)
             if expertise is not None and job.domain is not None:
@@ -193,25 +226,28 @@ class RouterServicer(pb_grpc.SpecserveServicer):
                         reused_drafts=stats.reused_drafts)
 
     def Generate(self, request, context):
-        tokens, text, reason, job, stats = [], [], "length", None, None
-        for job, delta, new, stats, finish in self._chunks(request, context):
-            tokens.extend(new)
-            text.append(delta)
-            reason = finish or reason
-        if job is None:  # cancelled before anything was generated
+        resp = pb.GenerateResponse(finish_reason="length")
+        text = []
+        try:
+            for chunk in self.chunks(request, Call.of_grpc(context)):
+                resp.request_id = chunk.request_id
+                resp.token_ids.extend(chunk.token_ids)
+                text.append(chunk.text)
+                if chunk.finish_reason:
+                    resp.finish_reason = chunk.finish_reason
+                    resp.usage.CopyFrom(chunk.usage)
+        except RequestFailed as e:
+            context.abort(e.code, e.message)
+        if not resp.request_id:  # cancelled before anything was generated
             return pb.GenerateResponse()
-        return pb.GenerateResponse(request_id=job.request_id, text="".join(text), token_ids=tokens,
-                                   finish_reason=reason, usage=self._usage(job, stats, len(tokens)))
+        resp.text = "".join(text)
+        return resp
 
     def GenerateStream(self, request, context):
-        total = 0
-        for job, delta, new, stats, finish in self._chunks(request, context):
-            total += len(new)
-            chunk = pb.GenerateChunk(request_id=job.request_id, text=delta, token_ids=new)
-            if finish:
-                chunk.finish_reason = finish
-                chunk.usage.CopyFrom(self._usage(job, stats, total))
-            yield chunk
+        try:
+            yield from self.chunks(request, Call.of_grpc(context))
+        except RequestFailed as e:
+            context.abort(e.code, e.message)
 
 
 def _user_text(req: pb.GenerateRequest) -> str:

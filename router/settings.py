@@ -39,6 +39,8 @@ class RouterSettings(BaseModel):
                                                       "timings, starting from the settings above; off: the "
                                                       "settings as they are")
     routing_refresh_s: float = Field(5.0, ge=0, description="how often a router syncs drafter statistics")
+    service_wait_s: float = Field(30.0, ge=0, description="how long a request waits (within its deadline) for a "
+                                  "verifier while none is registered: the service is starting or one restarts")
     max_prompt_tokens: int = Field(4096, ge=1, description="longer prompts are refused")
 
     @field_validator("default_drafter")

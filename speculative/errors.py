@@ -10,3 +10,7 @@ class InvalidArgument(ValueError):
     def __init__(self, field: str, message: str):
         super().__init__(f"{field}: {message}")
         self.field = field
+
+
+class PromptTooLong(InvalidArgument):
+    """The prompt is longer than the server takes (HTTP answers it with 413)."""

@@ -36,7 +36,11 @@ from speculative.recycling import PROMPT_SEED, top_candidates
 from speculative.sampling import InvalidArgument, SamplingParams, first_token, make_generator
 from speculative.tree import DraftTree
 
+from .settings import VerifierSettings
+
 log = logging.getLogger(__name__)
+
+_SETTINGS = VerifierSettings()  # the engine's defaults are the served verifier's
 
 
 class _CheckpointWriter:
@@ -115,6 +119,10 @@ class CheckpointStore(Protocol):
     def delete_checkpoint(self, request_id: str) -> None: ...
 
 MAX_CANDIDATES = 64  # most next tokens a verify call may ask for per scored position
+IDLE_CHECK_S = 5.0  # longest an idle worker sleeps before looking for idle requests to drop
+# how far a draw's q may sum from 1: a float32 distribution, renormalised by its drafter,
+# sums to 1 only up to rounding
+Q_SUM_TOLERANCE = 1e-3
 
 
 @dataclass
@@ -193,10 +201,11 @@ _Work = _Prefill | _Verify | _Release
 
 
 class VerifierEngine:
-    def __init__(self, model: Transformer, max_batch: int = 8, max_len: int = 4096, max_batch_tokens: int = 256,
-                 batch_wait_s: float = 0.002, checkpoints: CheckpointStore | None = None,
-                 checkpoint_ttl_s: float = 600.0, idle_timeout_s: float = 300.0,
-                 clock: Callable[[], float] = time.monotonic, threads: int | None = None):
+    def __init__(self, model: Transformer, max_batch: int = _SETTINGS.max_batch, max_len: int = _SETTINGS.max_len,
+                 max_batch_tokens: int = _SETTINGS.max_batch_tokens, batch_wait_s: float = 0.002,
+                 checkpoints: CheckpointStore | None = None, checkpoint_ttl_s: float = 600.0,
+                 idle_timeout_s: float = 300.0, clock: Callable[[], float] = time.monotonic,
+                 threads: int | None = None):
         """`threads`: torch threads of the worker thread, which runs every forward pass
         (None: torch's setting). A process that serves should run nothing multi-threaded
         on any other thread (`speculative.cpu_tuning.own_torch_threads`)."""
@@ -287,6 +296,12 @@ class VerifierEngine:
         """Requests holding a row now."""
         return len(self._requests)
 
+    def load(self) -> int:
+        """Rows held plus work queued: how full this verifier is (autoscaling reads it)."""
+        with self._cond:
+            queued = len(self._queue)
+        return self.active_requests() + queued
+
     def stats(self) -> dict[str, Any]:
         """forward_passes counts prefills too; the histogram counts verification passes by batch size."""
         with self._stats_lock:
@@ -338,7 +353,7 @@ class VerifierEngine:
         """The next work: one prefill or release, or a batch of verify items; None once closed."""
         with self._cond:
             if not self._queue and not self._closed:
-                self._cond.wait(min(self.idle_timeout_s / 4, 5.0))  # wake now and then to drop idle requests
+                self._cond.wait(min(self.idle_timeout_s / 4, IDLE_CHECK_S))  # wake now and then to drop idle requests
             if self._closed:
                 return None
             if not self._queue:
@@ -444,7 +459,8 @@ class VerifierEngine:
             raise InvalidArgument("tree.draw_q", "sampling needs the distribution of every draw")
         drawn = q[torch.arange(len(q)), torch.tensor([tree.tokens[n] for n in tree.draw_nodes], dtype=torch.long)]
         # verification is exact only if each draw really came from its q
-        if not (q.isfinite().all() and (q >= 0).all() and ((q.sum(-1) - 1).abs() <= 1e-3).all() and (drawn > 0).all()):
+        sums_to_one = ((q.sum(-1) - 1).abs() <= Q_SUM_TOLERANCE).all()
+        if not (q.isfinite().all() and (q >= 0).all() and sums_to_one and (drawn > 0).all()):
             raise InvalidArgument("tree.draw_q", "each draw's q must be a distribution giving its token a "
                                   "positive probability")
 
