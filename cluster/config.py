@@ -56,6 +56,25 @@ class HttpSettings(_Section):
                                                             "file's or directory's name)")
 
 
+class SecuritySettings(_Section):
+    """`[security]`: who may call the client-facing APIs and the internal services, and where
+    the internal services listen."""
+
+    require_api_keys: bool = Field(False, description="refuse requests without a valid API key "
+                                                      "(`specserve keys create`); /health and /metrics stay open")
+    allow_open_access: bool = Field(False, description="serve on a non-loopback host without API keys "
+                                                       "(a warning is printed)")
+    cluster_secret: str | None = Field(None, min_length=16, repr=False,
+                                       description="the secret every call to a verifier or drafter pool must "
+                                                   "carry (default: SPECSERVE_CLUSTER_SECRET, else one generated "
+                                                   "once and kept in the state store)")
+    internal_host: str = Field("auto", pattern="^(auto|loopback|node)$",
+                               description="where verifiers, drafter pools and their metrics listen: loopback, "
+                                           "the node's address as Ray reports it, or auto (loopback while the "
+                                           "Ray cluster is one node, else the node's address); never all "
+                                           "interfaces")
+
+
 class RegistrySettings(_Section):
     """`[registry]`: how each service keeps its address in the state store."""
 
@@ -80,6 +99,7 @@ class ServeConfig(_Section):
     routers: RouterReplicaSettings = Field(default_factory=RouterReplicaSettings)
     autoscaling: AutoscalingSettings = Field(default_factory=AutoscalingSettings)
     http: HttpSettings = Field(default_factory=HttpSettings)
+    security: SecuritySettings = Field(default_factory=SecuritySettings)
 
     @model_validator(mode="before")
     @classmethod
@@ -106,6 +126,21 @@ class ServeConfig(_Section):
             raise ValueError(f"max_batch_tokens must be more than the router's tree_budget and draft_length "
                              f"({largest})")
         return verifiers
+
+
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def open_access_warning(cfg: ServeConfig) -> str | None:
+    """Why serving `cfg` would let anyone on the network in (None: it would not); raises
+    ValueError when that was not asked for explicitly."""
+    if cfg.host in LOOPBACK_HOSTS or cfg.security.require_api_keys:
+        return None
+    if not cfg.security.allow_open_access:
+        raise ValueError(f"host {cfg.host} is reachable from the network and API keys are off: set "
+                         "[security] require_api_keys = true, or allow_open_access = true (--allow-open-access) "
+                         "to serve without keys")
+    return f"serving on {cfg.host} without API keys: anyone who reaches it can use it"
 
 
 def load_config(path: str | Path | None) -> ServeConfig:

@@ -6,6 +6,9 @@ of `speculative/` take their values as parameters.
   (the default: whichever this CPU runs faster), `blas` or `packed`.
 - SPECSERVE_CACHE_DIR: the cache of converted models and distillation data
   (unset or empty: ~/.cache/specserve).
+- SPECSERVE_CLUSTER_SECRET: the secret every internal call carries, when the
+  config names none (`[security] cluster_secret`); it must be the same on
+  every node. Unset or empty: one is generated and kept in the state store.
 """
 
 from __future__ import annotations
@@ -29,3 +32,14 @@ def cpu_tuning_from_env() -> CpuTuning:
 def cache_dir_from_env() -> str | None:
     """SPECSERVE_CACHE_DIR; None when unset or empty (`speculative.loading.cache_root`'s default)."""
     return os.environ.get("SPECSERVE_CACHE_DIR") or None
+
+
+CLUSTER_SECRET_ENV = "SPECSERVE_CLUSTER_SECRET"
+
+
+def cluster_secret_from_env() -> str | None:
+    """SPECSERVE_CLUSTER_SECRET; None when unset or empty. At least 16 characters, as in the config."""
+    secret = os.environ.get(CLUSTER_SECRET_ENV) or None
+    if secret is not None and len(secret) < 16:
+        raise ValueError(f"{CLUSTER_SECRET_ENV} must be at least 16 characters long")
+    return secret

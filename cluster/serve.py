@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import ray
 
 from .actors import NAMESPACE, STATE_ACTOR, DrafterPoolActor, RouterActor, StateStoreActor, VerifierActor
-from .config import ServeConfig
+from .config import ServeConfig, open_access_warning
 from .state import REDIS_URL_ENV
 
 APP_NAME = "specserve"
@@ -99,6 +99,9 @@ def run(cfg: ServeConfig) -> int:
     """Serve the application until interrupted (SIGINT or SIGTERM)."""
     from ray import serve
 
+    warning = open_access_warning(cfg)
+    if warning:
+        print(f"specserve: warning: {warning}", flush=True)
     init_ray(cfg)
     print(f"specserve: starting {cfg.verifiers.count} verifier(s) and {cfg.drafter_pools.count} drafter pool(s)...",
           flush=True)

@@ -12,8 +12,10 @@ Redis layout (every key starts with the store's prefix, default "specserve:"):
                           [drafter, domain, namespace] -> count
     accept:accepted       hash, same fields
     ckpt:{request_id}     string, JSON checkpoint, PX = checkpoint TTL
-    apikeys               hash, SHA-256 hex of key -> name
-    rate:{sha256 of key}  integer, fixed-window counter, PX = window
+    apikeys               hash, SHA-256 hex of key -> JSON record {"id", "name", "rpm", "tpm", ...}
+    rate:{sha256 of name} integer, fixed-window counter, PX = window
+    slots:{sha256 of name} integer, requests in flight, PX = slot TTL (renewed by each acquire)
+    shared:{name}         string, a value set once (`setdefault`), e.g. shared:cluster_secret
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import secrets
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -32,6 +35,7 @@ import redis
 
 DEFAULT_PREFIX = "specserve:"
 REDIS_URL_ENV = "SPECSERVE_REDIS_URL"
+CLUSTER_SECRET = "cluster_secret"  # the shared value (`setdefault`) that holds a generated cluster secret
 
 
 @dataclass(frozen=True)
@@ -89,19 +93,45 @@ class StateStore(ABC):
     def delete_checkpoint(self, request_id: str) -> None: ...
 
     @abstractmethod
-    def add_api_key(self, key: str, name: str) -> None:
-        """Accept `key` from now on, as the client `name`; only its SHA-256 is kept."""
+    def add_api_key(self, key: str, record: dict[str, Any]) -> None:
+        """Accept `key` from now on, with its `record` (JSON: "id", "name", limits); only the
+        key's SHA-256 is kept."""
 
     @abstractmethod
-    def check_api_key(self, key: str) -> str | None:
-        """The client name for a valid key, else None."""
+    def check_api_key(self, key: str) -> dict[str, Any] | None:
+        """The record of a valid key, else None."""
 
     @abstractmethod
-    def rate_limit_hit(self, key: str, limit: int, window_s: float) -> bool:
-        """Count one request; True while at most `limit` were counted in the current window.
+    def list_api_keys(self) -> list[dict[str, Any]]:
+        """Every key's record, by id."""
 
-        Fixed window: it starts at the first hit and lasts window_s.
-        """
+    @abstractmethod
+    def revoke_api_key(self, key_id: str) -> bool:
+        """Refuse the key with this record id from now on; False if there is none."""
+
+    @abstractmethod
+    def count(self, counter: str, amount: int, window_s: float) -> tuple[int, float]:
+        """Add `amount` to a fixed-window counter; (its total in the window, seconds until the
+        window ends). The window starts at the first count and lasts window_s."""
+
+    @abstractmethod
+    def acquire_slot(self, counter: str, limit: int, ttl_s: float) -> bool:
+        """Take one of `limit` slots (requests in flight); False when all are taken. The slots
+        lapse `ttl_s` after the last acquire, so a crashed holder cannot keep them."""
+
+    @abstractmethod
+    def release_slot(self, counter: str) -> None:
+        """Give back a slot `acquire_slot` took."""
+
+    @abstractmethod
+    def setdefault(self, name: str, value: str) -> str:
+        """Store `value` under `name` unless a value is there already; return the value stored.
+        Atomic: of concurrent callers, one sets its value and all get that one."""
+
+    def get_or_create_cluster_secret(self) -> str:
+        """The secret every internal call carries (protos.server.ClusterSecretCheck): generated
+        by the first service to ask, the same for all after."""
+        return self.setdefault(CLUSTER_SECRET, secrets.token_urlsafe(32))
 
     @abstractmethod
     def ping(self) -> bool: ...
@@ -261,21 +291,54 @@ class RedisStateStore(StateStore):
     def delete_checkpoint(self, request_id: str) -> None:
         self._client.delete(f"{self.prefix}ckpt:{request_id}")
 
-    def add_api_key(self, key: str, name: str) -> None:
-        self._client.hset(f"{self.prefix}apikeys", _digest(key), name)
+    def add_api_key(self, key: str, record: dict[str, Any]) -> None:
+        self._client.hset(f"{self.prefix}apikeys", _digest(key), json.dumps(record))
 
-    def check_api_key(self, key: str) -> str | None:
-        return self._client.hget(f"{self.prefix}apikeys", _digest(key))
+    def check_api_key(self, key: str) -> dict[str, Any] | None:
+        stored = self._client.hget(f"{self.prefix}apikeys", _digest(key))
+        return None if stored is None else json.loads(stored)
 
-    def rate_limit_hit(self, key: str, limit: int, window_s: float) -> bool:
-        counter = f"{self.prefix}rate:{_digest(key)}"  # hashed: the key may be an API key
+    def list_api_keys(self) -> list[dict[str, Any]]:
+        records = [json.loads(v) for v in self._client.hvals(f"{self.prefix}apikeys")]
+        return sorted(records, key=lambda r: r["id"])
+
+    def revoke_api_key(self, key_id: str) -> bool:
+        for digest, stored in self._client.hgetall(f"{self.prefix}apikeys").items():
+            if json.loads(stored)["id"] == key_id:
+                return bool(self._client.hdel(f"{self.prefix}apikeys", digest))
+        return False
+
+    def count(self, counter: str, amount: int, window_s: float) -> tuple[int, float]:
+        key = f"{self.prefix}rate:{_digest(counter)}"  # hashed: a counter may be named after a key
         with self._client.pipeline() as pipe:
-            pipe.incr(counter)
-            # NX: only the hit that opens the window sets its end; in the same
+            pipe.incrby(key, amount)
+            # NX: only the count that opens the window sets its end; in the same
             # MULTI, so a counter can never be left without an expiry.
-            pipe.pexpire(counter, _ttl_ms(window_s), nx=True)
-            count, _ = pipe.execute()
-        return count <= limit
+            pipe.pexpire(key, _ttl_ms(window_s), nx=True)
+            pipe.pttl(key)
+            total, _, pttl = pipe.execute()
+        return total, max(pttl, 0) / 1000
+
+    def acquire_slot(self, counter: str, limit: int, ttl_s: float) -> bool:
+        key = f"{self.prefix}slots:{_digest(counter)}"
+        with self._client.pipeline() as pipe:
+            pipe.incr(key)
+            pipe.pexpire(key, _ttl_ms(ttl_s))
+            taken, _ = pipe.execute()
+        if taken > limit:
+            self._client.decr(key)
+            return False
+        return True
+
+    def release_slot(self, counter: str) -> None:
+        key = f"{self.prefix}slots:{_digest(counter)}"
+        if self._client.decr(key) < 0:  # the slots lapsed while the request ran
+            self._client.set(key, 0, keepttl=True)
+
+    def setdefault(self, name: str, value: str) -> str:
+        # SET NX GET (Redis >= 7.0): the value there before, or None when this one was set
+        old = self._client.set(f"{self.prefix}shared:{name}", value, nx=True, get=True)
+        return value if old is None else old
 
     def ping(self) -> bool:
         try:
@@ -334,8 +397,10 @@ class EmbeddedStateStore(StateStore):
         self._services: defaultdict[str, _ExpiringDict] = defaultdict(_ExpiringDict)
         self._acceptance: dict[tuple[str, str, str], Acceptance] = {}  # (drafter, domain, namespace)
         self._checkpoints = _ExpiringDict()
-        self._api_keys: dict[str, str] = {}  # SHA-256 hex -> name
-        self._rate = _ExpiringDict()  # SHA-256 hex -> hits in the current window
+        self._api_keys: dict[str, str] = {}  # SHA-256 hex -> JSON record
+        self._rate = _ExpiringDict()  # SHA-256 hex of the counter -> total in the current window
+        self._slots = _ExpiringDict()  # SHA-256 hex of the counter -> slots taken
+        self._shared: dict[str, str] = {}  # setdefault's values
 
     def register_service(
         self, kind: str, service_id: str, address: str, ttl_s: float, meta: dict[str, Any] | None = None
@@ -401,22 +466,59 @@ class EmbeddedStateStore(StateStore):
         with self._lock:
             self._checkpoints.pop(request_id)
 
-    def add_api_key(self, key: str, name: str) -> None:
+    def add_api_key(self, key: str, record: dict[str, Any]) -> None:
         with self._lock:
-            self._api_keys[_digest(key)] = name
+            self._api_keys[_digest(key)] = json.dumps(record)
 
-    def check_api_key(self, key: str) -> str | None:
+    def check_api_key(self, key: str) -> dict[str, Any] | None:
         with self._lock:
-            return self._api_keys.get(_digest(key))
+            stored = self._api_keys.get(_digest(key))
+        return None if stored is None else json.loads(stored)
 
-    def rate_limit_hit(self, key: str, limit: int, window_s: float) -> bool:
-        window, digest = _ttl_ms(window_s) / 1000, _digest(key)
+    def list_api_keys(self) -> list[dict[str, Any]]:
+        with self._lock:
+            records = [json.loads(v) for v in self._api_keys.values()]
+        return sorted(records, key=lambda r: r["id"])
+
+    def revoke_api_key(self, key_id: str) -> bool:
+        with self._lock:
+            for digest, stored in list(self._api_keys.items()):
+                if json.loads(stored)["id"] == key_id:
+                    del self._api_keys[digest]
+                    return True
+        return False
+
+    def count(self, counter: str, amount: int, window_s: float) -> tuple[int, float]:
+        window, digest = _ttl_ms(window_s) / 1000, _digest(counter)
         with self._lock:
             now = time.monotonic()
             entry = self._rate.get(digest, now)
-            count, deadline = (1, now + window) if entry is None else (entry[0] + 1, entry[1])
-            self._rate.put(digest, count, deadline, now)
-        return count <= limit
+            total, deadline = (amount, now + window) if entry is None else (entry[0] + amount, entry[1])
+            self._rate.put(digest, total, deadline, now)
+        return total, max(deadline - now, 0.0)
+
+    def acquire_slot(self, counter: str, limit: int, ttl_s: float) -> bool:
+        digest = _digest(counter)
+        with self._lock:
+            now = time.monotonic()
+            entry = self._slots.get(digest, now)
+            taken = (entry[0] if entry else 0) + 1
+            if taken > limit:
+                return False
+            self._slots.put(digest, taken, now + ttl_s, now)
+        return True
+
+    def release_slot(self, counter: str) -> None:
+        digest = _digest(counter)
+        with self._lock:
+            now = time.monotonic()
+            entry = self._slots.get(digest, now)
+            if entry is not None and entry[0] > 0:
+                self._slots.put(digest, entry[0] - 1, entry[1], now)
+
+    def setdefault(self, name: str, value: str) -> str:
+        with self._lock:
+            return self._shared.setdefault(name, value)
 
     def ping(self) -> bool:
         return True

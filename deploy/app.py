@@ -11,6 +11,7 @@ policies (deploy/autoscaling.py); a replica that goes away drains first.
 
 import asyncio
 import json
+import logging
 import os
 import threading
 import time
@@ -20,16 +21,18 @@ from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from ray import serve
 from starlette.exceptions import HTTPException
 
 from cluster.actors import DrafterPoolHost, RouterHost, VerifierHost
-from cluster.config import ServeConfig, load_config
+from cluster.config import ServeConfig, load_config, open_access_warning
 from cluster.state import REDIS_URL_ENV
 from protos import specserve_pb2 as pb
+from router.auth import bearer
 
 from . import autoscaling
+from . import metrics as service_metrics
 from . import openai_api as oa
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -105,9 +108,9 @@ class Router(RouterHost):
     def __init__(self, cfg_dict: dict, redis_url: str | None, *services):
         super().__init__(cfg_dict, redis_url)  # `services`: bound so Serve deploys them
 
-    async def generate(self, request: bytes) -> AsyncIterator[bytes | dict]:
+    async def generate(self, request: bytes, api_key: str | None = None) -> AsyncIterator[bytes | dict]:
         """Serialised `GenerateChunk`s of the request, or one error record
-        ({"status", "message", "field", "too_long"}) where it stops."""
+        ({"status", "message", "field", "too_long", "retry_after_s"}) where it stops."""
         from router.servicer import Call, RequestFailed
 
         loop = asyncio.get_running_loop()
@@ -119,14 +122,13 @@ class Router(RouterHost):
 
         def work() -> None:
             try:
-                call = Call(is_active=lambda: not gone.is_set())
+                call = Call(is_active=lambda: not gone.is_set(), api_key=api_key)
                 for chunk in self.servicer.chunks(pb.GenerateRequest.FromString(request), call):
                     put(chunk.SerializeToString())
             except RequestFailed as e:
-                put({"status": e.code.name, "message": e.message, "field": e.field, "too_long": e.too_long})
+                put(_error_record(e))
             except Exception as e:  # noqa: BLE001 - the caller gets it as an error record, not a hang
-                put({"status": "INTERNAL", "message": f"{type(e).__name__}: {e}", "field": None,
-                     "too_long": False})
+                put({"status": "INTERNAL", "message": f"{type(e).__name__}: {e}"})
             finally:
                 put(None)
 
@@ -137,11 +139,27 @@ class Router(RouterHost):
         finally:
             gone.set()
 
+    def authenticate(self, api_key: str | None) -> dict | None:
+        """None when the key may call the API, else an error record."""
+        from router.auth import Denied
+
+        try:
+            self.servicer.gatekeeper.authenticate(api_key)
+        except Denied as e:
+            return {"status": e.status, "message": e.message}
+        return None
+
     def record_autoscaling_stats(self) -> dict[str, float]:
         return {autoscaling.ROUTER_LOAD: self.servicer.ongoing / self.cfg.routers.target_ongoing}
 
     def __del__(self):
         self.drain(self.cfg.autoscaling.graceful_shutdown_s)
+
+
+def _error_record(e) -> dict:
+    """A router.servicer.RequestFailed as the ingress receives it."""
+    return {"status": e.code.name, "message": e.message, "field": e.field, "too_long": e.too_long,
+            "retry_after_s": e.retry_after_s}
 
 
 # -- the HTTP ingress ---------------------------------------------------------------------
@@ -150,7 +168,7 @@ api = FastAPI(title="specserve", description="OpenAI-compatible API of specserve
 
 @api.exception_handler(oa.OpenAIError)
 async def _openai_error(_: Request, e: oa.OpenAIError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers())
 
 
 @api.exception_handler(HTTPException)
@@ -178,7 +196,7 @@ async def _json_body(request: Request) -> Any:
 
 def _chunk_or_raise(item: bytes | dict) -> pb.GenerateChunk:
     if isinstance(item, dict):
-        raise oa.router_error(item["status"], item["message"], item["field"], item["too_long"])
+        raise oa.router_error(**item)
     return pb.GenerateChunk.FromString(item)
 
 
@@ -267,11 +285,22 @@ class OpenAIIngress:
 
     @api.get("/metrics")
     async def metrics(self) -> PlainTextResponse:
-        return PlainTextResponse(generate_latest(self.metrics.registry).decode(),
-                                 media_type="text/plain; version=0.0.4")
+        """This ingress's metrics and every registered service's, each service's samples
+        labelled with its `service` (kind) and `instance` (service id): deploy/metrics.py."""
+        scraper = self.__dict__.setdefault("_scraper", service_metrics.ServiceScraper())
+        try:  # any router lists the services: they all read the one store
+            targets = await asyncio.wait_for(self.router.metrics_targets.remote(), scraper.timeout_s)
+        except Exception:  # noqa: BLE001 - no router answering: this ingress's own metrics still
+            scraper.router_failed()
+            targets = []
+        text = await scraper.exposition([self.metrics.registry], targets)
+        return PlainTextResponse(text, media_type=service_metrics.CONTENT_TYPE)
 
     @api.get("/v1/models")
-    async def models(self) -> JSONResponse:
+    async def models(self, request: Request) -> JSONResponse:
+        denied = await self.router.authenticate.remote(bearer(request.headers.get("authorization")))
+        if denied:
+            raise oa.router_error(**denied)
         return JSONResponse({"object": "list", "data": [
             {"id": self.model, "object": "model", "created": 0, "owned_by": "specserve"}]})
 
@@ -293,7 +322,8 @@ class OpenAIIngress:
             rid = uuid.uuid4().hex
             out = oa.Responses(kind is oa.ChatCompletionRequest, rid, self.model, req.return_token_ids)
             started = time.monotonic()
-            streams = [self.router.options(stream=True).generate.remote(g.SerializeToString())
+            key = bearer(request.headers.get("authorization"))
+            streams = [self.router.options(stream=True).generate.remote(g.SerializeToString(), key)
                        for g in req.generate_requests(rid)]
             # the first chunk of each choice before answering: a refused request gets its own status
             firsts = await asyncio.gather(*(_first(s) for s in streams))
@@ -381,4 +411,8 @@ def build_app(args: dict[str, Any]):
     spec = load_config(args.get("config")).model_dump()
     for key, value in (args.get("settings") or {}).items():
         spec[key] = {**spec[key], **value} if isinstance(value, dict) and isinstance(spec.get(key), dict) else value
-    return build(ServeConfig.model_validate(spec))
+    cfg = ServeConfig.model_validate(spec)
+    warning = open_access_warning(cfg)
+    if warning:
+        logging.getLogger(__name__).warning(warning)
+    return build(cfg)

@@ -9,6 +9,7 @@ HTTP's own (the body's shape, the model name, fields we do not support).
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any, Literal
 
@@ -35,9 +36,14 @@ class OpenAIError(Exception):
              413: "invalid_request_error", 429: "rate_limit_exceeded", 500: "internal_error",
              503: "service_unavailable", 504: "timeout"}
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 retry_after_s: float | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.retry_after_s = retry_after_s  # a 429's Retry-After
+
+    def headers(self) -> dict[str, str]:
+        return {} if self.retry_after_s is None else {"Retry-After": str(math.ceil(self.retry_after_s))}
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "error"),
@@ -49,13 +55,14 @@ HTTP_STATUS = {"INVALID_ARGUMENT": 400, "NOT_FOUND": 404, "UNAUTHENTICATED": 401
                "UNAVAILABLE": 503, "DEADLINE_EXCEEDED": 504}
 
 
-def router_error(status: str, message: str, field: str | None, too_long: bool = False) -> OpenAIError:
+def router_error(status: str, message: str, field: str | None = None, too_long: bool = False,
+                 retry_after_s: float | None = None) -> OpenAIError:
     """The HTTP form of a request the router refused or could not finish; `field` as the
     OpenAI request spells it (a chat request's "prompt" is its messages: the ingress renames it)."""
     param = {"domain_hint": "domain"}.get(field, field)
     if too_long:
         return OpenAIError(413, message, param, "prompt_too_long")
-    return OpenAIError(HTTP_STATUS.get(status, 500), message, param, status.lower())
+    return OpenAIError(HTTP_STATUS.get(status, 500), message, param, status.lower(), retry_after_s)
 
 
 class ContentPart(BaseModel):

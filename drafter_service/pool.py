@@ -25,6 +25,7 @@ from speculative.namespaces import DEFAULT_NAMESPACE, check_namespace
 from speculative.sampling import InvalidArgument, SamplingParams, make_generator
 from speculative.tree import DraftTree
 
+from .metrics import DrafterMetrics
 from .registry import make_drafter
 from .settings import DrafterPoolSettings, check_kinds
 
@@ -44,18 +45,22 @@ class _Request:
     generator: torch.Generator
     last_used: float
     lock: threading.Lock = field(default_factory=threading.Lock)
+    kind: str = ""  # the drafter's kind (metrics label)
 
 
 class DrafterPool:
     def __init__(self, target_model: Transformer, kinds: Sequence[str] = tuple(_SETTINGS.kinds),
                  idle_timeout_s: float = 300.0, draft_top_k: int = 32,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, metrics: DrafterMetrics | None = None):
+        """`metrics`: where the pool records its Prometheus metrics (default: a fresh registry of its own)."""
         check_kinds(kinds)
         self.target, self.kinds = target_model, tuple(kinds)
         self.idle_timeout_s, self.draft_top_k, self.clock = idle_timeout_s, draft_top_k, clock
         self._requests: dict[str, _Request] = {}
         self._lock = threading.Lock()  # guards the dict only; drafting holds a request's own lock
         self._busy_s = 0.0  # time spent drafting, summed over the server's threads (autoscaling reads it)
+        self.metrics = metrics or DrafterMetrics()
+        self.metrics.watch(self.active_requests)
 
     def prefill(self, request_id: str, kind: str, token_ids: Sequence[int], params: SamplingParams,
                 stream: int = 1, resumed: int = 0, namespace: str = DEFAULT_NAMESPACE) -> None:
@@ -79,7 +84,7 @@ class DrafterPool:
         generator = make_generator(params.seed, self.target.device, stream=stream, resumed=resumed)
         drafter = make_drafter(kind, self.target, draft_top_k=self.draft_top_k, namespace=namespace)
         state = _Request(drafter, list(token_ids),
-                         params, generator, self.clock())
+                         params, generator, self.clock(), kind=kind)
         with state.lock:
             with self._lock:
                 self._evict_idle_locked()
@@ -126,8 +131,10 @@ class DrafterPool:
             try:
                 return self._draft(state, max_tokens, list(speculative), min_confidence, max_nodes)
             finally:
+                seconds = time.monotonic() - started
                 with self._lock:
-                    self._busy_s += time.monotonic() - started
+                    self._busy_s += seconds
+                self.metrics.observe_propose(state.kind, seconds)
 
     def release(self, request_id: str) -> bool:
         with self._lock:

@@ -1,8 +1,10 @@
 """Start the gRPC server of one of our services, with standard health
-checking and server reflection, as every specserve server has."""
+checking and server reflection, as every specserve server has; the internal
+services (verifier, drafter pools) also check the cluster secret of every call."""
 
 from __future__ import annotations
 
+import hmac
 import time
 from concurrent import futures
 from typing import Any, Callable
@@ -12,6 +14,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 NO_DEADLINE_S = 1e7  # time_remaining() above this means the caller set no deadline
+# the metadata key that carries the cluster secret on every call to an internal service
+CLUSTER_SECRET_METADATA = "x-specserve-cluster-secret"
+# services answered without the secret: readiness probes (`cluster.actors.services_ready`,
+# Kubernetes, grpc_health_probe) and grpcurl hold none, and neither reveals or changes state
+OPEN_SERVICES = (health.SERVICE_NAME, reflection.SERVICE_NAME)
 
 
 def call_deadline(context: grpc.ServicerContext) -> float | None:
@@ -23,14 +30,53 @@ def call_deadline(context: grpc.ServicerContext) -> float | None:
     return time.monotonic() + remaining
 
 
+class ClusterSecretCheck(grpc.ServerInterceptor):
+    """Refuses (UNAUTHENTICATED) every call that does not carry `secret` in its
+    CLUSTER_SECRET_METADATA, except to OPEN_SERVICES. Compared in constant time."""
+
+    def __init__(self, secret: str):
+        if not secret:
+            raise ValueError("the cluster secret must not be empty")
+        self._secret = secret.encode()
+
+    def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
+        handler = continuation(details)
+        if handler is None or details.method.split("/")[1] in OPEN_SERVICES:  # "/package.Service/Method"
+            return handler
+        given = next((value for key, value in details.invocation_metadata or ()
+                      if key == CLUSTER_SECRET_METADATA), None)
+        if isinstance(given, str) and hmac.compare_digest(given.encode(), self._secret):
+            return handler
+        return _refusal(handler)
+
+
+def _refusal(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """A handler of the same shape as `handler` that answers UNAUTHENTICATED."""
+
+    def refuse(_request, context: grpc.ServicerContext):
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, "this service needs the cluster secret")
+
+    shape = {(False, False): grpc.unary_unary_rpc_method_handler,
+             (False, True): grpc.unary_stream_rpc_method_handler,
+             (True, False): grpc.stream_unary_rpc_method_handler,
+             (True, True): grpc.stream_stream_rpc_method_handler}[(handler.request_streaming,
+                                                                   handler.response_streaming)]
+    return shape(refuse, request_deserializer=handler.request_deserializer,
+                 response_serializer=handler.response_serializer)
+
+
 def start_server(register: Callable[[Any, grpc.Server], None], servicer: Any, service: str,
                  host: str, port: int, max_workers: int,
-                 thread_init: Callable[[], None] | None = None) -> tuple[grpc.Server, int]:
+                 thread_init: Callable[[], None] | None = None,
+                 secret: str | None = None) -> tuple[grpc.Server, int]:
     """Serve `servicer` (added by the generated `register` function) on host:port;
     port 0 picks a free one; `thread_init` runs first in each of the server's threads.
-    Returns the started server and its bound port."""
+    With a `secret`, every call but health checks and reflection must carry it
+    (`ClusterSecretCheck`). Returns the started server and its bound port."""
+    interceptors = [ClusterSecretCheck(secret)] if secret is not None else []
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, initializer=thread_init,
-                                                    thread_name_prefix=service.rsplit(".", 1)[-1]))
+                                                    thread_name_prefix=service.rsplit(".", 1)[-1]),
+                         interceptors=interceptors)
     register(servicer, server)
     health_servicer = health.HealthServicer()
     for name in ("", service):

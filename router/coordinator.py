@@ -43,6 +43,7 @@ random stream (`resumed`; docs/DESIGN-NOTES.md, invariant 5).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import threading
@@ -56,6 +57,7 @@ import grpc
 from protos import specserve_pb2 as pb
 from protos import specserve_pb2_grpc as pb_grpc
 from protos.convert import params_to_pb, tree_from_pb, tree_to_pb
+from protos.server import CLUSTER_SECRET_METADATA
 from speculative.calibration import Calibration, enabled as calibration_enabled
 from speculative.drafter_kinds import abilities
 from speculative.fusion import fuse
@@ -90,17 +92,52 @@ RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grp
              grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.RESOURCE_EXHAUSTED}
 
 
-class Channels:
-    """One cached gRPC channel per address."""
+class _CallDetails(collections.namedtuple("_CallDetails", ("method", "timeout", "metadata", "credentials",
+                                                             "wait_for_ready", "compression")),
+                   grpc.ClientCallDetails):
+    pass
 
-    def __init__(self):
+
+class _WithSecret(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                  grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    """Adds the cluster secret to the metadata of every call on a channel."""
+
+    def __init__(self, secret: str):
+        self._entry = (CLUSTER_SECRET_METADATA, secret)
+
+    def _details(self, details: grpc.ClientCallDetails) -> _CallDetails:
+        return _CallDetails(details.method, details.timeout, [*(details.metadata or ()), self._entry],
+                            details.credentials, details.wait_for_ready, details.compression)
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_stream_unary(self, continuation, details, requests):
+        return continuation(self._details(details), requests)
+
+    def intercept_stream_stream(self, continuation, details, requests):
+        return continuation(self._details(details), requests)
+
+
+class Channels:
+    """One cached gRPC channel per address; with the cluster's `secret`, every call on them
+    carries it (the verifiers and drafter pools of `specserve serve` refuse calls without)."""
+
+    def __init__(self, secret: str | None = None):
         self._channels: dict[str, grpc.Channel] = {}
         self._lock = threading.Lock()  # requests, and the drafters of one request, share the channels
+        self._secret = _WithSecret(secret) if secret is not None else None
 
     def get(self, address: str) -> grpc.Channel:
         with self._lock:
             if address not in self._channels:
-                self._channels[address] = grpc.insecure_channel(address)
+                channel = grpc.insecure_channel(address)
+                if self._secret is not None:
+                    channel = grpc.intercept_channel(channel, self._secret)
+                self._channels[address] = channel
             return self._channels[address]
 
     def drop(self, address: str) -> None:

@@ -5,13 +5,20 @@ share of the requests' wall time the drafters, and the verifier, were not
 working on them. The counters give them over any window (PromQL:
 1 - rate(specserve_busy_seconds_total[5m]) / rate(specserve_request_seconds_total[5m]));
 the gauges give them since the router started.
+
+The speculation counters also go by vLLM's names (`spec_decode_num_drafts`, ...),
+so dashboards made for vLLM work on specserve: labelled by the request's drafter
+(fused ones joined with "+") and its domain ("" when the router knows none).
+`spec_decode_num_accepted_tokens_per_pos{position=p}` counts the rounds whose
+accepted path reached depth p + 1 (0-based p), so its sum over positions is
+`spec_decode_num_accepted_tokens`.
 """
 
 from __future__ import annotations
 
 import threading
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from .adaptive import PassCostModel
 from .stats import RoundStats
@@ -30,6 +37,17 @@ class RouterMetrics:
                               registry=r)
         self.wall = Counter("specserve_request_seconds", "Wall time of requests", registry=r)
         self.busy = Counter("specserve_busy_seconds", "Time a side worked on requests", ["side"], registry=r)
+        spec = ["drafter", "domain"]  # vLLM's speculation counters, by its names
+        self.spec_drafts = Counter("spec_decode_num_drafts", "Rounds that sent a draft to the verifier", spec,
+                                   registry=r)
+        self.spec_draft_tokens = Counter("spec_decode_num_draft_tokens", "Draft tokens (tree nodes) verified",
+                                         spec, registry=r)
+        self.spec_accepted = Counter("spec_decode_num_accepted_tokens", "Draft tokens the verifier accepted",
+                                     spec, registry=r)
+        self.spec_accepted_per_pos = Counter(
+            "spec_decode_num_accepted_tokens_per_pos",
+            "Rounds whose accepted path reached this 0-based depth (position + 1 tokens or more accepted)",
+            spec + ["position"], registry=r)
         self.idle = Gauge("specserve_idle_fraction", "Share of request wall time a side was idle, since start",
                           ["side"], registry=r)
         self._lock = threading.Lock()
@@ -47,9 +65,16 @@ class RouterMetrics:
         Gauge("specserve_verify_cost_passes", "Verification passes the verify costs were learned from",
               registry=self.registry).set_function(lambda: model.passes)
 
-    def observe(self, stats: RoundStats, drafter: str, tokens: int) -> None:
+    def observe(self, stats: RoundStats, drafter: str, tokens: int, domain: str | None = None) -> None:
         wall, busy = stats.wall_seconds(), stats.busy_by_side()  # a stop string ends a request early
         self.requests.labels(drafter).inc()
+        spec = (drafter, domain or "")
+        self.spec_drafts.labels(*spec).inc(len(stats.accepted_lengths))
+        self.spec_draft_tokens.labels(*spec).inc(stats.draft_tokens)
+        self.spec_accepted.labels(*spec).inc(stats.accepted_draft_tokens)
+        for position in range(max(stats.accepted_lengths, default=0)):
+            self.spec_accepted_per_pos.labels(*spec, str(position)).inc(
+                sum(length > position for length in stats.accepted_lengths))
         self.tokens.inc(tokens)
         self.passes.inc(stats.target_forward_passes)
         self.drafted.inc(stats.draft_tokens)
@@ -66,7 +91,3 @@ class RouterMetrics:
     def idle_fraction(self, side: str) -> float:
         with self._lock:
             return max(0.0, 1.0 - self._busy[side] / self._wall) if self._wall else 0.0
-
-    def serve(self, port: int, host: str = "0.0.0.0") -> None:
-        """Expose /metrics over HTTP (Prometheus scrapes it)."""
-        start_http_server(port, addr=host, registry=self.registry)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 import uuid
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from speculative.tokenizer import Tokenizer
 from .coordinator import Cancelled, Coordinator, DeadlineExceeded, Job, NoService
 from .domains import DOMAINS
 from .adaptive import SpeculationControl
+from .auth import Admission, Denied, Gatekeeper, bearer
 from .expertise import ExpertiseRouter
 from .metrics import RouterMetrics
 from .settings import RouterSettings
@@ -36,22 +38,31 @@ class RequestFailed(Exception):
     """Why a request could not go on: a gRPC status, its message, and the request field at
     fault when there is one (the HTTP API maps these to its own codes)."""
 
-    def __init__(self, code: grpc.StatusCode, message: str, field: str | None = None, too_long: bool = False):
+    def __init__(self, code: grpc.StatusCode, message: str, field: str | None = None, too_long: bool = False,
+                 retry_after_s: float | None = None):
         super().__init__(message)
         self.code, self.message, self.field, self.too_long = code, message, field, too_long
+        self.retry_after_s = retry_after_s  # when a limit is spent: how long until it resets
+
+    def abort(self, context: grpc.ServicerContext) -> None:
+        if self.retry_after_s is not None:
+            context.set_trailing_metadata((("retry-after", str(math.ceil(self.retry_after_s))),))
+        context.abort(self.code, self.message)
 
 
 @dataclass(frozen=True)
 class Call:
     """What the router knows of its caller: when it stops waiting (time.monotonic, None
-    for never) and whether it is still there."""
+    for never), whether it is still there, and the API key it gave."""
 
     deadline: float | None = None
     is_active: Callable[[], bool] = lambda: True
+    api_key: str | None = None
 
     @classmethod
     def of_grpc(cls, context: grpc.ServicerContext) -> Call:
-        return cls(call_deadline(context), context.is_active)
+        metadata = dict(context.invocation_metadata() or ())
+        return cls(call_deadline(context), context.is_active, bearer(metadata.get("authorization")))
 
 
 class RouterConfig(RouterSettings):
@@ -82,8 +93,10 @@ class RouterServicer(pb_grpc.SpecserveServicer):
     request that names a drafter gets that one alone."""
 
     def __init__(self, tokenizer: Tokenizer, coordinator: Coordinator, config: RouterConfig,
-                 expertise: ExpertiseRouter | None = None, metrics: RouterMetrics | None = None):
+                 expertise: ExpertiseRouter | None = None, metrics: RouterMetrics | None = None,
+                 gatekeeper: Gatekeeper | None = None):
         self.tokenizer, self.coordinator, self.config, self.expertise = tokenizer, coordinator, config, expertise
+        self.gatekeeper = gatekeeper or Gatekeeper(None, require_keys=False)
         # each memory namespace's expertise statistics, learned apart (speculative.namespaces)
         self._expertise = None if expertise is None else Namespaces(
             lambda ns: expertise if ns == DEFAULT_NAMESPACE else expertise.in_namespace(ns),
@@ -168,12 +181,21 @@ class RouterServicer(pb_grpc.SpecserveServicer):
         return domain, ((drafter, 1.0),)  # alone: its reliability weighs nothing
 
     # -- running ------------------------------------------------------------------
+    def admit(self, api_key: str | None) -> Admission | None:
+        """The caller's admission by its key and the key's limits (router.auth); raises RequestFailed."""
+        try:
+            return self.gatekeeper.admit(api_key)
+        except Denied as e:
+            raise RequestFailed(grpc.StatusCode[e.status], e.message, retry_after_s=e.retry_after_s) from None
+
     def chunks(self, req: pb.GenerateRequest, call: Call) -> Iterator[pb.GenerateChunk]:
         """The request's output, a chunk per round; the last carries the finish reason and usage.
         Raises RequestFailed. The one path into the router: gRPC and HTTP both come through here."""
+        admission = self.admit(call.api_key)
         try:
             job = self._job(req, call)
         except InvalidArgument as e:
+            self.gatekeeper.finish(admission, 0)
             raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, str(e), e.field,
                                 too_long=isinstance(e, PromptTooLong)) from None
         stats = RoundStats()
@@ -209,7 +231,8 @@ class RouterServicer(pb_grpc.SpecserveServicer):
         finally:
             with self._ongoing_lock:
                 self.ongoing -= 1
-            self.metrics.observe(stats, "+".join(d for d, _ in job.drafters), count)
+            self.gatekeeper.finish(admission, len(job.prompt_ids) + count)
+            self.metrics.observe(stats, "+".join(d for d, _ in job.drafters), count, job.domain)
             expertise = self._expertise_of(job.namespace)
             if expertise is not None and job.domain is not None:
                 for drafter, own in stats.per_drafter.items():
@@ -237,7 +260,7 @@ class RouterServicer(pb_grpc.SpecserveServicer):
                     resp.finish_reason = chunk.finish_reason
                     resp.usage.CopyFrom(chunk.usage)
         except RequestFailed as e:
-            context.abort(e.code, e.message)
+            e.abort(context)
         if not resp.request_id:  # cancelled before anything was generated
             return pb.GenerateResponse()
         resp.text = "".join(text)
@@ -247,7 +270,7 @@ class RouterServicer(pb_grpc.SpecserveServicer):
         try:
             yield from self.chunks(request, Call.of_grpc(context))
         except RequestFailed as e:
-            context.abort(e.code, e.message)
+            e.abort(context)
 
 
 def _user_text(req: pb.GenerateRequest) -> str:
@@ -258,7 +281,7 @@ def _user_text(req: pb.GenerateRequest) -> str:
     return users[-1] if users else req.messages[-1].content
 
 
-def serve(servicer: RouterServicer, host: str = "0.0.0.0", port: int = 50051, max_workers: int = 32
+def serve(servicer: RouterServicer, host: str = "127.0.0.1", port: int = 50051, max_workers: int = 32
           ) -> tuple[grpc.Server, int]:
     """Start the router's gRPC server (health checking and reflection included)."""
     service = pb.DESCRIPTOR.services_by_name["Specserve"].full_name

@@ -43,6 +43,7 @@ class RoundStats:
     target_forward_passes: int = 0
     draft_tokens: int = 0  # nodes of the trees verified (fused ones, with several drafters)
     accepted_draft_tokens: int = 0
+    accepted_lengths: list[int] = field(default_factory=list)  # per round that sent a draft: tokens accepted
     per_drafter: dict[str, DrafterStats] = field(default_factory=dict)  # by drafter kind
     batch_sizes: list[int] = field(default_factory=list)
     reused_drafts: int = 0  # rounds whose tree was drafted ahead, during the previous verification
@@ -84,6 +85,8 @@ class RoundStats:
         self.target_forward_passes += 1
         self.draft_tokens += drafted
         self.accepted_draft_tokens += accepted
+        if drafted:
+            self.accepted_lengths.append(accepted)
         self.batch_sizes.append(batch_size)
 
     def record_drafter(self, kind: str, proposed: int, accepted: int) -> None:

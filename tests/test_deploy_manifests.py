@@ -450,3 +450,5 @@ def test_dockerfile_parses_and_builds_what_the_readme_installs():
     assert cmd, "CMD in exec form"
     command = (entry[-1] if entry else []) + cmd[-1]
     assert command[:2] == ["specserve", "serve"], command
+    # a non-loopback host without keys must be asked for (cluster.config.open_access_warning)
+    assert "--allow-open-access" in command or "--config" in command, command

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -242,3 +243,8 @@ def test_metrics_count_requests_by_status(server):
         text = r.read().decode()
     assert 'specserve_http_requests_total{route="/v1/chat/completions",status="200"}' in text
     assert 'status="400"' in text and "specserve_time_to_first_token_seconds_bucket" in text
+    # every service's metrics, gathered by the ingress and labelled with the service they came from
+    for name, service in [("spec_decode_num_draft_tokens_total", "router"),
+                          ("specserve_verifier_pass_seconds_count", "verifier"),
+                          ("specserve_drafter_requests_held", "drafter")]:
+        assert re.search(rf'^{name}{{[^}}]*service="{service}"', text, re.M), (name, text)

@@ -83,3 +83,22 @@ def test_sections_from_toml(tmp_path):
 def test_bad_settings_are_named(data, message):
     with pytest.raises(ValidationError, match=re.escape(message)):
         ServeConfig.model_validate(data)
+
+
+def test_a_network_host_without_api_keys_must_be_asked_for():
+    from cluster.config import open_access_warning
+
+    assert open_access_warning(ServeConfig()) is None  # loopback
+    with pytest.raises(ValueError, match="require_api_keys"):
+        open_access_warning(ServeConfig(host="0.0.0.0"))
+    assert "without API keys" in open_access_warning(
+        ServeConfig(host="0.0.0.0", security={"allow_open_access": True}))
+    assert open_access_warning(ServeConfig(host="0.0.0.0", security={"require_api_keys": True})) is None
+
+
+def test_serve_refuses_open_access_in_one_line(capsys):
+    from cluster.cli import main
+
+    assert main(["serve", "--host", "0.0.0.0", "--port", "1"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "--allow-open-access" in err

@@ -259,12 +259,16 @@ def test_checkpoint_expires(store: StateStore) -> None:
 def test_api_keys(store: StateStore) -> None:
     key = secrets.token_urlsafe(32)
     assert store.check_api_key(key) is None
-    store.add_api_key(key, "alice")
-    assert store.check_api_key(key) == "alice"
+    store.add_api_key(key, {"id": "k1", "name": "alice", "rpm": 10})
+    assert store.check_api_key(key) == {"id": "k1", "name": "alice", "rpm": 10}
     assert store.check_api_key(key + "x") is None
     assert store.check_api_key("") is None
-    store.add_api_key(key, "alice-renamed")
-    assert store.check_api_key(key) == "alice-renamed"
+    other = secrets.token_urlsafe(32)
+    store.add_api_key(other, {"id": "k0", "name": "bob"})
+    assert [r["id"] for r in store.list_api_keys()] == ["k0", "k1"]
+    assert store.revoke_api_key("k1") is True
+    assert store.check_api_key(key) is None and store.revoke_api_key("k1") is False
+    assert store.check_api_key(other) == {"id": "k0", "name": "bob"}
 
 
 def _everything_in(client: redis.Redis) -> list[str]:
@@ -288,9 +292,10 @@ def _everything_in(client: redis.Redis) -> list[str]:
 def test_raw_api_key_never_stored(redis_url: str, redis_client: redis.Redis) -> None:
     store = RedisStateStore(redis_url, prefix=_prefix())
     key = secrets.token_urlsafe(32)
-    store.add_api_key(key, "alice")
-    assert store.check_api_key(key) == "alice"
-    assert store.rate_limit_hit(key, limit=10, window_s=30)  # rate limits are per key too
+    store.add_api_key(key, {"id": "k1", "name": "alice"})
+    assert store.check_api_key(key)["name"] == "alice"
+    store.count(key, 1, window_s=30)  # counters named after keys are hashed too
+    assert store.acquire_slot(key, 1, ttl_s=30)
 
     stored = _everything_in(redis_client)
     assert store.prefix + "apikeys" in stored  # the scan does see our data
@@ -298,28 +303,87 @@ def test_raw_api_key_never_stored(redis_url: str, redis_client: redis.Redis) -> 
     store.close()
 
 
-def test_rate_limit_window(store: StateStore) -> None:
+def test_count_window(store: StateStore) -> None:
     window = 0.4
     key, other = secrets.token_hex(8), secrets.token_hex(8)
-    assert [store.rate_limit_hit(key, limit=3, window_s=window) for _ in range(5)] == [True, True, True, False, False]
-    assert store.rate_limit_hit(other, limit=3, window_s=window)  # counted per key
+    assert [store.count(key, 1, window)[0] for _ in range(4)] == [1, 2, 3, 4]
+    total, left = store.count(key, 10, window)
+    assert total == 14 and 0 < left <= window  # the seconds until the window ends
+    assert store.count(other, 0, window)[0] == 0  # counted per counter; 0 reads without adding
     time.sleep(window + 0.15)
-    assert [store.rate_limit_hit(key, limit=3, window_s=window) for _ in range(4)] == [True, True, True, False]
+    assert store.count(key, 2, window)[0] == 2
 
 
-def test_rate_limit_zero_refuses(store: StateStore) -> None:
-    assert store.rate_limit_hit("k", limit=0, window_s=30) is False
-
-
-def test_rate_limit_window_is_fixed(store: StateStore) -> None:
-    # Hits inside a window do not push its end back (a sliding or resetting
-    # window would still refuse after the sleep).
+def test_count_window_is_fixed(store: StateStore) -> None:
+    # Counts inside a window do not push its end back (a sliding or resetting
+    # window would still hold the first count after the sleep).
     window = 0.4
-    assert store.rate_limit_hit("k", limit=1, window_s=window)
+    store.count("k", 1, window)
     time.sleep(window / 2)
-    assert not store.rate_limit_hit("k", limit=1, window_s=window)
+    assert store.count("k", 1, window)[0] == 2
     time.sleep(window / 2 + 0.15)
-    assert store.rate_limit_hit("k", limit=1, window_s=window)
+    assert store.count("k", 1, window)[0] == 1
+
+
+def test_slots(store: StateStore) -> None:
+    assert [store.acquire_slot("c", 2, ttl_s=30) for _ in range(3)] == [True, True, False]
+    store.release_slot("c")
+    assert store.acquire_slot("c", 2, ttl_s=30) and not store.acquire_slot("c", 2, ttl_s=30)
+    assert store.acquire_slot("other", 1, ttl_s=30)  # per counter
+    assert not store.acquire_slot("z", 0, ttl_s=30)
+
+
+def test_slots_lapse_after_their_ttl(store: StateStore) -> None:
+    # a holder that crashed without releasing cannot keep its slots
+    assert store.acquire_slot("c", 1, ttl_s=0.3)
+    assert not store.acquire_slot("c", 1, ttl_s=0.3)
+    time.sleep(0.45)
+    assert store.acquire_slot("c", 1, ttl_s=0.3)
+    store.release_slot("c")
+    store.release_slot("c")  # more releases than acquires never go below zero
+    assert store.acquire_slot("c", 1, ttl_s=30) and not store.acquire_slot("c", 1, ttl_s=30)
+
+
+# --- values set once (the cluster secret)
+
+
+def test_setdefault_keeps_the_first_value(store: StateStore) -> None:
+    assert store.setdefault("a", "first") == "first"
+    assert store.setdefault("a", "second") == "first"
+    assert store.setdefault("b", "other") == "other"  # per name
+
+
+def test_setdefault_concurrent_callers_agree(store: StateStore) -> None:
+    threads = 8
+    start, got = threading.Barrier(threads), [None] * threads
+
+    def work(i: int) -> None:
+        start.wait()  # all threads try at once
+        got[i] = store.setdefault("race", f"value-{i}")
+
+    workers = [threading.Thread(target=work, args=(i,)) for i in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    assert len(set(got)) == 1 and got[0].startswith("value-")
+
+
+def test_cluster_secret_generated_once(store: StateStore) -> None:
+    secret = store.get_or_create_cluster_secret()
+    assert len(secret) >= 32
+    assert store.get_or_create_cluster_secret() == secret
+
+
+def test_cluster_secret_shared_through_redis(redis_url: str) -> None:
+    # two processes' stores on one Redis (a verifier and a router, say) get the same secret;
+    # another prefix (another deployment) its own
+    prefix = _prefix()
+    a, b, c = (RedisStateStore(redis_url, prefix=p) for p in (prefix, prefix, _prefix()))
+    assert a.get_or_create_cluster_secret() == b.get_or_create_cluster_secret()
+    assert c.get_or_create_cluster_secret() != a.get_or_create_cluster_secret()
+    for s in (a, b, c):
+        s.close()
 
 
 # --- store as a whole
@@ -343,14 +407,14 @@ def test_prefix_isolation(redis_url: str) -> None:
     a.register_service("drafter", "d1", "a:1", ttl_s=30)
     a.record_acceptance("pld", "code", 2, 1)
     a.save_checkpoint("req-1", {"t": 1}, ttl_s=30)
-    a.add_api_key("secret-key", "alice")
-    a.rate_limit_hit("k", limit=1, window_s=30)
+    a.add_api_key("secret-key", {"id": "k1", "name": "alice"})
+    a.count("k", 1, window_s=30)
 
     assert b.list_services("drafter") == []
     assert b.acceptance_stats() == {}
     assert b.load_checkpoint("req-1") is None
     assert b.check_api_key("secret-key") is None
-    assert b.rate_limit_hit("k", limit=1, window_s=30)  # a's hit does not count for b
+    assert b.count("k", 1, window_s=30)[0] == 1  # a's count does not count for b
 
     assert [r.service_id for r in a.list_services("drafter")] == ["d1"]  # a still sees its own
     a.close()

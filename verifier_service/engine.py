@@ -36,6 +36,7 @@ from speculative.recycling import PROMPT_SEED, top_candidates
 from speculative.sampling import InvalidArgument, SamplingParams, first_token, make_generator
 from speculative.tree import DraftTree
 
+from .metrics import VerifierMetrics
 from .settings import VerifierSettings
 
 log = logging.getLogger(__name__)
@@ -205,10 +206,11 @@ class VerifierEngine:
                  max_batch_tokens: int = _SETTINGS.max_batch_tokens, batch_wait_s: float = 0.002,
                  checkpoints: CheckpointStore | None = None, checkpoint_ttl_s: float = 600.0,
                  idle_timeout_s: float = 300.0, clock: Callable[[], float] = time.monotonic,
-                 threads: int | None = None):
+                 threads: int | None = None, metrics: VerifierMetrics | None = None):
         """`threads`: torch threads of the worker thread, which runs every forward pass
         (None: torch's setting). A process that serves should run nothing multi-threaded
-        on any other thread (`speculative.cpu_tuning.own_torch_threads`)."""
+        on any other thread (`speculative.cpu_tuning.own_torch_threads`). `metrics`: where
+        the engine records its Prometheus metrics (default: a fresh registry of its own)."""
         if max_batch < 1 or max_batch_tokens < 1:
             raise ValueError("max_batch and max_batch_tokens must be positive")
         self.model, self.threads = model, threads
@@ -231,6 +233,8 @@ class VerifierEngine:
         self._batch_sizes: Counter[int] = Counter()
         self._waiting = 0  # verify items left queued by the last batch taken
         self._busy_s, self._started = 0.0, time.monotonic()  # time in forward passes: 1 - busy/uptime is idle
+        self.metrics = metrics or VerifierMetrics()
+        self.metrics.watch(lambda: len(self._queue), self.active_requests)
         self._worker = threading.Thread(target=self._run, name="verifier-engine", daemon=True)
         self._worker.start()
 
@@ -437,6 +441,7 @@ class VerifierEngine:
             return
         sizes = [1 + len(work.tree) for work, _ in ready]
         shape = PassShape(self._count_pass(len(ready)), seconds, sum(sizes), max(sizes))
+        self.metrics.observe_pass(len(ready), seconds)
         for (work, state), (path, bonus) in zip(ready, results):
             accepted = [work.tree.tokens[node] for node in path]
             state.tokens += accepted + [bonus]

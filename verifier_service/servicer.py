@@ -91,8 +91,10 @@ class VerifierServicer(pb_grpc.VerifierServicer):
 
 
 def serve(engine: VerifierEngine, host: str = "127.0.0.1", port: int = 0,
-          max_workers: int = 16) -> tuple[grpc.Server, int]:
+          max_workers: int = 16, secret: str | None = None) -> tuple[grpc.Server, int]:
     """Start serving `engine` on host:port (0 picks a free port); returns the server and its port.
-    The engine's worker runs the model; the server's threads only convert, on one torch thread."""
+    The engine's worker runs the model; the server's threads only convert, on one torch thread.
+    With a `secret` (the cluster's), calls without it are refused (protos.server.ClusterSecretCheck)."""
     return start_server(pb_grpc.add_VerifierServicer_to_server, VerifierServicer(engine), SERVICE_NAME,
-                        host, port, max_workers, thread_init=lambda: own_torch_threads(1))
+                        host, port, max_workers, thread_init=lambda: own_torch_threads(1),
+                        secret=secret)

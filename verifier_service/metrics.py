@@ -1,0 +1,36 @@
+"""Prometheus metrics of a verifier: how full its passes are and how long they take.
+
+The engine records into a `VerifierMetrics` (each its own registry); the host that
+serves the engine exposes the registry over HTTP (cluster/actors.py), and the HTTP
+ingress's /metrics gathers it with every other service's.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Gauge, Histogram
+
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+PASS_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class VerifierMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = r = registry or CollectorRegistry()
+        self.batch_size = Histogram("specserve_verifier_batch_size", "Requests (rows) verified per forward pass",
+                                    buckets=BATCH_SIZE_BUCKETS, registry=r)
+        self.pass_seconds = Histogram("specserve_verifier_pass_seconds", "Time of one verification forward pass",
+                                      buckets=PASS_SECONDS_BUCKETS, registry=r)
+        self.queue_depth = Gauge("specserve_verifier_queue_depth", "Work items (prefills, verifications, "
+                                 "releases) queued for the engine", registry=r)
+        self.rows_held = Gauge("specserve_verifier_rows_held", "KV cache rows held by requests", registry=r)
+
+    def watch(self, queue_depth: Callable[[], float], rows_held: Callable[[], float]) -> None:
+        """Read the gauges from the engine when scraped."""
+        self.queue_depth.set_function(queue_depth)
+        self.rows_held.set_function(rows_held)
+
+    def observe_pass(self, batch_size: int, seconds: float) -> None:
+        self.batch_size.observe(batch_size)
+        self.pass_seconds.observe(seconds)
