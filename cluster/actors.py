@@ -308,7 +308,7 @@ class RouterHost(_ServiceHost):
         metrics_address, stop_metrics = serve_metrics(metrics.registry, cfg.host, host, cfg.metrics_port or 0)
         gatekeeper = Gatekeeper(store, require_keys=cfg.security.require_api_keys)
         self.servicer = RouterServicer(tokenizer, coordinator, config, self.expertise, metrics, gatekeeper)
-        self.server, port = serve(self.servicer, host=cfg.host, port=cfg.port)
+        self.server, port = serve(self.servicer, host=cfg.host, port=cfg.port, tls=cfg.security.tls())
         self.store, self.cfg = store, cfg
         self.close_hooks = [self.servicer.close, stop_metrics]  # the servicer: every namespace's routing outcomes
         self.registration = _Registration(store, self.kind, f"{host}:{port}", cfg.registry,

@@ -73,6 +73,25 @@ class SecuritySettings(_Section):
                                            "the node's address as Ray reports it, or auto (loopback while the "
                                            "Ray cluster is one node, else the node's address); never all "
                                            "interfaces")
+    tls_cert_file: str | None = Field(None, description="PEM certificate chain: the HTTP and gRPC APIs speak "
+                                                        "only TLS (with tls_key_file)")
+    tls_key_file: str | None = Field(None, description="PEM private key of tls_cert_file")
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> "SecuritySettings":
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("tls_cert_file and tls_key_file go together")
+        for name in ("tls_cert_file", "tls_key_file"):
+            path = getattr(self, name)
+            if path is not None and not Path(path).is_file():
+                raise ValueError(f"{name}: no file at {path}")
+        return self
+
+    def tls(self) -> tuple[bytes, bytes] | None:
+        """(certificate chain, key) as PEM bytes, or None without TLS."""
+        if self.tls_cert_file is None:
+            return None
+        return Path(self.tls_cert_file).read_bytes(), Path(self.tls_key_file).read_bytes()
 
 
 class RegistrySettings(_Section):
@@ -134,13 +153,17 @@ LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 def open_access_warning(cfg: ServeConfig) -> str | None:
     """Why serving `cfg` would let anyone on the network in (None: it would not); raises
     ValueError when that was not asked for explicitly."""
-    if cfg.host in LOOPBACK_HOSTS or cfg.security.require_api_keys:
+    if cfg.host in LOOPBACK_HOSTS:
         return None
-    if not cfg.security.allow_open_access:
-        raise ValueError(f"host {cfg.host} is reachable from the network and API keys are off: set "
-                         "[security] require_api_keys = true, or allow_open_access = true (--allow-open-access) "
-                         "to serve without keys")
-    return f"serving on {cfg.host} without API keys: anyone who reaches it can use it"
+    if not cfg.security.require_api_keys:
+        if not cfg.security.allow_open_access:
+            raise ValueError(f"host {cfg.host} is reachable from the network and API keys are off: set "
+                             "[security] require_api_keys = true, or allow_open_access = true "
+                             "(--allow-open-access) to serve without keys")
+        return f"serving on {cfg.host} without API keys: anyone who reaches it can use it"
+    if cfg.security.tls() is None:
+        return f"serving on {cfg.host} without TLS: API keys and text cross the network in the clear"
+    return None
 
 
 def load_config(path: str | Path | None) -> ServeConfig:

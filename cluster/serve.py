@@ -83,7 +83,10 @@ def start_app(cfg: ServeConfig, redis_url: str | None = None, progress=print):
 
     from deploy.app import build
 
-    serve.start(http_options={"host": cfg.host, "port": cfg.http.port})
+    http = {"host": cfg.host, "port": cfg.http.port}
+    if cfg.security.tls() is not None:
+        http.update(ssl_certfile=cfg.security.tls_cert_file, ssl_keyfile=cfg.security.tls_key_file)
+    serve.start(http_options=http)
     serve.run(build(cfg, redis_url), name=APP_NAME, route_prefix="/", blocking=False)
     router = serve.get_deployment_handle("Router", app_name=APP_NAME)
     said = None
@@ -107,8 +110,9 @@ def run(cfg: ServeConfig) -> int:
           flush=True)
     start_app(cfg, progress=lambda line: print(line, flush=True))
     grpc_address = f"{cfg.host}:{cfg.port}"
-    print(f"specserve: serving on http://{cfg.host}:{cfg.http.port}/v1 (OpenAI HTTP) and {grpc_address} "
-          f"(gRPC, specserve.v1.Specserve)", flush=True)
+    scheme, tls = ("https", ", TLS") if cfg.security.tls() else ("http", "")
+    print(f"specserve: serving on {scheme}://{cfg.host}:{cfg.http.port}/v1 (OpenAI HTTP) and {grpc_address} "
+          f"(gRPC{tls}, specserve.v1.Specserve)", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

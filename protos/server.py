@@ -68,11 +68,13 @@ def _refusal(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
 def start_server(register: Callable[[Any, grpc.Server], None], servicer: Any, service: str,
                  host: str, port: int, max_workers: int,
                  thread_init: Callable[[], None] | None = None,
-                 secret: str | None = None) -> tuple[grpc.Server, int]:
+                 secret: str | None = None,
+                 tls: tuple[bytes, bytes] | None = None) -> tuple[grpc.Server, int]:
     """Serve `servicer` (added by the generated `register` function) on host:port;
     port 0 picks a free one; `thread_init` runs first in each of the server's threads.
     With a `secret`, every call but health checks and reflection must carry it
-    (`ClusterSecretCheck`). Returns the started server and its bound port."""
+    (`ClusterSecretCheck`). With `tls` (PEM certificate chain, PEM private key) the port
+    speaks only TLS. Returns the started server and its bound port."""
     interceptors = [ClusterSecretCheck(secret)] if secret is not None else []
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, initializer=thread_init,
                                                     thread_name_prefix=service.rsplit(".", 1)[-1]),
@@ -84,7 +86,11 @@ def start_server(register: Callable[[Any, grpc.Server], None], servicer: Any, se
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((service, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"  # IPv6 literals need brackets
-    bound = server.add_insecure_port(address)
+    if tls is None:
+        bound = server.add_insecure_port(address)
+    else:
+        cert, key = tls
+        bound = server.add_secure_port(address, grpc.ssl_server_credentials([(key, cert)]))
     if bound == 0:
         raise OSError(f"cannot listen on {address}")
     server.start()

@@ -281,8 +281,10 @@ def _user_text(req: pb.GenerateRequest) -> str:
     return users[-1] if users else req.messages[-1].content
 
 
-def serve(servicer: RouterServicer, host: str = "127.0.0.1", port: int = 50051, max_workers: int = 32
-          ) -> tuple[grpc.Server, int]:
-    """Start the router's gRPC server (health checking and reflection included)."""
+def serve(servicer: RouterServicer, host: str = "127.0.0.1", port: int = 50051, max_workers: int = 32,
+          tls: tuple[bytes, bytes] | None = None) -> tuple[grpc.Server, int]:
+    """Start the router's gRPC server (health checking and reflection included); with `tls`
+    (PEM certificate chain, PEM key) it speaks only TLS."""
     service = pb.DESCRIPTOR.services_by_name["Specserve"].full_name
-    return start_server(pb_grpc.add_SpecserveServicer_to_server, servicer, service, host, port, max_workers)
+    return start_server(pb_grpc.add_SpecserveServicer_to_server, servicer, service, host, port, max_workers,
+                        tls=tls)

@@ -4,13 +4,14 @@ gRPC: two router replicas (real servers on loopback, a tiny target, no Ray) shar
 one Redis: a key revoked through the store is refused by both, and a limit spent
 on one holds on the other. HTTP: the Serve application with keys required and
 two router replicas, keys made and revoked with `specserve keys`, OpenAI's error
-shape with 401 and 429 (with Retry-After)."""
+shape with 401 and 429 (with Retry-After), both APIs over TLS."""
 
 from __future__ import annotations
 
 import json
 import os
 import subprocess
+import ssl
 import sys
 import time
 import urllib.error
@@ -22,6 +23,7 @@ import pytest
 import ray
 from ray import serve
 
+from certs import self_signed
 from cluster.config import ServeConfig
 from cluster.serve import start_app
 from cluster.state import EmbeddedStateStore, RedisStateStore
@@ -33,6 +35,7 @@ from redis_server import redis_server_fixture
 from router.auth import Denied, Gatekeeper, bearer, create_key
 from router.servicer import RouterConfig, RouterServicer
 from router.servicer import serve as serve_router
+from specserve.client import Client
 from test_bench_load import CharTokenizer
 from test_http_api import MODEL, free_port
 from tiny import TINY, tiny_model
@@ -167,23 +170,38 @@ def _keys_cli(redis_url: str, *args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def http_app(redis_url):
+def tls_files(tmp_path_factory):
+    return self_signed(tmp_path_factory.mktemp("tls"))
+
+
+@pytest.fixture(scope="module")
+def http_app(redis_url, tls_files):
+    cert, key = tls_files
     cfg = ServeConfig.model_validate({
-        "port": 0, "http": {"port": free_port()}, "security": {"require_api_keys": True},
+        "port": 0, "http": {"port": free_port()},
+        "security": {"require_api_keys": True, "tls_cert_file": str(cert), "tls_key_file": str(key)},
         "routers": {"count": 2}, "verifiers": {"max_len": 512, "threads": 1},
         "drafter_pools": {"kinds": ["pld"]}, "registry": {"heartbeat_s": 0.5, "service_ttl_s": 3.0}})
     ray.init(num_cpus=2, resources={"verifier": 1, "drafter": 1}, include_dashboard=False, log_to_driver=False,
              namespace="specserve")
     try:
         start_app(cfg, redis_url, progress=lambda _: None)
-        yield f"http://127.0.0.1:{cfg.http.port}"
+        yield f"https://127.0.0.1:{cfg.http.port}"
     finally:
         serve.shutdown()
         ray.shutdown()
 
 
+CA: dict[str, str] = {}  # the test certificate, which the clients trust (set by the HTTP test)
+
+
 def _client(base: str, key: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0, timeout=120,
+                         http_client=openai.DefaultHttpxClient(verify=ssl.create_default_context(cafile=CA["file"])))
+
+
+def _urlopen(request, timeout: float = 30):
+    return urllib.request.urlopen(request, timeout=timeout, context=ssl.create_default_context(cafile=CA["file"]))
 
 
 def _chat(client: openai.OpenAI):
@@ -191,7 +209,8 @@ def _chat(client: openai.OpenAI):
                                           max_tokens=4, temperature=0)
 
 
-def test_http_keys_from_the_cli_limits_and_revocation(http_app, redis_url):
+def test_http_keys_from_the_cli_limits_and_revocation(http_app, redis_url, tls_files):
+    CA["file"] = str(tls_files[0])
     made = _keys_cli(redis_url, "create", "--name", "carol", "--rpm", "3")
     assert made.returncode == 0, made.stderr
     created = json.loads(made.stdout)
@@ -207,7 +226,7 @@ def test_http_keys_from_the_cli_limits_and_revocation(http_app, redis_url):
     body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}).encode()
     no_key = urllib.request.Request(f"{http_app}/v1/chat/completions", data=body, method="POST")
     with pytest.raises(urllib.error.HTTPError) as e:
-        urllib.request.urlopen(no_key, timeout=30)
+        _urlopen(no_key)
     assert e.value.code == 401 and "API key is required" in json.loads(e.value.read())["error"]["message"]
     with pytest.raises(openai.AuthenticationError):
         _client(http_app, "wrong").models.list()
@@ -230,5 +249,25 @@ def test_http_keys_from_the_cli_limits_and_revocation(http_app, redis_url):
 
     # /health and /metrics stay open
     for path in ("/health", "/metrics"):
-        with urllib.request.urlopen(f"{http_app}{path}", timeout=10) as r:
+        with _urlopen(f"{http_app}{path}") as r:
             assert r.status == 200
+
+
+def test_tls_on_both_apis(http_app, redis_url, tls_files):
+    cert = tls_files[0]
+    key, _ = create_key(RedisStateStore(redis_url))
+    # HTTPS only: plain HTTP on the port gets no answer
+    with pytest.raises(Exception):
+        urllib.request.urlopen(http_app.replace("https://", "http://") + "/health", timeout=10)
+    # the routers' gRPC ports speak TLS: a client that trusts the certificate is answered
+    routers = [s.address for s in RedisStateStore(redis_url).list_services("router")]
+    assert len(routers) == 2
+    for address in routers:
+        with Client(address, tls=True, root_certificates=cert.read_bytes(), timeout=120,
+                    metadata=[("authorization", f"Bearer {key}")]) as client:
+            out = client.generate(messages=[{"role": "user", "content": "Say hi."}], max_tokens=4)
+        assert len(out.token_ids) == 4
+        with grpc.insecure_channel(address) as plain:
+            with pytest.raises(grpc.RpcError) as e:
+                pb_grpc.SpecserveStub(plain).Generate(pb.GenerateRequest(prompt="hi"), timeout=10)
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE

@@ -93,7 +93,24 @@ def test_a_network_host_without_api_keys_must_be_asked_for():
         open_access_warning(ServeConfig(host="0.0.0.0"))
     assert "without API keys" in open_access_warning(
         ServeConfig(host="0.0.0.0", security={"allow_open_access": True}))
-    assert open_access_warning(ServeConfig(host="0.0.0.0", security={"require_api_keys": True})) is None
+    keys = ServeConfig(host="0.0.0.0", security={"require_api_keys": True})
+    assert "without TLS" in open_access_warning(keys)  # keys would cross the network in the clear
+
+
+def test_tls_files_go_together_and_must_exist(tmp_path):
+    cert, key = tmp_path / "c.pem", tmp_path / "k.pem"
+    cert.write_text("x")
+    key.write_text("y")
+    with pytest.raises(ValidationError, match="go together"):
+        ServeConfig(security={"tls_cert_file": str(cert)})
+    with pytest.raises(ValidationError, match="no file"):
+        ServeConfig(security={"tls_cert_file": str(cert), "tls_key_file": str(tmp_path / "missing.pem")})
+    tls = ServeConfig(host="0.0.0.0", security={"require_api_keys": True, "tls_cert_file": str(cert),
+                                                 "tls_key_file": str(key)})
+    assert tls.security.tls() == (b"x", b"y")
+    from cluster.config import open_access_warning
+
+    assert open_access_warning(tls) is None
 
 
 def test_serve_refuses_open_access_in_one_line(capsys):
