@@ -5,6 +5,11 @@ question so drift on the machine hits all modes alike. Greedy, chat
 template. Tokens/s is generated tokens over wall seconds (median of
 `--repeats` timings per generation); speedups are against Hugging Face
 `generate` (`hf-ar`) in the same run.
+
+Served modes call a running server: `served-<drafter>` and `pipelined-<drafter>`
+over gRPC (`--server`), `http-<drafter>` over its OpenAI-compatible HTTP API
+(`--http`). With a drafter in process, served and over HTTP in one run, the
+report's overhead table is what each API adds per request on the same prompts.
 """
 
 from __future__ import annotations
@@ -21,7 +26,8 @@ import torch
 from tqdm import tqdm
 
 from bench.chart import write_chart
-from bench.load import CLIENT_TIMEOUT_S
+from bench.http_client import REQUEST_FAILED, HttpClient
+from bench.load import CLIENT_TIMEOUT_S, WARM_UP
 from cluster.local import LocalEngine, Request
 from drafter_service.registry import SHIPPED_DRAFTERS
 from router.domains import BENCH_GROUPS, BENCH_PROMPTS_PER_GROUP, bench_group, read_questions
@@ -33,13 +39,15 @@ HF_MODES = {"hf-ar", "hf-pld"}
 MODEL_DRAFTERS = ("layerskip",) + SHIPPED_DRAFTERS  # drafters that run a network per draft token
 SERVED = "served-"  # served-<mode>: the same drafter through a running server (--server), rounds in sequence
 PIPELINED = "pipelined-"  # pipelined-<mode>: served, drafting each next round while the verifier checks this one
-REMOTE = (SERVED, PIPELINED)
+HTTP = "http-"  # http-<mode>: served through the OpenAI-compatible HTTP API (--http); the server's `pipelined`
+GRPC = (SERVED, PIPELINED)
+REMOTE = GRPC + (HTTP,)
 HF_PLD_TOKENS = 10  # hf-pld's prompt_lookup_num_tokens: transformers' own default for prompt lookup
 
 
 def served_drafter(mode: str) -> str | None:
-    """The drafter a served mode's requests name (`ar`: "none", plain decoding; `auto`: "",
-    the server routes), or None for a mode run in process."""
+    """The drafter a served mode's requests name (`ar` or `none`: "none", plain decoding;
+    `auto`: "", the server routes), or None for a mode run in process."""
     for prefix in REMOTE:
         if mode.startswith(prefix):
             drafter = mode.removeprefix(prefix)
@@ -47,7 +55,16 @@ def served_drafter(mode: str) -> str | None:
     return None
 
 
-def mode_namespace(run_id: str, mode: str, repeat: int) -> str:
+def local_mode(mode: str) -> str:
+    """The in-process mode a served one runs remotely (`served-none` and `http-none`: `ar`)."""
+    for prefix in REMOTE:
+        if mode.startswith(prefix):
+            local = mode.removeprefix(prefix)
+            return "ar" if local == "none" else local
+    return mode
+
+
+def mode_namespace(run_id: str, mode: str, repeat: int | str) -> str:
     """The memory namespace of one bench run's mode and repeat: nothing any other mode or
     repeat taught the drafters reaches it."""
     return f"bench-{run_id}/{mode}/{repeat}"
@@ -96,24 +113,83 @@ class HFRunner:
 
 
 class ServedRunner:
-    """A running specserve server, called like a client would."""
+    """A running specserve server, called like a client would: over gRPC (HOST:PORT),
+    or with `http` over its OpenAI-compatible API (http://HOST:PORT)."""
 
-    def __init__(self, address: str):
+    def __init__(self, address: str, http: bool = False):
         from specserve.client import Client
 
-        self.client = Client(address, timeout=CLIENT_TIMEOUT_S)
+        self.http = http
+        self.client = (HttpClient(address, timeout=CLIENT_TIMEOUT_S) if http
+                       else Client(address, timeout=CLIENT_TIMEOUT_S))
 
     def run(self, prompt: str, params: SamplingParams, mode: str, namespace: str = ""
             ) -> tuple[list[int], float, int, tuple[int, int]]:
         """Tokens, seconds, target passes, (draft tokens, accepted draft tokens)."""
+        # over HTTP there is no per-request `pipelined`: the server's setting holds
+        extra = {} if self.http else {"pipelined": mode.startswith(PIPELINED)}
         start = time.perf_counter()
         out = self.client.generate(messages=[{"role": "user", "content": prompt}], max_tokens=params.max_tokens,
                                    temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
-                                   seed=params.seed, drafter=served_drafter(mode),
-                                   pipelined=mode.startswith(PIPELINED), namespace=namespace)
+                                   seed=params.seed, drafter=served_drafter(mode), namespace=namespace, **extra)
         u = out.usage
         return (list(out.token_ids), time.perf_counter() - start, u.target_forward_passes,
                 (u.draft_tokens, u.accepted_draft_tokens))
+
+
+OVERHEAD_APIS = ("in_process", "grpc", "http")
+
+
+def api_overhead(per_request: dict[str, list[float]]) -> list[dict]:
+    """What each API adds per request: for each drafter run in at least two of in process,
+    served over gRPC (`served-`) and over HTTP (`http-`), the median seconds per request of
+    each, and the median over the same prompts of the per-prompt differences HTTP - gRPC and
+    gRPC - in process, in ms. `per_request`: per mode, its seconds per question in order."""
+    by: dict[str, dict[str, str]] = defaultdict(dict)
+    for mode in per_request:
+        if mode in HF_MODES or mode.startswith(PIPELINED):
+            continue
+        api = "http" if mode.startswith(HTTP) else "grpc" if mode.startswith(SERVED) else "in_process"
+        by[local_mode(mode)].setdefault(api, mode)
+    rows = []
+    for drafter, modes in by.items():
+        if len(modes) < 2:
+            continue
+        times = {api: per_request[m] for api, m in modes.items()}
+        row: dict = {"drafter": drafter, "modes": modes, "requests": min(len(t) for t in times.values())}
+        for api in OVERHEAD_APIS:
+            row[f"{api}_s"] = round(statistics.median(times[api]), 4) if api in times else None
+        for a, b in (("grpc", "in_process"), ("http", "grpc")):
+            row[f"{a}_minus_{b}_ms"] = (round(1000 * statistics.median(x - y for x, y in zip(times[a], times[b])), 2)
+                                        if a in times and b in times else None)
+        rows.append(row)
+    return rows
+
+
+OVERHEAD_COLUMNS = ("modes", "requests", "in process s", "gRPC s", "HTTP s", "gRPC - in process ms",
+                    "HTTP - gRPC ms")
+
+
+def _overhead_cells(row: dict) -> list[str]:
+    def num(v: float | None, fmt: str) -> str:
+        return "" if v is None else format(v, fmt)
+
+    return [" / ".join(row["modes"][api] for api in OVERHEAD_APIS if api in row["modes"]), str(row["requests"]),
+            num(row["in_process_s"], ".3f"), num(row["grpc_s"], ".3f"), num(row["http_s"], ".3f"),
+            num(row["grpc_minus_in_process_ms"], "+.1f"), num(row["http_minus_grpc_ms"], "+.1f")]
+
+
+OVERHEAD_TITLE = ("Per-request overhead of each API on the same prompts (median seconds per request; the "
+                  "differences are the median over prompts of each prompt's difference, ms):")
+
+
+def _overhead_table(report: dict) -> list[str]:
+    rows = report.get("overhead_per_request") or []
+    if not rows:
+        return []
+    lines = ["", OVERHEAD_TITLE, "", "| " + " | ".join(OVERHEAD_COLUMNS) + " |",
+             "| --- |" + " ---: |" * (len(OVERHEAD_COLUMNS) - 1)]
+    return lines + ["| " + " | ".join(_overhead_cells(r)) + " |" for r in rows]
 
 
 def forward_ms(engine: LocalEngine, sizes=(1, 4, 8, 16, 24, 32), prefix: int = 128, repeats: int = 10) -> dict[str, float]:
@@ -208,19 +284,31 @@ def run_bench(args) -> dict:
     questions = load_questions(args.questions, args.limit_per_category)
     if not questions:
         raise ValueError(f"--questions: no questions in {args.questions}")
-    engine = LocalEngine.load(args.model, args.device, args.dtype)
-    hf = HFRunner(loading.resolve_source(args.model), engine.model.dtype) if HF_MODES & set(args.modes) else None
-    served = ServedRunner(args.server) if any(served_drafter(m) is not None for m in args.modes) else None
-    temperature = getattr(args, "temperature", 0.0)
-    # per (mode, category): tokens, seconds, target passes, draft tokens, accepted draft tokens;
-    # and output agreement with hf-ar
-    sums: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0, 0, 0, 0])
-    same_as_hf: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    served = ServedRunner(args.server) if any(m.startswith(GRPC) for m in args.modes) else None
+    http = ServedRunner(args.http, http=True) if any(m.startswith(HTTP) for m in args.modes) else None
     # Each mode, and each repeat of it, drafts in a memory namespace of its own (suffix index,
     # recycling table, calibrations, expertise statistics; in process and served alike): one fed
     # by another mode's run of this very question would draft its answer from memory. Within
     # one, learning across questions stays, as in production.
     run_id = uuid.uuid4().hex[:8]
+    for mode in args.modes:  # untimed: the first request over each API pays for connecting and warming up
+        runner = http if mode.startswith(HTTP) else served if served_drafter(mode) is not None else None
+        if runner is not None:
+            try:
+                runner.client.generate(messages=[{"role": "user", "content": WARM_UP}], max_tokens=args.max_tokens,
+                                       drafter=served_drafter(mode),
+                                       namespace=mode_namespace(run_id, mode, "warm-up"))
+            except REQUEST_FAILED as e:  # before loading anything: a wrong address fails at once
+                flag = f"--http {args.http}" if runner is http else f"--server {args.server}"
+                raise ValueError(f"{flag}: the warm-up request of mode {mode} failed: {e}") from e
+    engine = LocalEngine.load(args.model, args.device, args.dtype)
+    hf = HFRunner(loading.resolve_source(args.model), engine.model.dtype) if HF_MODES & set(args.modes) else None
+    temperature = getattr(args, "temperature", 0.0)
+    # per (mode, category): tokens, seconds, target passes, draft tokens, accepted draft tokens;
+    # and output agreement with hf-ar
+    sums: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0, 0, 0, 0])
+    same_as_hf: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    per_request: dict[str, list[float]] = defaultdict(list)  # mode: seconds per question (median of repeats)
     bar = tqdm(total=len(questions) * len(args.modes) * args.repeats, desc="bench", unit="gen")
     for qi, q in enumerate(questions):
         ids = engine.prompt_ids(q["turns"][0], chat=True)
@@ -235,7 +323,8 @@ def run_bench(args) -> dict:
                 if mode in HF_MODES:
                     tokens, seconds = hf.run(ids, params, mode)
                 elif served_drafter(mode) is not None:
-                    tokens, seconds, passes, drafts = served.run(q["turns"][0], params, mode, namespace)
+                    runner = http if mode.startswith(HTTP) else served
+                    tokens, seconds, passes, drafts = runner.run(q["turns"][0], params, mode, namespace)
                 else:
                     drafter = "none" if mode == "ar" else mode
                     r = engine.run(Request(q["turns"][0], True, params, drafter, args.draft_length,
@@ -244,6 +333,7 @@ def run_bench(args) -> dict:
                     drafts = (r.draft_tokens, r.accepted_draft_tokens)
                 times.append(seconds)
                 bar.update()
+            per_request[mode].append(statistics.median(times))
             if mode == "hf-ar":
                 reference = tokens
             elif reference is not None and temperature == 0:  # sampled runs differ by design
@@ -276,8 +366,8 @@ def run_bench(args) -> dict:
     overall = {mode: v[:3] for (mode, cat), v in sums.items() if cat == "overall"}
     overhead = {}
     for mode in args.modes:
-        local = mode.removeprefix(SERVED)
-        if mode != local and local in overall:
+        local = local_mode(mode)
+        if mode.startswith((SERVED, HTTP)) and local in overall:
             # extra wall time per target pass (one round) of the served path over the in-process one
             (_, s_served, p_served), (_, s_local, p_local) = overall[mode], overall[local]
             overhead[mode] = round(1000 * (s_served / p_served - s_local / p_local), 2)
@@ -288,6 +378,7 @@ def run_bench(args) -> dict:
         "temperature": temperature,
         "identical_to_hf_ar": {m: f"{a}/{n}" for m, (a, n) in same_as_hf.items()},
         "served_overhead_ms_per_round": overhead,
+        "overhead_per_request": api_overhead(per_request),
         "results": rows,
     }
     if args.micro:
@@ -364,6 +455,7 @@ def to_markdown(report: dict) -> str:
              "| category | " + " | ".join(modes) + " |", "| --- |" + " ---: |" * len(modes)]
     lines += [f"| {cat} | " + " | ".join(cells) + " |" for cat, cells in rows]
     lines += _acceptance_table(report)
+    lines += _overhead_table(report)
     return "\n".join(lines + [""] + _footnotes(report)) + "\n"
 
 
@@ -380,5 +472,12 @@ def print_table(report: dict) -> None:
         table.add_row(cat, *cells)
     console = Console()
     console.print(table)
+    if report.get("overhead_per_request"):
+        overhead = Table(title="per-request overhead by API (same prompts)")
+        for i, name in enumerate(OVERHEAD_COLUMNS):
+            overhead.add_column(name, justify="left" if i == 0 else "right")
+        for r in report["overhead_per_request"]:
+            overhead.add_row(*_overhead_cells(r))
+        console.print(overhead)
     for note in _footnotes(report):
         console.print(note)

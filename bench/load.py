@@ -12,6 +12,12 @@ run to run) so drift on the machine hits them alike. With `--repeats R`
 each level runs R times, each run with its own arrivals and prompts, and the
 verdict is on the median of the runs' ratios: one run's p99 is nearly its
 slowest request, and moves by several percent from run to run.
+
+The server is reached over gRPC (`--server HOST:PORT`) or its OpenAI-compatible
+HTTP API (`--http URL`, bench.http_client), or both: with both, every run
+replays its arrivals and prompts through each API in turn (the order of APIs
+alternating with the order of modes), each API and mode learning in a memory
+namespace of its own, and ratios are against plain decoding over the same API.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -30,7 +37,8 @@ from typing import Sequence
 import numpy as np
 from tqdm import tqdm
 
-from specserve.client import Client, SpecserveError
+from bench.http_client import REQUEST_FAILED, HttpClient
+from specserve.client import Client
 
 BASELINE = "none"  # plain decoding; the ratios are against it
 AUTO = "auto"  # the request names no drafter (""): the server chooses
@@ -86,8 +94,8 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 3) if a is not None and b else None
 
 
-def run_level(client: Client, arrivals: list[Arrival], prompts: list[str], drafter: str, max_tokens: int,
-              bar: tqdm, namespace: str = "") -> tuple[list[Outcome], float]:
+def run_level(client: Client | HttpClient, arrivals: list[Arrival], prompts: list[str], drafter: str,
+              max_tokens: int, bar: tqdm, namespace: str = "") -> tuple[list[Outcome], float]:
     """Replay `arrivals` against the server, one thread per client, in memory `namespace`;
     (outcomes by index, wall seconds)."""
     outcomes: list[Outcome | None] = [None] * len(arrivals)
@@ -103,7 +111,7 @@ def run_level(client: Client, arrivals: list[Arrival], prompts: list[str], draft
                 outcomes[a.index] = Outcome(time.perf_counter() - (start + a.at), len(out.token_ids),
                                             out.usage.drafter, out.usage.target_forward_passes,
                                             out.usage.draft_tokens)
-            except SpecserveError:
+            except REQUEST_FAILED:
                 outcomes[a.index] = Outcome(None)  # counted as an error, the run goes on
             with lock:
                 bar.update()
@@ -114,18 +122,18 @@ def run_level(client: Client, arrivals: list[Arrival], prompts: list[str], draft
     return [o for o in outcomes if o is not None], time.perf_counter() - start
 
 
-def run_modes(client: Client, clients: int, arrivals: list[Arrival], prompts: list[str], modes: list[str],
-              max_tokens: int, bar: tqdm, reverse: bool, run: int = 1,
-              namespaces: dict[str, str] | None = None) -> list[dict]:
-    """One run of a load level: every mode replays the same arrivals (in reverse order of
-    modes if `reverse`), each in its memory namespace; rows in the order of `modes`, with
-    ratios to plain decoding."""
+def run_modes(client: Client | HttpClient, clients: int, arrivals: list[Arrival], prompts: list[str],
+              modes: list[str], max_tokens: int, bar: tqdm, reverse: bool, run: int = 1,
+              namespaces: dict[str, str] | None = None, api: str = "grpc") -> list[dict]:
+    """One run of a load level over one API: every mode replays the same arrivals (in reverse
+    order of modes if `reverse`), each in its memory namespace; rows in the order of `modes`,
+    with ratios to plain decoding."""
     by_mode = {}
     for mode in modes[::-1] if reverse else modes:
         outcomes, wall = run_level(client, arrivals, prompts, "" if mode == AUTO else mode, max_tokens, bar,
                                    (namespaces or {}).get(mode, ""))
         done = [o for o in outcomes if o.latency is not None]
-        by_mode[mode] = {"clients": clients, "run": run, "mode": mode,
+        by_mode[mode] = {"api": api, "clients": clients, "run": run, "mode": mode,
                          **summarize([o.latency for o in done], sum(o.tokens for o in done), wall,
                                      len(outcomes) - len(done)),
                          **_speculation(done), "served_by": sorted({o.drafter for o in done})}
@@ -138,12 +146,15 @@ def run_modes(client: Client, clients: int, arrivals: list[Arrival], prompts: li
 
 
 def medians(rows: list[dict]) -> list[dict]:
-    """Per (level, mode other than plain decoding): the median, lowest and highest of the
+    """Per (API, level, mode other than plain decoding): the median, lowest and highest of the
     runs' p99 and throughput ratios."""
+    def key(r: dict) -> tuple[str, int, str]:
+        return r.get("api", "grpc"), r["clients"], r["mode"]
+
     out = []
-    for key in dict.fromkeys((r["clients"], r["mode"]) for r in rows if r["mode"] != BASELINE):
-        runs = [r for r in rows if (r["clients"], r["mode"]) == key]
-        entry = {"clients": key[0], "mode": key[1], "runs": len(runs)}
+    for k in dict.fromkeys(key(r) for r in rows if r["mode"] != BASELINE):
+        runs = [r for r in rows if key(r) == k]
+        entry = {"api": k[0], "clients": k[1], "mode": k[2], "runs": len(runs)}
         for name in ("p99_ratio", "throughput_ratio"):
             values = [r[name] for r in runs if r[name] is not None]
             entry[name] = round(float(np.median(values)), 3) if values else None
@@ -168,17 +179,26 @@ def run_load(args) -> dict:
     # each mode learns in a memory namespace of its own (speculative.namespaces): modes replay the
     # same prompts, and one must not draft another's answers from memory
     run_id = uuid.uuid4().hex[:8]
-    namespaces = {mode: f"load-{run_id}/{mode}" for mode in args.load_modes}
-    with Client(args.server, timeout=CLIENT_TIMEOUT_S) as client:
-        for mode in args.load_modes:  # untimed: the first request to a server pays for warming it up
-            try:
-                # not a bench prompt: a suffix drafter would remember its answer
-                client.generate(messages=[{"role": "user", "content": WARM_UP}], max_tokens=args.max_tokens,
-                                drafter="" if mode == AUTO else mode, namespace=namespaces[mode])
-            except SpecserveError as e:
-                raise ValueError(f"--server {args.server}: the warm-up request of mode {mode} failed: {e}") from e
+    http = getattr(args, "http", None)
+    targets = [(api, flag, address) for api, flag, address in (("grpc", "--server", args.server),
+                                                                ("http", "--http", http)) if address]
+    # per API too: over HTTP a mode replays what it answered over gRPC
+    namespaces = {(api, mode): f"load-{run_id}/{api}/{mode}" for api, _, _ in targets for mode in args.load_modes}
+    with ExitStack() as stack:
+        apis = []
+        for api, flag, address in targets:
+            client = stack.enter_context(Client(address, timeout=CLIENT_TIMEOUT_S) if api == "grpc"
+                                         else HttpClient(address, timeout=CLIENT_TIMEOUT_S))
+            apis.append((api, client))
+            for mode in args.load_modes:  # untimed: the first request to a server pays for warming it up
+                try:
+                    # not a bench prompt: a suffix drafter would remember its answer
+                    client.generate(messages=[{"role": "user", "content": WARM_UP}], max_tokens=args.max_tokens,
+                                    drafter="" if mode == AUTO else mode, namespace=namespaces[(api, mode)])
+                except REQUEST_FAILED as e:
+                    raise ValueError(f"{flag} {address}: the warm-up request of mode {mode} failed: {e}") from e
         repeats = getattr(args, "repeats", 1) or 1
-        total = len(args.clients) * repeats * len(args.load_modes) * args.requests
+        total = len(args.clients) * repeats * len(apis) * len(args.load_modes) * args.requests
         with tqdm(total=total, desc="load", unit="req") as bar:
             for level, clients in enumerate(args.clients):
                 for run in range(repeats):
@@ -187,12 +207,17 @@ def run_load(args) -> dict:
                     # its traffic (the suffix drafter) must not have seen a run's answers before
                     first = (level * repeats + run) * args.requests
                     own = [prompts[(first + i) % len(prompts)] for i in range(args.requests)]
-                    rows += run_modes(client, clients, arrivals, own, list(args.load_modes), args.max_tokens, bar,
-                                      reverse=(level * repeats + run) % 2 == 1, run=run + 1,
-                                      namespaces=namespaces)
+                    reverse = (level * repeats + run) % 2 == 1
+                    by_api = {}
+                    for api, client in apis[::-1] if reverse else apis:  # every API replays the run
+                        by_api[api] = run_modes(client, clients, arrivals, own, list(args.load_modes),
+                                                args.max_tokens, bar, reverse=reverse, run=run + 1, api=api,
+                                                namespaces={m: namespaces[(api, m)] for m in args.load_modes})
+                    rows += [row for api, _ in apis for row in by_api[api]]
     report = {
         "command": "specserve " + " ".join(getattr(args, "argv", []) or []),
-        "server": args.server, "max_tokens": args.max_tokens, "rate_per_client": args.rate,
+        "api": "+".join(api for api, _, _ in targets),  # grpc, http, or grpc+http
+        "server": args.server, "http": http, "max_tokens": args.max_tokens, "rate_per_client": args.rate,
         "requests_per_row": args.requests, "seed": args.seed or 0, "modes": list(args.load_modes),
         "runs_per_level": repeats,
         "distinct_prompts_per_level": len(prompts) >= len(args.clients) * repeats * args.requests,
@@ -204,7 +229,7 @@ def run_load(args) -> dict:
     return report
 
 
-COLUMNS = ("clients", "run", "mode", "requests", "errors", "tokens", "tokens/s", "p50 s", "p99 s", "mean s",
+COLUMNS = ("api", "clients", "run", "mode", "requests", "errors", "tokens", "tokens/s", "p50 s", "p99 s", "mean s",
            "p99 vs none", "tokens/s vs none", "tokens/pass", "drafted/token", "served by")
 
 
@@ -212,7 +237,8 @@ def _cells(row: dict) -> list[str]:
     def num(v: float | None, fmt: str) -> str:
         return "" if v is None else format(v, fmt)
 
-    return [str(row["clients"]), str(row.get("run", 1)), row["mode"], str(row["requests"]), str(row["errors"]), str(row["generated_tokens"]),
+    return [row.get("api", "grpc"), str(row["clients"]), str(row.get("run", 1)), row["mode"], str(row["requests"]),
+            str(row["errors"]), str(row["generated_tokens"]),
             num(row["tokens_per_s"], ".1f"), num(row["p50_s"], ".3f"), num(row["p99_s"], ".3f"),
             num(row["mean_s"], ".3f"), num(row["p99_ratio"], ".2f"), num(row["throughput_ratio"], ".2f"),
             num(row.get("tokens_per_pass"), ".2f"), num(row.get("draft_tokens_per_token"), ".2f"),
@@ -220,7 +246,9 @@ def _cells(row: dict) -> list[str]:
 
 
 def _notes(report: dict) -> list[str]:
-    notes = [f"{report['requests_per_row']} requests per row, Poisson arrivals at {report['rate_per_client']}/s "
+    where = {"grpc": f"gRPC ({report.get('server')})", "http": f"OpenAI-compatible HTTP ({report.get('http')})"}
+    notes = [f"API: {' and '.join(where[a] for a in report.get('api', 'grpc').split('+'))}; "
+             f"{report['requests_per_row']} requests per row, Poisson arrivals at {report['rate_per_client']}/s "
              f"per client, max_tokens {report['max_tokens']}, greedy; latency = completion - scheduled arrival "
              f"(queueing included); percentiles: {report['percentiles']}."]
     if not report.get("distinct_prompts_per_level", True):
@@ -230,16 +258,17 @@ def _notes(report: dict) -> list[str]:
     summary = report.get("medians") or medians(report["results"])
     if runs > 1:
         for m in summary:
-            notes.append(f"{m['clients']} clients, {m['mode']}, median of {m['runs']} runs: p99 vs none "
-                         f"{_fmt(m['p99_ratio'])} (runs {_span(m['p99_ratio_range'])}), tokens/s vs none "
+            notes.append(f"{m['clients']} clients, {m['mode']} over {m.get('api', 'grpc')}, median of {m['runs']} "
+                         f"runs: p99 vs none {_fmt(m['p99_ratio'])} (runs {_span(m['p99_ratio_range'])}), "
+                         f"tokens/s vs none "
                          f"{_fmt(m['throughput_ratio'])} (runs {_span(m['throughput_ratio_range'])}).")
     top = max((m["clients"] for m in summary), default=None)
     for m in summary:
         if m["clients"] == top and m["p99_ratio"] is not None:
             verdict = "not worse" if m["p99_ratio"] <= 1 else "worse"
             of = f", median of {runs} runs" if runs > 1 else ""
-            notes.append(f"Highest load ({top} clients): p99 of {m['mode']} / p99 of none = {m['p99_ratio']:.2f}"
-                         f"{of} ({verdict}).")
+            notes.append(f"Highest load ({top} clients) over {m.get('api', 'grpc')}: p99 of {m['mode']} / "
+                         f"p99 of none = {m['p99_ratio']:.2f}{of} ({verdict}).")
     return notes
 
 
@@ -253,7 +282,8 @@ def _span(r: list[float] | None) -> str:
 
 def to_markdown(report: dict) -> str:
     lines = [f"Command: `{report['command']}`", "",
-             "| " + " | ".join(COLUMNS) + " |", "| ---: | ---: | --- |" + " ---: |" * (len(COLUMNS) - 4) + " --- |"]
+             "| " + " | ".join(COLUMNS) + " |",
+             "| --- | ---: | ---: | --- |" + " ---: |" * (len(COLUMNS) - 5) + " --- |"]
     lines += ["| " + " | ".join(_cells(r)) + " |" for r in report["results"]]
     return "\n".join(lines + [""] + _notes(report)) + "\n"
 
@@ -262,9 +292,9 @@ def print_table(report: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title="specserve bench --load (served, greedy)")
+    table = Table(title=f"specserve bench --load (served over {report.get('api', 'grpc')}, greedy)")
     for i, name in enumerate(COLUMNS):
-        table.add_column(name, justify="left" if i in (2, len(COLUMNS) - 1) else "right")
+        table.add_column(name, justify="left" if i in (0, 3, len(COLUMNS) - 1) else "right")
     for r in report["results"]:
         table.add_row(*_cells(r))
     console = Console()

@@ -63,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default=None, help="router address to listen on (overrides the config)")
     s.add_argument("--port", type=int, default=None, help="router gRPC port (overrides the config)")
     s.add_argument("--http-port", type=int, default=None, help="OpenAI-compatible HTTP port (overrides the config)")
+    s.add_argument("--allow-open-access", action="store_true",
+                   help="serve on a non-loopback --host without API keys (a warning is printed)")
 
     b = sub.add_parser("bench", help="benchmark decoding modes on Spec-Bench questions")
     b.add_argument("--questions", required=True, help="Spec-Bench JSONL file")
@@ -80,11 +82,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="0 (default): greedy, outputs checked against hf-ar; above: a sampled run, "
                         "one seed per question (--seed plus its index) for every mode")
     b.add_argument("--server", default=None,
-                   help="HOST:PORT of a running `specserve serve`, for the served-<mode> modes and --load")
+                   help="HOST:PORT of a running `specserve serve` (gRPC), for the served-<mode> and "
+                        "pipelined-<mode> modes and --load")
+    b.add_argument("--http", default=None, metavar="URL",
+                   help="http://HOST:PORT of a running `specserve serve`'s OpenAI-compatible API, for the "
+                        "http-<mode> modes and --load (with --server too: both APIs)")
     b.add_argument("--out", required=True, help="JSON file to write")
     b.add_argument("--load", action="store_true",
                    help="served throughput and p50/p99 latency under Poisson load, speculative vs plain "
-                        "(needs --server)")
+                        "(needs --server or --http, or both)")
     b.add_argument("--clients", type=int, nargs="+", default=[1, 2, 4, 8],
                    help="with --load: the load levels, in concurrent clients (default 1 2 4 8)")
     b.add_argument("--rate", type=float, default=0.5,
@@ -111,6 +117,18 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--domains", nargs="+", default=[], metavar="DOMAIN",
                    help="the domains it specialises in (router.domains): the router tries it first there")
     t.add_argument("--seed", type=int, default=0)
+
+    k = sub.add_parser("keys", help="API keys of a server's state store (SPECSERVE_REDIS_URL, else the running "
+                                    "local cluster's embedded store)")
+    ks = k.add_subparsers(dest="keys_command", required=True, parser_class=_Parser)
+    kc = ks.add_parser("create", help="make a key; it is printed once and kept only as a hash")
+    kc.add_argument("--name", default="", help="who the key is for")
+    kc.add_argument("--rpm", type=int, default=None, help="most requests per minute (default: no limit)")
+    kc.add_argument("--tpm", type=int, default=None, help="most prompt and output tokens per minute")
+    kc.add_argument("--concurrency", type=int, default=None, help="most requests in flight at once")
+    ks.add_parser("list", help="every key's id, name and limits (never the key)")
+    kr = ks.add_parser("revoke", help="refuse a key from now on")
+    kr.add_argument("id", help="the key's id (`keys list`)")
     return parser
 
 
@@ -231,6 +249,8 @@ def cmd_serve(args) -> int:
         spec = {**cfg.model_dump(), **overrides}
         if args.http_port is not None:
             spec["http"] = {**spec["http"], "port": args.http_port}
+        if args.allow_open_access:
+            spec["security"] = {**spec["security"], "allow_open_access": True}
         cfg = ServeConfig.model_validate(spec)
     except ValidationError as e:
         err = e.errors()[0]
@@ -244,11 +264,11 @@ def cmd_serve(args) -> int:
 def cmd_bench(args) -> int:
     if args.load:
         return _bench_load(args)
-    from bench.harness import HF_MODES, REMOTE, run_bench, served_drafter
+    from bench.harness import GRPC, HF_MODES, HTTP, REMOTE, run_bench
 
-    def known(mode: str) -> bool:  # hf-*, ar, or a drafter (also served-<drafter>, pipelined-<drafter>)
+    def known(mode: str) -> bool:  # hf-*, ar, or a drafter (also served-, pipelined-, http-<drafter>)
         local = next((mode.removeprefix(p) for p in REMOTE if mode.startswith(p)), mode)
-        if local == "auto":  # served-auto, pipelined-auto: the server routes
+        if local in ("auto", "none"):  # served-auto, http-auto: the server routes; served-none: served-ar
             return mode != local
         return mode in HF_MODES | {"ar"} or local == "ar" or (local not in HF_MODES and local != "none"
                                                                and is_drafter(local))
@@ -256,8 +276,11 @@ def cmd_bench(args) -> int:
     unknown = [m for m in args.modes if not known(m)]
     if unknown:
         raise InvalidArgument("modes", f"unknown mode(s) {', '.join(unknown)}")
-    if any(served_drafter(m) is not None for m in args.modes) and not args.server:
+    if any(m.startswith(GRPC) for m in args.modes) and not args.server:
         raise InvalidArgument("server", "the served-* and pipelined-* modes need --server HOST:PORT")
+    if any(m.startswith(HTTP) for m in args.modes) and not args.http:
+        raise InvalidArgument("http", "the http-* modes need --http URL (e.g. http://127.0.0.1:8000)")
+    _check_http_url(args.http)
     if not 0 <= args.temperature <= 2:
         raise InvalidArgument("temperature", f"must be in [0, 2], got {args.temperature}")
     for name in ("max_tokens", "limit_per_category", "repeats"):
@@ -267,10 +290,17 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def _check_http_url(url: str | None) -> None:
+    if url is not None and not url.startswith(("http://", "https://")):
+        raise InvalidArgument("http", f"must be a URL like http://127.0.0.1:8000, got {url!r}")
+
+
 def _bench_load(args) -> int:
-    """`bench --load`: cheap checks first, then the load run against --server."""
-    if not args.server:
-        raise InvalidArgument("server", "--load needs --server HOST:PORT of a running `specserve serve`")
+    """`bench --load`: cheap checks first, then the load run against --server and/or --http."""
+    if not args.server and not args.http:
+        raise InvalidArgument("server", "--load needs --server HOST:PORT or --http URL (or both) of a running "
+                                        "`specserve serve`")
+    _check_http_url(args.http)
     if not args.clients or min(args.clients) <= 0:
         raise InvalidArgument("clients", f"must be positive, got {args.clients}")
     if not args.rate > 0:
@@ -304,12 +334,55 @@ def cmd_train_drafter(args) -> int:
     return 0
 
 
+def _key_store():
+    """The state store a server uses: Redis at SPECSERVE_REDIS_URL, else the embedded store of the
+    local Ray cluster `specserve serve` runs."""
+    import os
+
+    from cluster.state import REDIS_URL_ENV
+
+    url = os.environ.get(REDIS_URL_ENV)
+    if url:
+        from cluster.state import open_state_store
+
+        return open_state_store(url)
+    import ray
+
+    from cluster.actors import NAMESPACE, STATE_ACTOR, _ActorStore
+
+    try:
+        ray.init(address="auto", namespace=NAMESPACE, log_to_driver=False, logging_level="ERROR")
+        return _ActorStore(ray.get_actor(STATE_ACTOR, namespace=NAMESPACE))
+    except (ConnectionError, ValueError) as e:
+        raise ValueError("no SPECSERVE_REDIS_URL and no running specserve cluster to keep keys in "
+                         f"({type(e).__name__})") from None
+
+
+def cmd_keys(args) -> int:
+    from router.auth import create_key
+
+    store = _key_store()
+    if args.keys_command == "create":
+        for field in ("rpm", "tpm", "concurrency"):
+            if getattr(args, field) is not None and getattr(args, field) < 1:
+                raise InvalidArgument(field, f"must be at least 1, got {getattr(args, field)}")
+        key, record = create_key(store, args.name, args.rpm, args.tpm, args.concurrency)
+        print(json.dumps({"key": key, **record}))
+        print("specserve: the key is shown only now; keep it", file=sys.stderr)
+    elif args.keys_command == "list":
+        for record in store.list_api_keys():
+            print(json.dumps(record))
+    elif not store.revoke_api_key(args.id):
+        raise ValueError(f"no key has the id {args.id!r}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
         return {"generate": cmd_generate, "serve": cmd_serve, "bench": cmd_bench,
-                "train-drafter": cmd_train_drafter}[args.command](args)
+                "train-drafter": cmd_train_drafter, "keys": cmd_keys}[args.command](args)
     except InvalidArgument as e:
         print(f"specserve: error: {_flag(e.field)}: {str(e).split(': ', 1)[1]}", file=sys.stderr)
         return 2

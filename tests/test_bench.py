@@ -4,8 +4,16 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from cluster.cli import main as cli_main
 from conftest import DEV_QUESTIONS
+from drafter_service.pool import DrafterPool
+from http_front import http_front
+from loopback import loopback
+from router.servicer import RouterConfig, RouterServicer
+from router.servicer import serve as serve_router
+from verifier_service.engine import VerifierEngine
 
 CATEGORIES = ["translation", "summarization", "qa", "math_reasoning", "rag", "mt_bench"]
 
@@ -44,6 +52,113 @@ def test_bench_rejects_unknown_modes(capsys):
     assert "unknown mode(s) auto" in capsys.readouterr().err
     assert cli_main(["bench", "--questions", str(DEV_QUESTIONS), "--modes", "served-auto", "--out", "x.json"]) == 2
     assert "--server" in capsys.readouterr().err  # known, but it needs a server
+
+
+@pytest.mark.parametrize("modes, extra, field", [
+    (["http-pld"], [], "--http"),  # the http-* modes need --http; served-* ones --server
+    (["http-auto", "served-none"], ["--http", "http://127.0.0.1:1"], "--server"),
+    (["http-none"], ["--server", "127.0.0.1:1"], "--http"),
+    (["http-pld"], ["--http", "127.0.0.1:8000"], "--http"),  # a URL, not HOST:PORT
+])
+def test_served_modes_name_the_flag_they_need(modes, extra, field, capsys):
+    assert cli_main(["bench", "--questions", str(DEV_QUESTIONS), "--modes", *modes, *extra, "--out", "x.json"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"specserve: error: {field}:"), err
+
+
+def test_an_unreachable_server_is_one_line_naming_its_flag(capsys):
+    # the served modes' warm-up comes before loading the model: a wrong address fails at once
+    argv = ["bench", "--questions", str(DEV_QUESTIONS), "--limit-per-category", "1", "--modes", "ar", "http-pld",
+            "--http", "http://127.0.0.1:1", "--out", "x.json"]
+    assert cli_main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert err.startswith("specserve: error: --http http://127.0.0.1:1: the warm-up request of mode http-pld"), err
+
+
+@pytest.fixture(scope="module")
+def served(smollm2):
+    """(HOST:PORT, http://HOST:PORT): a real router over a real pool (pld) and verifier serving
+    the default target over gRPC on loopback, and an OpenAI-compatible HTTP front to it
+    (tests/http_front.py: not the Ray Serve ingress, whose start would cost minutes)."""
+    model, tokenizer = smollm2
+    pool, engine = DrafterPool(model, kinds=["pld"]), VerifierEngine(model, max_batch=4, max_len=2048)
+    config = RouterConfig(context_length=model.config.max_position_embeddings,
+                          eos_token_ids=list(tokenizer.eos_token_ids or model.config.eos_token_ids),
+                          vocab_size=model.config.vocab_size, default_drafter="pld", draft_length=5,
+                          adaptive=False, pipelined=False)
+    with loopback(pool, engine) as coordinator:
+        router, port = serve_router(RouterServicer(tokenizer, coordinator, config), "127.0.0.1", 0)
+        with http_front(f"127.0.0.1:{port}") as url:
+            yield f"127.0.0.1:{port}", url
+        router.stop(None)
+
+
+SHORT_QUESTIONS = [  # short prompts keep the six modes' prefills cheap
+    {"question_id": 1, "category": "qa", "turns": ["What is the capital of France?"]},
+    {"question_id": 2, "category": "translation", "turns": ["Translate to German: the cat sleeps."]},
+]
+
+
+def test_in_process_grpc_and_http_on_the_same_prompts(served, tmp_path, monkeypatch):
+    """One run: a drafter in process, over gRPC and over HTTP, the same outputs on the same
+    prompts, and the overhead table of each API per request. (No hf-ar here: loading it costs
+    more than the rest; the in-process modes' agreement with it is tested above.)"""
+    from bench import harness
+    from cluster.local import LocalEngine
+
+    outputs: dict[str, list] = {}
+    served_run, local_run = harness.ServedRunner.run, LocalEngine.run
+
+    def record_served(self, prompt, params, mode, namespace=""):
+        result = served_run(self, prompt, params, mode, namespace)
+        outputs.setdefault(mode, []).append(result[0])
+        return result
+
+    def record_local(self, request, *args, **kwargs):
+        result = local_run(self, request, *args, **kwargs)
+        outputs.setdefault({"none": "ar"}.get(request.drafter, request.drafter), []).append(result.token_ids)
+        return result
+
+    monkeypatch.setattr(harness.ServedRunner, "run", record_served)
+    monkeypatch.setattr(LocalEngine, "run", record_local)
+    server, url = served
+    questions, out = tmp_path / "q.jsonl", tmp_path / "bench.json"
+    questions.write_text("".join(json.dumps(q) + "\n" for q in SHORT_QUESTIONS))
+    modes = ("ar", "pld", "served-ar", "served-pld", "http-none", "http-pld")
+    assert cli_main(["bench", "--questions", str(questions), "--limit-per-category", "1", "--max-tokens", "6",
+                     "--modes", *modes, "--server", server, "--http", url, "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert set(outputs) == set(modes) and all(len(o) == 2 for o in outputs.values())
+    assert all(outputs[m] == outputs["ar"] for m in modes)  # greedy and lossless, whatever the API
+    overall = {r["mode"]: r for r in report["results"] if r["category"] == "overall"}
+    assert overall["http-none"]["mean_accepted_tokens"] == 1.0  # plain decoding, served over HTTP
+    assert overall["http-pld"]["generated_tokens"] == overall["pld"]["generated_tokens"]
+    assert set(report["served_overhead_ms_per_round"]) == {"served-ar", "served-pld", "http-none", "http-pld"}
+    rows = {r["drafter"]: r for r in report["overhead_per_request"]}
+    assert set(rows) == {"ar", "pld"}
+    assert rows["ar"]["modes"] == {"in_process": "ar", "grpc": "served-ar", "http": "http-none"}
+    for r in rows.values():
+        assert r["requests"] == 2 and all(r[f"{api}_s"] > 0 for api in ("in_process", "grpc", "http"))
+        assert r["grpc_minus_in_process_ms"] is not None and r["http_minus_grpc_ms"] is not None
+    markdown = out.with_suffix(".md").read_text()
+    assert "| pld / served-pld / http-pld | 2 |" in markdown
+
+
+def test_overhead_is_the_median_of_per_prompt_differences():
+    from bench.harness import api_overhead
+
+    rows = api_overhead({"hf-ar": [9.0] * 3, "pld": [1.0, 2.0, 3.0], "served-pld": [1.1, 2.5, 3.2],
+                         "http-pld": [1.2, 2.6, 4.2], "pipelined-pld": [0.5] * 3, "served-auto": [2.0] * 3,
+                         "http-auto": [2.5, 2.1, 2.2], "suffix": [1.0] * 3})
+    by = {r["drafter"]: r for r in rows}
+    assert set(by) == {"pld", "auto"}  # suffix: in process only; pipelined-*: not one request's overhead
+    pld = by["pld"]
+    assert (pld["in_process_s"], pld["grpc_s"], pld["http_s"]) == (2.0, 2.5, 2.6)
+    assert pld["grpc_minus_in_process_ms"] == 200.0  # differences 100, 500, 200 ms
+    assert pld["http_minus_grpc_ms"] == 100.0  # differences 100, 100, 1000 ms
+    assert by["auto"]["in_process_s"] is None and by["auto"]["grpc_minus_in_process_ms"] is None
+    assert by["auto"]["http_minus_grpc_ms"] == 200.0
 
 
 def test_draft_token_cost_is_measured_against_a_target_forward(smollm2):

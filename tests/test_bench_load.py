@@ -1,6 +1,8 @@
 """`specserve bench --load`: the Poisson schedule, the latency summary, and a
 small run against a real router served over gRPC on loopback (drafter pool,
-verifier and router in this process, a tiny target, no Ray)."""
+verifier and router in this process, a tiny target, no Ray); over HTTP through
+a minimal OpenAI-compatible front to that router (tests/http_front.py: not the
+Ray Serve ingress, whose start would cost minutes; the same protocol module)."""
 
 from __future__ import annotations
 
@@ -11,10 +13,12 @@ import statistics
 import pytest
 
 from bench import load
+from bench.http_client import REQUEST_FAILED, HttpClient, HttpError
 from bench.load import schedule, summarize
 from cluster.cli import main as cli_main
 from conftest import DEV_QUESTIONS
 from drafter_service.pool import DrafterPool
+from http_front import http_front
 from loopback import loopback
 from router.servicer import RouterConfig, RouterServicer
 from router.servicer import serve as serve_router
@@ -50,6 +54,13 @@ def server():
         router, port = serve_router(RouterServicer(CharTokenizer(), coordinator, config), "127.0.0.1", 0)
         yield f"127.0.0.1:{port}"
         router.stop(None)
+
+
+@pytest.fixture(scope="module")
+def http_server(server):
+    """http://HOST:PORT of an OpenAI-compatible front to `server`."""
+    with http_front(server, model="tiny") as url:
+        yield url
 
 
 def test_schedule_is_seeded_and_shared_evenly_over_the_clients():
@@ -130,7 +141,8 @@ def test_load_run_against_a_real_router(server, replayed, tmp_path, capsys):
     # drafts the answers another gave to the same prompts
     spaces = load.run_level.namespaces
     assert spaces[0] == spaces[3] != spaces[1] == spaces[2] and all(spaces)
-    assert "| 2 | 1 | auto |" in out.with_suffix(".md").read_text()
+    assert report["api"] == "grpc" and {r["api"] for r in report["results"]} == {"grpc"}
+    assert "| grpc | 2 | 1 | auto |" in out.with_suffix(".md").read_text()
     assert "Highest load (2 clients)" in capsys.readouterr().out
 
 
@@ -157,8 +169,67 @@ def test_repeated_load_runs_each_get_their_own_prompts_and_the_verdict_is_their_
     assert f"p99 of auto / p99 of none = {ratios[1]:.2f}, median of 3 runs" in out.with_suffix(".md").read_text()
 
 
+def test_the_http_client_gives_what_grpc_gives(server, http_server):
+    """Same request, same tokens and usage: greedy by default (the HTTP API's own default
+    is temperature 1), the drafter and namespace reach the router, the model is the listed one."""
+    from specserve.client import Client
+
+    messages = [{"role": "user", "content": "abcabcabcabc"}]
+    with Client(server) as grpc_client, HttpClient(http_server, timeout=60) as http_client:
+        for drafter in ("none", "pld", ""):
+            want = grpc_client.generate(messages=messages, max_tokens=6, drafter=drafter, namespace="a")
+            got = http_client.generate(messages=messages, max_tokens=6, drafter=drafter, namespace="b")
+            assert got.token_ids == want.token_ids and len(got.token_ids) == 6
+            for field in ("completion_tokens", "target_forward_passes", "draft_tokens", "accepted_draft_tokens",
+                          "drafter"):
+                assert getattr(got.usage, field) == getattr(want.usage, field), field
+        assert http_client.model() == "tiny"
+        with pytest.raises(HttpError) as e:  # the router refuses it: OpenAI's error shape, the status kept
+            http_client.generate(messages=messages, max_tokens=2, drafter="warp")
+        assert e.value.status == 400 and "warp" in e.value.message and isinstance(e.value, REQUEST_FAILED)
+    with HttpClient("http://127.0.0.1:1", timeout=5) as nobody, pytest.raises(HttpError) as e:
+        nobody.generate(messages=messages, max_tokens=2)  # no server: a failed request, no status
+    assert e.value.status is None
+
+
+def test_load_run_over_both_apis(server, http_server, replayed, tmp_path, capsys):
+    """--server and --http: every run replays its arrivals and prompts through each API,
+    each API and mode in a namespace of its own; ratios within an API."""
+    out = tmp_path / "load.json"
+    argv = ["bench", "--load", "--server", server, "--http", http_server, "--questions", str(DEV_QUESTIONS),
+            "--limit-per-category", "1", "--clients", "1", "2", "--requests", "2", "--rate", "20",
+            "--max-tokens", "4", "--out", str(out)]
+    assert cli_main(argv) == 0
+    report = json.loads(out.read_text())
+    assert report["api"] == "grpc+http" and report["http"] == http_server
+    assert [(r["api"], r["clients"], r["mode"]) for r in report["results"]] == [
+        (api, c, mode) for c in (1, 2) for api in ("grpc", "http") for mode in ("none", "auto")]
+    for r in report["results"]:
+        assert r["errors"] == 0 and r["generated_tokens"] == 2 * 4
+        assert r["served_by"] == (["none"] if r["mode"] == "none" else ["pld"])
+    # level 1: grpc none, auto, then http none, auto; level 2 reversed: http auto, none, grpc auto, none
+    assert [d for d, _, _ in replayed] == ["none", "", "none", "", "", "none", "", "none"]
+    assert all(call[1:] == replayed[0][1:] for call in replayed[:4])
+    assert all(call[1:] == replayed[4][1:] for call in replayed[4:])
+    spaces = load.run_level.namespaces
+    assert len(set(spaces)) == 4 and spaces[:4] == spaces[4:][::-1]
+    assert [(m["api"], m["clients"]) for m in report["medians"]] == [("grpc", 1), ("http", 1), ("grpc", 2),
+                                                                      ("http", 2)]
+    markdown = out.with_suffix(".md").read_text()
+    assert "| http | 2 | 1 | auto |" in markdown and "OpenAI-compatible HTTP (" + http_server in markdown
+    assert "Highest load (2 clients) over http" in capsys.readouterr().out
+
+
+def test_a_server_that_fails_the_warm_up_names_the_flag(tmp_path, capsys):
+    argv = ["bench", "--load", "--http", "http://127.0.0.1:1", "--questions", str(DEV_QUESTIONS),
+            "--limit-per-category", "1", "--out", str(tmp_path / "x.json")]
+    assert cli_main(argv) == 2
+    assert capsys.readouterr().err.startswith("specserve: error: --http http://127.0.0.1:1: the warm-up request")
+
+
 @pytest.mark.parametrize("args, field", [
     ([], "--server"),
+    (["--http", "127.0.0.1:8000"], "--http"),
     (["--server", "127.0.0.1:1", "--clients", "1", "0"], "--clients"),
     (["--server", "127.0.0.1:1", "--rate", "0"], "--rate"),
     (["--server", "127.0.0.1:1", "--requests", "0"], "--requests"),
