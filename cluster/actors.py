@@ -281,7 +281,7 @@ class RouterHost(_ServiceHost):
         store = connect_store(redis_url)
 
         def live(kind):
-            return lambda: [s.address for s in reachable_services(store, kind)]
+            return LastKnown(lambda: [s.address for s in reachable_services(store, kind)], f"{kind} registry")
 
         # verify costs, learned from the verifiers' pass timings with the settings as priors
         settings = cfg.router
@@ -319,13 +319,31 @@ class RouterHost(_ServiceHost):
 
     def ready(self) -> str | None:
         """None when a request would succeed now, else why not (`services_ready`)."""
-        return services_ready(self.store, self.cfg)
+        try:
+            return services_ready(self.store, self.cfg)
+        except Exception as e:  # noqa: BLE001 - the store is down: not ready, and say why
+            return f"the state store is unreachable ({type(e).__name__})"
 
     def metrics_targets(self) -> list[tuple[str, str, str]]:
         """(kind, service id, metrics host:port) of every registered service that serves its
         metrics (the HTTP ingress's /metrics gathers them)."""
         return [(kind, s.service_id, s.meta["metrics"]) for kind in ("router", "verifier", "drafter")
                 for s in reachable_services(self.store, kind) if s.meta.get("metrics")]
+
+
+class LastKnown:
+    """A lookup in the state store that answers what it last found while the store is
+    unreachable (restarting, a network blip): requests go on with the services they knew."""
+
+    def __init__(self, lookup, what: str):
+        self.lookup, self.what, self.last = lookup, what, []
+
+    def __call__(self):
+        try:
+            self.last = self.lookup()
+        except Exception as e:  # noqa: BLE001 - any store failure: keep serving from what we knew
+            log.warning("%s unreachable (%s); using the last %d known", self.what, e, len(self.last))
+        return self.last
 
 
 def services_ready(store, cfg: ServeConfig, timeout_s: float = 1.0) -> str | None:

@@ -54,6 +54,7 @@ after `refresh_s`.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -63,6 +64,8 @@ import numpy as np
 
 from .classifier import DomainClassifier
 from .domains import DOMAINS
+
+log = logging.getLogger(__name__)
 
 Key = tuple[str, str]  # (drafter, domain)
 
@@ -182,6 +185,8 @@ class ExpertiseRouter:
         if due and self._refreshing.acquire(blocking=False):
             try:
                 self._refresh()
+            except Exception as e:  # noqa: BLE001 - the store is down: route on what we know, retry later
+                log.warning("sharing drafter statistics failed (%s); routing on the local ones", e)
             finally:
                 self._refreshing.release()
 
