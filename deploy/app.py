@@ -23,6 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from ray import serve
+from ray.exceptions import RayError
 from starlette.exceptions import HTTPException
 
 from cluster.actors import DrafterPoolHost, RouterHost, VerifierHost
@@ -194,6 +195,13 @@ async def _json_body(request: Request) -> Any:
         raise oa.OpenAIError(400, f"the body is not valid JSON: {e}", None, "invalid_json") from None
 
 
+def _router_lost(e: Exception) -> oa.OpenAIError:
+    """The router replica serving a request went away (it died, or was stopped past its
+    drain time): the client may send the request again."""
+    return oa.OpenAIError(503, f"the router serving this request went away ({type(e).__name__}); "
+                               "send the request again", code="unavailable")
+
+
 def _chunk_or_raise(item: bytes | dict) -> pb.GenerateChunk:
     if isinstance(item, dict):
         raise oa.router_error(**item)
@@ -304,11 +312,11 @@ class OpenAIIngress:
         return JSONResponse({"object": "list", "data": [
             {"id": self.model, "object": "model", "created": 0, "owned_by": "specserve"}]})
 
-    @api.post("/v1/chat/completions")
+    @api.post("/v1/chat/completions", openapi_extra=oa.openapi_body(oa.ChatCompletionRequest))
     async def chat_completions(self, request: Request):
         return await self._complete(request, oa.ChatCompletionRequest, "/v1/chat/completions")
 
-    @api.post("/v1/completions")
+    @api.post("/v1/completions", openapi_extra=oa.openapi_body(oa.CompletionRequest))
     async def completions(self, request: Request):
         return await self._complete(request, oa.CompletionRequest, "/v1/completions")
 
@@ -333,6 +341,9 @@ class OpenAIIngress:
                 return StreamingResponse(self._events(out, streams, firsts, include_usage, started),
                                          media_type="text/event-stream")
             return JSONResponse(await _whole(out, streams, firsts))
+        except RayError as e:
+            status = 503
+            raise _router_lost(e) from None
         except oa.OpenAIError as e:
             status = e.status
             if e.param == "prompt" and kind is oa.ChatCompletionRequest:
@@ -368,6 +379,8 @@ class OpenAIIngress:
                 yield _event(out.usage_chunk([usages[i] for i in sorted(usages)]))
         except oa.OpenAIError as e:
             yield _event(e.body())
+        except RayError as e:
+            yield _event(_router_lost(e).body())
         yield "data: [DONE]\n\n"
 
 
