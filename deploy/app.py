@@ -37,6 +37,10 @@ from . import metrics as service_metrics
 from . import openai_api as oa
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+# requests one replica takes at once (Serve's default, 5, would queue streams in the proxy):
+# the ingress only relays; a router runs each request on a thread of its own
+INGRESS_MAX_ONGOING = 256
+ROUTER_MAX_ONGOING = 64
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -411,10 +415,11 @@ def build(cfg: ServeConfig, redis_url: str | None = None):
         services.append(DrafterPool.options(ray_actor_options={"num_cpus": 0, "resources": pools.resources},
                                             **_replicas(pools.count, pools.max_count, "drafter_policy", cfg),
                                             **shutdown).bind(spec, redis_url))
-    router = Router.options(ray_actor_options={"num_cpus": 0},
+    router = Router.options(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=ROUTER_MAX_ONGOING,
                             **_replicas(cfg.routers.count, cfg.routers.max_count, "router_policy", cfg),
                             **shutdown).bind(spec, redis_url, *services)
-    return OpenAIIngress.options(ray_actor_options={"num_cpus": 0}).bind(spec, router)
+    return OpenAIIngress.options(ray_actor_options={"num_cpus": 0},
+                                 max_ongoing_requests=INGRESS_MAX_ONGOING).bind(spec, router)
 
 
 def build_app(args: dict[str, Any]):

@@ -402,6 +402,7 @@ class _Side:
         self.address: str | None = None
         self.stub = None
         self.failed: set[str] = set()
+        self.full: set[str] = set()  # verifiers that answered "every row taken" in this pass over them
         # prefills sent so far: each later one asks for a fresh random stream (`make_generator`'s
         # `resumed`), since the request's tokens so far were chosen by its stream's first draws
         self.prefills = 0
@@ -443,6 +444,12 @@ class _VerifySide(_Side):
                     raise DeadlineExceeded() from e
                 if e.code() not in RETRYABLE:
                     raise
+                if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    # every row taken: nothing was drawn, so this attempt does not count as a prefill;
+                    # try the verifier again when a row may have freed
+                    self.prefills -= 1
+                    self.full.add(address)
+                    continue
                 self._fail(address, e)
                 continue
             self.address, self.stub, self.active_requests = address, stub, resp.active_requests
@@ -452,12 +459,14 @@ class _VerifySide(_Side):
     def _live_verifiers(self) -> Iterator[str]:
         """Listed verifiers not yet failed for this request; while there is none (the service is
         starting, or one is restarting) wait for one, up to the coordinator's service wait and
-        the request's deadline."""
+        the request's deadline. While the ones there are full (every row taken), wait for a row
+        as long as the deadline allows: a burst queues instead of failing."""
         give_up = time.monotonic() + self.coord.service_wait_s
         while True:
+            self.full.clear()
             fresh = [a for a in self.coord.verifiers() if a not in self.failed]
             yield from fresh
-            if time.monotonic() >= give_up:
+            if time.monotonic() >= give_up and not self.full:
                 return
             if self.job.is_cancelled():
                 raise Cancelled()

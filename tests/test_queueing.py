@@ -1,0 +1,46 @@
+"""A burst larger than the verifier's rows queues for a row instead of failing: the
+verifier answers RESOURCE_EXHAUSTED while every row is taken, and the router tries it
+again until one frees (within the request's deadline, past its service wait)."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+
+from drafter_service.pool import DrafterPool
+from loopback import loopback
+from protos import specserve_pb2 as pb
+from protos import specserve_pb2_grpc as pb_grpc
+from router.servicer import RouterConfig, RouterServicer
+from router.servicer import serve as serve_router
+from test_bench_load import CharTokenizer
+from tiny import TINY, tiny_model
+from verifier_service.engine import VerifierEngine
+
+PROMPTS = ["hello there", "what is this", "a b c d e f", "tell me more"]
+
+
+def test_more_requests_than_rows_all_complete_alike():
+    target = tiny_model(0)
+    pool, engine = DrafterPool(target, kinds=["pld"]), VerifierEngine(target, max_batch=1, max_len=64)
+    config = RouterConfig(context_length=TINY.max_position_embeddings - 12, eos_token_ids=[],
+                          vocab_size=TINY.vocab_size, default_drafter="pld", draft_length=3, adaptive=False)
+    with loopback(pool, engine) as coordinator:
+        coordinator.service_wait_s = 0.1  # a queued request waits past it: it is waiting for a row
+        server, port = serve_router(RouterServicer(CharTokenizer(), coordinator, config), "127.0.0.1", 0)
+        try:
+            with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = pb_grpc.SpecserveStub(channel)
+
+                def ask(prompt: str) -> list[int]:
+                    req = pb.GenerateRequest(prompt=prompt, sampling=pb.SamplingParams(max_tokens=40))
+                    return list(stub.Generate(req, timeout=120).token_ids)
+
+                alone = [ask(p) for p in PROMPTS]
+                with ThreadPoolExecutor(len(PROMPTS)) as burst:
+                    together = list(burst.map(ask, PROMPTS))
+            assert together == alone and all(len(ids) == 40 for ids in together)
+            assert engine.stats()["active_requests"] == 0
+        finally:
+            server.stop(None)
