@@ -27,6 +27,7 @@ NEUTRAL = {"logprobs": (None, False), "top_logprobs": (None, 0), "presence_penal
            "store": (None, False), "metadata": (None, {}), "modalities": (None, ["text"]),
            "audio": (None,), "prediction": (None,), "reasoning_effort": (None,), "web_search_options": (None,)}
 MAX_CHOICES = 8  # `n`: each choice is a request of its own
+INT32 = {"ge": -2**31, "le": 2**31 - 1}  # what the router's int32 fields carry
 
 
 class OpenAIError(Exception):
@@ -95,10 +96,10 @@ class _Request(BaseModel):
 
     model_config = ConfigDict(extra="allow")
     model: str
-    max_tokens: int | None = None
+    max_tokens: int | None = Field(None, **INT32)
     temperature: float = 1.0
     top_p: float | None = None
-    top_k: int = 0
+    top_k: int = Field(0, **INT32)
     seed: int | None = None
     stop: str | list[str] | None = None
     n: int = Field(1, ge=1, le=MAX_CHOICES)
@@ -136,6 +137,8 @@ class _Request(BaseModel):
             if self.seed is not None:
                 if self.seed < 0:
                     raise OpenAIError(400, f"must be >= 0, got {self.seed}", "seed")
+                if self.seed + self.n > 2**64:  # choice i samples with seed + i, a uint64
+                    raise OpenAIError(400, f"must be at most 2^64 - n ({2**64 - self.n}), got {self.seed}", "seed")
                 sampling.seed = self.seed + i
             req = pb.GenerateRequest(sampling=sampling, stop=self.stops(), domain_hint=self.domain,
                                      request_id=f"{request_id}-{i}", drafter=self.drafter, namespace=self.namespace)
@@ -152,7 +155,7 @@ class _Request(BaseModel):
 
 class ChatCompletionRequest(_Request):
     messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: int | None = Field(None, **INT32)
 
     def max_output_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -189,6 +192,30 @@ def parse(model: type[_Request], body: Any) -> _Request:
         raise OpenAIError(400, f"{param}: {err['msg']}" if param else err["msg"], param) from None
     req.check_supported()
     return req
+
+
+def body_schema(model: type[BaseModel]) -> dict[str, Any]:
+    """`model`'s JSON schema with its definitions inlined: in an OpenAPI document's request
+    body, `#/$defs/...` references would resolve against the document's root."""
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def inline(node: Any) -> Any:
+        if isinstance(node, dict):
+            if "$ref" in node:  # the models nest without cycles
+                return inline(defs[node["$ref"].rsplit("/", 1)[-1]])
+            return {key: inline(value) for key, value in node.items()}
+        if isinstance(node, list):
+            return [inline(value) for value in node]
+        return node
+
+    return inline(schema)
+
+
+def openapi_body(model: type[BaseModel]) -> dict[str, Any]:
+    """The OpenAPI request body of an endpoint taking `model` as JSON (the handlers parse the
+    body themselves, so FastAPI would document none): for clients, generators and fuzzers."""
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": body_schema(model)}}}}
 
 
 def usage(choices: list[pb.Usage]) -> dict[str, Any]:

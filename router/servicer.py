@@ -136,6 +136,10 @@ class RouterServicer(pb_grpc.SpecserveServicer):
             raise InvalidArgument("domain_hint", f"unknown domain {req.domain_hint!r}; known: {', '.join(DOMAINS)}")
         namespace = check_namespace(req.namespace)
         domain, drafters = self._drafters(req, self._expertise_of(namespace))
+        unserved = [d for d, _ in drafters if d != "none" and d not in cfg.routed_drafters]
+        if req.drafter and cfg.routed_drafters and unserved:  # the pools would refuse it mid-request
+            raise InvalidArgument("drafter", f"no drafter pool here serves {unserved[0]!r}; they serve "
+                                             f"{', '.join(cfg.routed_drafters)}")
         if len(req.stop) > cfg.max_stop_strings or any(not s for s in req.stop):
             raise InvalidArgument("stop", f"at most {cfg.max_stop_strings} non-empty strings")
         pipelined = req.pipelined if req.HasField("pipelined") else cfg.pipelined

@@ -66,7 +66,10 @@ def abilities(name: str) -> Abilities:
 
 def is_drafter_dir(path: str | Path) -> bool:
     """Whether `path` is a directory written by `specserve train-drafter`."""
-    return (Path(path) / "drafter.json").is_file()
+    try:
+        return (Path(path) / "drafter.json").is_file()
+    except OSError:  # not a path this system can look up (e.g. too long for a file name): none
+        return False
 
 
 def drafter_path(name: str) -> Path | None:

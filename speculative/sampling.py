@@ -13,6 +13,11 @@ from .errors import InvalidArgument  # raised here, and imported from here by th
 # above any stream number, so each (seed, stream) pair gets its own torch seed. Changing it
 # changes every seeded output.
 STREAM_STRIDE = 1_000_003
+# The smallest temperature but 0: logits divided by less may overflow float32 (a denormal
+# one made every probability NaN), and at this one only tokens whose logits are within a
+# thousandth or so of the top one keep any chance.
+MIN_TEMPERATURE = 1e-4
+_MIN_TEMPERATURE_F32 = float(torch.tensor(MIN_TEMPERATURE, dtype=torch.float32))  # as the wire carries it
 
 
 @dataclass(frozen=True)
@@ -36,6 +41,9 @@ class SamplingParams:
                 f"exceeds the model's context of {context_length} tokens")
         if not self.temperature >= 0.0:  # also rejects NaN
             raise InvalidArgument("temperature", f"must be >= 0, got {self.temperature}")
+        if 0.0 < self.temperature < _MIN_TEMPERATURE_F32:
+            raise InvalidArgument("temperature", f"must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, "
+                                                 f"got {self.temperature:g}")
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidArgument("top_p", f"must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
