@@ -14,6 +14,15 @@ from cryptography.x509.oid import NameOID
 
 def self_signed(directory: Path) -> tuple[Path, Path]:
     """(certificate, key) PEM files; the certificate is its own CA."""
+    cert, key = self_signed_pem()
+    cert_path, key_path = directory / "cert.pem", directory / "key.pem"
+    cert_path.write_bytes(cert)
+    key_path.write_bytes(key)
+    return cert_path, key_path
+
+
+def self_signed_pem() -> tuple[bytes, bytes]:
+    """(certificate PEM, key PEM); the certificate is its own CA."""
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "specserve test")])
     now = datetime.datetime.now(datetime.timezone.utc)
@@ -25,8 +34,6 @@ def self_signed(directory: Path) -> tuple[Path, Path]:
                            critical=False)
             .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
             .sign(key, hashes.SHA256()))
-    cert_path, key_path = directory / "cert.pem", directory / "key.pem"
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
-    return cert_path, key_path
+    return (cert.public_bytes(serialization.Encoding.PEM),
+            key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                              serialization.NoEncryption()))

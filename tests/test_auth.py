@@ -37,7 +37,8 @@ from router.servicer import RouterConfig, RouterServicer
 from router.servicer import serve as serve_router
 from specserve.client import Client
 from test_bench_load import CharTokenizer
-from test_http_api import MODEL, free_port
+from serve_process import free_port
+from test_http_api import MODEL
 from tiny import TINY, tiny_model
 from verifier_service.engine import VerifierEngine
 

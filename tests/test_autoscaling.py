@@ -18,7 +18,8 @@ from cluster.config import ServeConfig
 from cluster.serve import APP_NAME, start_app
 from oracle import MAX_TOKENS, PROMPTS, near_tie_or_equal
 from redis_server import redis_server_fixture
-from test_http_api import MODEL, free_port
+from serve_process import free_port
+from test_http_api import MODEL
 
 redis_url = redis_server_fixture(scope="module")  # the store a cluster shares, as in production
 

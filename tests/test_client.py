@@ -10,8 +10,6 @@ as a subprocess.
 from __future__ import annotations
 
 import asyncio
-import datetime
-import ipaddress
 import json
 import struct
 import subprocess
@@ -22,11 +20,8 @@ from pathlib import Path
 
 import grpc
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 
+from certs import self_signed_pem
 from protos import specserve_pb2 as pb
 from protos import specserve_pb2_grpc as pb_grpc
 from specserve.client import AsyncClient, Chunk, Client, Completion, SpecserveError, Usage
@@ -92,27 +87,10 @@ class FakeSpecserve(pb_grpc.SpecserveServicer):
                 context.abort(grpc.StatusCode.UNAVAILABLE, "verifier lost")
 
 
-def self_signed_localhost() -> tuple[bytes, bytes]:
-    """(certificate PEM, key PEM) for localhost and 127.0.0.1."""
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
-                                                        x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-                           critical=False)
-            .sign(key, hashes.SHA256()))
-    key_pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                serialization.NoEncryption())
-    return cert.public_bytes(serialization.Encoding.PEM), key_pem
-
-
 class Server:
     def __init__(self):
         self.servicer = FakeSpecserve()
-        self.cert, key = self_signed_localhost()
+        self.cert, key = self_signed_pem()
         self.grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
         pb_grpc.add_SpecserveServicer_to_server(self.servicer, self.grpc)
         self.addr = f"127.0.0.1:{self.grpc.add_insecure_port('127.0.0.1:0')}"

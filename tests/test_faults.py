@@ -34,7 +34,8 @@ from cluster.config import ServeConfig
 from cluster.serve import start_app
 from cluster.state import RedisStateStore
 from oracle import NEAR_TIE, PROMPTS, oracle
-from test_http_api import MODEL, free_port
+from serve_process import free_port
+from test_http_api import MODEL
 
 CLIENTS = 8
 MAX_TOKENS = 32  # a prefix of the oracle's answers

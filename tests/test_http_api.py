@@ -10,14 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
-import signal
-import socket
-import subprocess
-import sys
 import threading
-import time
 import urllib.error
 import urllib.request
 
@@ -25,15 +19,9 @@ import openai
 import pytest
 
 from oracle import MAX_TOKENS, PROMPTS, near_tie_or_equal
+from serve_process import specserve_serve
 
 MODEL = "SmolLM2-135M-Instruct"
-START_TIMEOUT_S = 300
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _json(raw: bytes) -> dict:
@@ -78,48 +66,29 @@ class ColdStart:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    http, grpc_port = free_port(), free_port()
+    cold = ColdStart("")
+    early: list[threading.Thread] = []
+
+    def while_starting(base: str) -> None:
+        cold.base = base
+        try:
+            status, body = _get(f"{base}/health")
+        except OSError:
+            return
+        ours = body == {"status": "ok"} or body.get("error", {}).get("code") == "not_ready"
+        if not ours:  # the proxy, before our ingress is up
+            return
+        cold.health.append(status)
+        if not early:  # the ingress answers: send a request now
+            early.append(threading.Thread(target=cold.send_early))
+            early[0].start()
+
     config = tmp_path_factory.mktemp("http") / "serve.toml"
-    config.write_text('[drafter_pools]\nkinds = ["pld", "suffix"]\n[verifiers]\nmax_len = 1024\nthreads = 1\n')
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "SPECSERVE_REDIS_URL")}
-    proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", "--config", str(config), "--port",
-                             str(grpc_port), "--http-port", str(http)], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env)
-    base = f"http://127.0.0.1:{http}"
-    cold = ColdStart(base)
-    lines: list[str] = []
-    threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True).start()
-    early = None
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline and not any("serving on" in line for line in lines):
-            assert proc.poll() is None, "".join(lines)
-            try:
-                status, body = _get(f"{base}/health")
-            except OSError:
-                time.sleep(0.2)
-                continue
-            ours = body == {"status": "ok"} or body.get("error", {}).get("code") == "not_ready"
-            if not ours:  # the proxy, before our ingress is up
-                time.sleep(0.2)
-                continue
-            cold.health.append(status)
-            if early is None:  # the ingress answers: send a request now
-                early = threading.Thread(target=cold.send_early)
-                early.start()
-            time.sleep(0.2)
-        assert any("serving on" in line for line in lines), "".join(lines)
-        if early is not None:
-            early.join(timeout=240)
-        yield base, cold, proc
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    with specserve_serve(config, '[drafter_pools]\nkinds = ["pld", "suffix"]\n[verifiers]\nmax_len = 1024\n'
+                                 'threads = 1\n', while_starting) as served:
+        for thread in early:
+            thread.join(timeout=240)
+        yield served.http, cold, served.proc
 
 
 @pytest.fixture(scope="module")

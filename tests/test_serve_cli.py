@@ -6,18 +6,12 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
+from serve_process import free_port
 from specserve.client import Client
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_serve_answers_and_stops_on_sigterm(tmp_path):

@@ -10,20 +10,17 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 from redis_server import redis_server_fixture
+from serve_process import specserve_serve
 
 ROOT = Path(__file__).resolve().parents[1]
 SOAK = ROOT / "scripts" / "soak.py"
-START_TIMEOUT_S = 240
 SOAK_S = 45
 SERVICES = {"ServeReplica:specserve:OpenAIIngress", "ServeReplica:specserve:Router",
             "ServeReplica:specserve:Verifier", "ServeReplica:specserve:DrafterPool", "StateStoreActor"}
@@ -38,38 +35,11 @@ def _soak_module():
     return module
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    http, grpc_port = free_port(), free_port()
     config = tmp_path_factory.mktemp("soak") / "serve.toml"
-    config.write_text('[drafter_pools]\nkinds = ["pld"]\n[verifiers]\nmax_len = 1024\nthreads = 1\n')
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "SPECSERVE_REDIS_URL")}
-    proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", "--config", str(config), "--port",
-                             str(grpc_port), "--http-port", str(http)], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
-    lines: list[str] = []
-    threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True).start()
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline and not any("serving on" in line for line in lines):
-            assert proc.poll() is None, "".join(lines)
-            time.sleep(0.2)
-        assert any("serving on" in line for line in lines), "".join(lines)
-        yield f"http://127.0.0.1:{http}", f"127.0.0.1:{grpc_port}"
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    with specserve_serve(config, '[drafter_pools]\nkinds = ["pld"]\n[verifiers]\nmax_len = 1024\nthreads = 1\n') as served:
+        yield served.http, served.grpc
 
 
 def test_short_soak_leaves_nothing_behind(server, tmp_path):
