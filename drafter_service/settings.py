@@ -18,7 +18,7 @@ class DrafterPoolSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")  # a typo in the file is an error, not a silent default
 
-    count: int = Field(1, ge=0, description="drafter pool actors")
+    count: int = Field(1, ge=0, description="drafter pool replicas (the least, when autoscaling)")
     kinds: list[str] = Field(
         ["pld", "suffix", "recycle", "small-general", "small-math", "small-extraction", "small-language"],
         description="drafters the pools host; with default_drafter 'auto' the router picks among them")

@@ -13,7 +13,7 @@ class VerifierSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")  # a typo in the file is an error, not a silent default
 
-    count: int = Field(1, ge=1, description="verifier actors")
+    count: int = Field(1, ge=1, description="verifier replicas (the least, when autoscaling)")
     max_batch: int = Field(8, ge=1, description="requests one verifier holds and batches")
     max_len: int = Field(4096, ge=16, description="KV slots per request in a verifier")
     max_batch_tokens: int = Field(256, ge=1, description="most tokens in one batched verification")
