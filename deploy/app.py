@@ -422,14 +422,19 @@ def build(cfg: ServeConfig, redis_url: str | None = None):
                                  max_ongoing_requests=INGRESS_MAX_ONGOING).bind(spec, router)
 
 
-def build_app(args: dict[str, Any]):
-    """Serve's application builder (deploy/serve.yaml): `config` names a specserve TOML file,
-    `settings` (a table like the file's) overrides it section by section."""
+def config_from_args(args: dict[str, Any] | None) -> ServeConfig:
+    """The config deploy/serve.yaml's `args` name: `config`, a specserve TOML file (None: the
+    defaults), with `settings` (a table like the file's) over it, section by section."""
     args = args or {}
     spec = load_config(args.get("config")).model_dump()
     for key, value in (args.get("settings") or {}).items():
         spec[key] = {**spec[key], **value} if isinstance(value, dict) and isinstance(spec.get(key), dict) else value
-    cfg = ServeConfig.model_validate(spec)
+    return ServeConfig.model_validate(spec)
+
+
+def build_app(args: dict[str, Any]):
+    """Serve's application builder (deploy/serve.yaml)."""
+    cfg = config_from_args(args)
     warning = open_access_warning(cfg)
     if warning:
         logging.getLogger(__name__).warning(warning)

@@ -116,7 +116,14 @@ def test_serve_config_validates_with_ray_serve_schema(serve_cfg):
     (app,) = schema.applications
     assert app.name == APP_NAME and app.route_prefix == "/"
     assert app.import_path == "deploy.app:build_app"
-    assert app.args == {"config": None}
+    assert app.args["config"] is None
+    # what the builder serves: the routers on the network, so keys on (else it would refuse to start)
+    from cluster.config import open_access_warning
+    from deploy.app import config_from_args
+
+    cfg = config_from_args(app.args)
+    assert cfg.host == "0.0.0.0" and cfg.security.require_api_keys
+    assert "without TLS" in open_access_warning(cfg)
     assert schema.http_options.port == HTTP_PORT and schema.http_options.host == "0.0.0.0"
     assert "grpc_options" not in serve_cfg  # routers serve gRPC themselves, not through Serve's proxy
     assert {d.name for d in app.deployments} == DEPLOYMENTS

@@ -1,19 +1,23 @@
 """`serve run deploy/serve.yaml`, Ray's own CLI on the repository's Serve config as
 it is, against a running local Ray cluster that offers the `verifier` and
-`drafter` resources: once /health says ready, a chat completion is answered."""
+`drafter` resources: once /health says ready, a chat completion with a key made by
+`specserve keys create` is answered, and one without a valid key is refused."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 import openai
+import pytest
 import ray
 import yaml
 
@@ -48,7 +52,15 @@ def test_serve_run_deploy_yaml_answers_a_chat_completion():
             assert proc.poll() is None, proc.stdout.read()
             assert time.monotonic() < deadline, "the application never said it was ready"
             time.sleep(1.0)
-        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", timeout=120)
+        # the config asks for keys: make one with the CLI, in the cluster's embedded store
+        env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+        env.pop("SPECSERVE_REDIS_URL", None)
+        made = subprocess.run([sys.executable, "-m", "cluster.cli", "keys", "create", "--name", "yaml-test"],
+                              capture_output=True, text=True, env=env, timeout=120)
+        assert made.returncode == 0, made.stderr
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{base}/v1", api_key="not-a-key", timeout=60).models.list()
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key=json.loads(made.stdout)["key"], timeout=120)
         model = client.models.list().data[0].id
         r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Say hello."}],
                                            max_tokens=8, temperature=0)
