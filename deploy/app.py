@@ -53,6 +53,14 @@ def served_model_name(cfg: ServeConfig) -> str:
 
 
 # -- the services ---------------------------------------------------------------------
+class _DrainsWhenStopped:
+    """Serve calls __del__ when it stops a replica (scaling down, a new version): leave the
+    registry and let the requests held finish first (cluster.actors._ServiceHost.drain)."""
+
+    def __del__(self):
+        self.drain(self.cfg.autoscaling.graceful_shutdown_s)
+
+
 class _StartsInBackground:
     """Builds the host (loads the model, serves, registers) in a thread, so the replica is up
     at once: Serve routes HTTP while the model loads, requests wait in the router for a
@@ -78,18 +86,15 @@ class _StartsInBackground:
 
 
 @serve.deployment(name="Verifier")
-class Verifier(_StartsInBackground, VerifierHost):
+class Verifier(_DrainsWhenStopped, _StartsInBackground, VerifierHost):
     def record_autoscaling_stats(self) -> dict[str, float]:
         v = self.cfg.verifiers
         load = self.engine.load() if self.started() else 0
         return {autoscaling.VERIFIER_LOAD: load / (v.max_batch * v.target_occupancy)}
 
-    def __del__(self):
-        self.drain(self.cfg.autoscaling.graceful_shutdown_s)
-
 
 @serve.deployment(name="DrafterPool")
-class DrafterPool(_StartsInBackground, DrafterPoolHost):
+class DrafterPool(_DrainsWhenStopped, _StartsInBackground, DrafterPoolHost):
     def __init__(self, cfg_dict: dict, redis_url: str | None):
         super().__init__(cfg_dict, redis_url)
         self._busy_mark = (time.monotonic(), 0.0)
@@ -102,12 +107,9 @@ class DrafterPool(_StartsInBackground, DrafterPoolHost):
         share = (busy - busy_then) / max(now - then, 1e-6)
         return {autoscaling.DRAFTER_LOAD: share / self.cfg.drafter_pools.target_busy}
 
-    def __del__(self):
-        self.drain(self.cfg.autoscaling.graceful_shutdown_s)
-
 
 @serve.deployment(name="Router")
-class Router(RouterHost):
+class Router(_DrainsWhenStopped, RouterHost):
     """Serves gRPC clients on its own port and the HTTP ingress through `generate`."""
 
     def __init__(self, cfg_dict: dict, redis_url: str | None, *services):
@@ -156,9 +158,6 @@ class Router(RouterHost):
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         return {autoscaling.ROUTER_LOAD: self.servicer.ongoing / self.cfg.routers.target_ongoing}
-
-    def __del__(self):
-        self.drain(self.cfg.autoscaling.graceful_shutdown_s)
 
 
 def _error_record(e) -> dict:
