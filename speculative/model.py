@@ -236,8 +236,8 @@ class Transformer(nn.Module):
 
     def new_cache(self, max_len: int, batch: int = 1, num_layers: int | None = None) -> KVCache:
         cfg = self.config
-        return KVCache(num_layers or cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim,
-                       self.device, self.dtype)
+        kv_heads = self.layers[0].attn.n_kv  # a tensor-parallel shard's own (speculative/tp.py)
+        return KVCache(num_layers or cfg.num_layers, batch, kv_heads, max_len, cfg.head_dim, self.device, self.dtype)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, mask: torch.Tensor,

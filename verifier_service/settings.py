@@ -17,7 +17,10 @@ class VerifierSettings(BaseModel):
     max_batch: int = Field(8, ge=1, description="requests one verifier holds and batches")
     max_len: int = Field(4096, ge=16, description="KV slots per request in a verifier")
     max_batch_tokens: int = Field(256, ge=1, description="most tokens in one batched verification")
-    threads: int | None = Field(None, ge=1, description="torch threads of a verifier's engine (default: all cores)")
+    threads: int | None = Field(None, ge=1, description="torch threads of a verifier's engine (default: all cores, "
+                                                       "shared out among its tensor-parallel ranks)")
+    tensor_parallel: int = Field(1, ge=1, description="processes each verifier's target is split across, on "
+                                                      "one node (tensor parallelism, docs/SERVING.md)")
     resources: dict[str, float] = Field({"verifier": 1}, description="Ray resources each verifier needs")
     max_count: int | None = Field(None, ge=1, description="most verifier replicas the autoscaler starts "
                                                           "(default: count, no autoscaling)")

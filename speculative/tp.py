@@ -1,0 +1,263 @@
+"""Tensor parallelism of a plain model, Megatron-style (as gpt-fast's tp.py applies it).
+
+Each of N ranks holds a shard of every decoder layer: the q/k/v and gate/up
+projections split by output (column-parallel), the output and down projections
+by input (row-parallel), so each rank's partial sums add up, in one all-reduce
+after each row-parallel layer (two per layer), to the single-process result.
+Attention heads split across ranks; a rank holds the KV heads its query heads
+read, so KV heads split when N divides them and are replicated otherwise. The
+KV cache therefore holds only the rank's KV heads. The embedding is replicated;
+the LM head runs on rank 0 alone (the other ranks need no logits, and computing
+them whole on one rank costs no communication, docs/SERVING.md).
+
+Nothing here starts a process or opens a socket: the collectives come in as
+functions (`all_reduce`, `send`, `receive`), verifier_service/tp_group.py
+supplies torch.distributed ones. Rank 0 drives the model through
+`TensorParallelTarget`, which has the interface decoding and the verifier
+engine use (forward, new_cache, config, device, dtype, the caches' rollback,
+keep, row views), and hands every call to the other ranks, which replay it on
+their shards (`serve_rank`), so the same forward runs everywhere.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import weakref
+from collections import deque
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+from .config import ModelConfig
+from .errors import InvalidArgument
+from .model import KVCache, Transformer
+
+log = logging.getLogger(__name__)
+
+AllReduce = Callable[[torch.Tensor], None]  # sums a tensor across ranks, in place
+
+
+def check_tp(cfg: ModelConfig, world: int) -> None:
+    """Raise InvalidArgument naming `tensor_parallel` unless `world` ranks split this model
+    evenly: the attention heads, each rank's heads reading whole KV heads (or one KV head
+    shared), and the MLP's intermediate size."""
+    if world < 1:
+        raise InvalidArgument("tensor_parallel", f"must be >= 1, got {world}")
+    heads, kv = cfg.num_heads, cfg.num_kv_heads
+    fits = [n for n in range(1, heads + 1) if _splits(cfg, n)]
+    if not _splits(cfg, world):
+        raise InvalidArgument("tensor_parallel", f"{world} ranks cannot split this model ({heads} attention "
+                              f"heads, {kv} KV heads, MLP width {cfg.intermediate_size}): each rank needs an "
+                              f"equal share of each; rank counts that fit: {', '.join(map(str, fits))}")
+
+
+def _splits(cfg: ModelConfig, world: int) -> bool:
+    heads, kv = cfg.num_heads, cfg.num_kv_heads
+    if heads % world or cfg.intermediate_size % world:
+        return False
+    local, group = heads // world, heads // kv
+    # SDPA's grouped attention needs each rank's query heads to read whole groups, or to lie in one
+    return local % group == 0 or group % local == 0
+
+
+def head_shard(cfg: ModelConfig, rank: int, world: int) -> tuple[range, range]:
+    """The query heads and the KV heads rank `rank` of `world` holds."""
+    local, group = cfg.num_heads // world, cfg.num_heads // cfg.num_kv_heads
+    q = range(rank * local, (rank + 1) * local)
+    return q, range(q.start // group, (q.stop - 1) // group + 1)
+
+
+def shard_model(model: Transformer, rank: int, world: int, all_reduce: AllReduce) -> Transformer:
+    """Make a plain (untuned) `model` rank `rank`'s shard of `world`, in place: its weights
+    sliced, its attention told its local head counts, an `all_reduce` after each layer's
+    attention and MLP, and, off rank 0, no LM head. CPU tuning may be applied afterwards."""
+    cfg = model.config
+    check_tp(cfg, world)
+    q_heads, kv_heads = head_shard(cfg, rank, world)
+    d = cfg.head_dim
+    q_rows = torch.arange(q_heads.start * d, q_heads.stop * d)
+    kv_rows = torch.arange(kv_heads.start * d, kv_heads.stop * d)
+    q_dim, kv_dim = cfg.num_heads * d, cfg.num_kv_heads * d
+    qkv_rows = torch.cat((q_rows, q_dim + kv_rows, q_dim + kv_dim + kv_rows))
+    width = cfg.intermediate_size // world
+    mlp_rows = torch.arange(rank * width, (rank + 1) * width)
+    gate_up_rows = torch.cat((mlp_rows, cfg.intermediate_size + mlp_rows))
+    with torch.no_grad():
+        for layer in model.layers:
+            attn, mlp = layer.attn, layer.mlp
+            _keep_rows(attn.qkv, qkv_rows)
+            _keep_columns(attn.o, q_rows)
+            attn.n_heads, attn.n_kv = len(q_heads), len(kv_heads)
+            attn.split = (len(q_rows), len(kv_rows), len(kv_rows))
+            _keep_rows(mlp.gate_up, gate_up_rows)
+            _keep_columns(mlp.down, mlp_rows)
+            # the row-parallel outputs (o, down; neither has a bias) are partial sums
+            attn.register_forward_hook(_summed(all_reduce))
+            mlp.register_forward_hook(_summed(all_reduce))
+    if rank:
+        model.lm_head = NoLogits()
+    return model
+
+
+def _keep_rows(linear: nn.Linear, rows: torch.Tensor) -> None:
+    linear.weight = nn.Parameter(linear.weight[rows].clone(), requires_grad=False)
+    if linear.bias is not None:
+        linear.bias = nn.Parameter(linear.bias[rows].clone(), requires_grad=False)
+    linear.out_features = len(rows)
+
+
+def _keep_columns(linear: nn.Linear, columns: torch.Tensor) -> None:
+    linear.weight = nn.Parameter(linear.weight[:, columns].clone(), requires_grad=False)
+    linear.in_features = len(columns)
+
+
+def _summed(all_reduce: AllReduce):
+    def hook(module, args, output):
+        all_reduce(output)
+        return output
+    return hook
+
+
+class NoLogits(nn.Module):
+    """The LM head of ranks other than 0: they need no logits."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.new_empty(*x.shape[:-1], 0)
+
+
+# ---- rank 0 drives, the other ranks replay ---------------------------------
+#
+# Rank 0 sends one message per forward: the cache operations since the last one
+# (caches made, grown and freed, `keep` compactions, in order), then the forward
+# itself with the cache's lengths (rollbacks only lower lengths, so sending them
+# replays every rollback). A message is a list of tuples; ("stop",) ends a rank.
+
+Send = Callable[[list], None]
+Receive = Callable[[], list]
+
+
+class TensorParallelTarget:
+    """Rank 0's tensor-parallel model, usable wherever a `Transformer` is (decoding,
+    VerifierEngine, a layer-skip drafter): each forward runs on every rank."""
+
+    def __init__(self, model: Transformer, send: Send):
+        self.model, self.config, self._send = model, model.config, send
+        # cache operations the other ranks have not replayed yet (a deque: a cache's finalizer
+        # may add one from another thread while a forward drains it)
+        self._ops: deque[tuple] = deque()
+        self._ids = itertools.count()
+        self._stopped = False
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
+
+    def new_cache(self, max_len: int, batch: int = 1, num_layers: int | None = None) -> "MirroredCache":
+        cache = MirroredCache(self, self.model.new_cache(max_len, batch, num_layers))
+        self._ops.append(("new", cache.cache_id, max_len, batch, num_layers))
+        return cache
+
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, cache: "MirroredCache", mask: torch.Tensor,
+                 layers: Sequence[int] | None = None, logits_from: int = 0,
+                 real: Sequence[int] | None = None) -> torch.Tensor:
+        if not isinstance(cache, MirroredCache) or cache.target is not self:
+            raise ValueError("a tensor-parallel forward needs a cache of this target's new_cache")
+        lengths = list(cache.whole.lengths)
+        call = ("forward", cache.cache_id, cache.row, lengths, tokens.cpu(), positions.cpu(), mask.cpu(),
+                None if layers is None else list(layers), logits_from, None if real is None else list(real))
+        self._send(self._drained() + [call])
+        return self.model(tokens, positions, cache.local, mask, layers, logits_from, real)
+
+    forward = __call__
+
+    def stop(self) -> None:
+        """Let the other ranks return from `serve_rank`."""
+        if not self._stopped:
+            self._stopped = True
+            self._send(self._drained() + [("stop",)])
+
+    def _drained(self) -> list[tuple]:
+        ops = []
+        while self._ops:
+            ops.append(self._ops.popleft())
+        return ops
+
+
+class MirroredCache(KVCache):
+    """Rank 0's KV cache shard, whose operations the other ranks replay on theirs."""
+
+    def __init__(self, target: TensorParallelTarget, local: KVCache, cache_id: int | None = None,
+                 row: int | None = None, whole: "MirroredCache | None" = None):
+        self.target, self.local = target, local
+        self.k, self.v, self.lengths = local.k, local.v, local.lengths
+        self.row, self._whole = row, whole  # a row view keeps its whole cache alive
+        if cache_id is None:
+            cache_id = next(target._ids)
+            # the other ranks free their shard with the next message once this one is gone
+            weakref.finalize(self, target._ops.append, ("free", cache_id))
+        self.cache_id = cache_id
+
+    @property
+    def whole(self) -> "MirroredCache":
+        """The cache this is a row view of (itself if none)."""
+        return self._whole or self
+
+    def grown(self, max_len: int) -> "MirroredCache":
+        grown = MirroredCache(self.target, self.local.grown(max_len))
+        self.target._ops.append(("grow", self.cache_id, grown.cache_id, max_len))
+        return grown
+
+    def row_view(self, row: int) -> "MirroredCache":
+        return MirroredCache(self.target, self.local.row_view(row), self.cache_id, row, self.whole)
+
+    def keep(self, start: int, offsets: Sequence[int], row: int = 0) -> None:
+        whole_row = row if self.row is None else self.row
+        self.target._ops.append(("keep", self.cache_id, start, list(offsets), whole_row))
+        self.local.keep(start, offsets, row)
+
+
+def serve_rank(model: Transformer, receive: Receive) -> dict[int, KVCache]:
+    """Replay rank 0's calls on this rank's shard until it sends stop; returns the caches
+    then still held, by id (each the shard of one of rank 0's caches)."""
+    caches: dict[int, KVCache] = {}
+    while True:
+        for op in receive():
+            kind = op[0]
+            if kind == "stop":
+                return caches
+            if kind == "new":
+                _, cache_id, max_len, batch, num_layers = op
+                caches[cache_id] = model.new_cache(max_len, batch, num_layers)
+            elif kind == "grow":
+                _, old, new, max_len = op
+                caches[new] = caches[old].grown(max_len)
+            elif kind == "free":
+                caches.pop(op[1], None)
+            elif kind == "keep":
+                _, cache_id, start, offsets, row = op
+                caches[cache_id].keep(start, offsets, row)
+            elif kind == "forward":
+                _replay_forward(model, caches, *op[1:])
+            else:
+                raise ValueError(f"unknown tensor-parallel operation {kind!r}")
+
+
+def _replay_forward(model: Transformer, caches: dict[int, KVCache], cache_id: int, row: int | None,
+                    lengths: list[int], tokens, positions, mask, layers, logits_from, real) -> None:
+    cache = caches[cache_id]
+    cache.lengths[:] = lengths
+    if row is not None:
+        cache = cache.row_view(row)
+    device = model.device
+    try:
+        model(tokens.to(device), positions.to(device), cache, mask.to(device), layers, logits_from, real)
+    except ValueError:
+        # rank 0 met the same error on the same inputs, before any collective (a full
+        # cache, bad shapes): it reports it; this rank waits for the next call
+        log.debug("forward refused, as on rank 0", exc_info=True)
