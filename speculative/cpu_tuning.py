@@ -67,9 +67,10 @@ def apply_cpu_tuning(model: Transformer, tuning: CpuTuning = CpuTuning()) -> boo
     if not usable:
         return False
     for layer in model.layers:
-        layer.attn.qkv, layer.attn.o = PackedLinear(layer.attn.qkv), PackedLinear(layer.attn.o)
-        layer.mlp.gate_up, layer.mlp.down = PackedLinear(layer.mlp.gate_up), PackedLinear(layer.mlp.down)
-    model.lm_head = PackedLinear(model.lm_head)  # a packed copy: the embedding stays for lookups
+        layer.attn.qkv, layer.attn.o = _packed(layer.attn.qkv), _packed(layer.attn.o)
+        layer.mlp.gate_up, layer.mlp.down = _packed(layer.mlp.gate_up), _packed(layer.mlp.down)
+    if isinstance(model.lm_head, nn.Linear):  # not a tensor-parallel rank's missing head (speculative/tp.py)
+        model.lm_head = PackedLinear(model.lm_head)  # a packed copy: the embedding stays for lookups
     packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
     blas = _one_row_blas_wins(packed) if tuning.one_row == "auto" else tuning.one_row == "blas"
     for m in packed:
@@ -80,6 +81,12 @@ def apply_cpu_tuning(model: Transformer, tuning: CpuTuning = CpuTuning()) -> boo
 def tuning_of(model: Transformer) -> CpuTuning:
     """The tuning `model` was given (the default if none), for models that run beside it."""
     return getattr(model, "cpu_tuning", None) or CpuTuning()
+
+
+def _packed(layer: nn.Module) -> nn.Module:
+    """`layer` prepacked if it is a float `nn.Linear`; a weight-only quantised layer
+    (speculative/quantize.py) keeps its own packed kernel."""
+    return PackedLinear(layer) if isinstance(layer, nn.Linear) else layer
 
 
 class PackedLinear(nn.Module):

@@ -22,10 +22,16 @@ import torch
 from .config import ModelConfig
 from .cpu_tuning import CpuTuning, apply_cpu_tuning
 from .model import Transformer
+from .quantize import MODES as WEIGHT_ONLY_MODES, quantize
 from .tokenizer import Tokenizer
 
 DEFAULT_MODEL = "smollm2"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# precision name -> the float dtype of activations and the KV cache. int8 and int4 also
+# make the linear weights that (speculative/quantize.py); their activations are bfloat16:
+# torch's packed int8/int4 CPU kernels run 10-30x faster on bfloat16 than on float32
+# activations (docs/DESIGN-NOTES.md, Precision), and CUDA's int4 kernel takes bfloat16 only.
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "int8": torch.bfloat16, "int4": torch.bfloat16}
 
 
 def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
@@ -59,6 +65,7 @@ def resolve_source(source: str | os.PathLike | None) -> Path:
 
 
 def parse_dtype(name: str) -> torch.dtype:
+    """The activation (and KV cache) dtype of precision `name`."""
     if name not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {name!r}")
     return DTYPES[name]
@@ -69,11 +76,18 @@ def load(source: str | os.PathLike | None = None, device: str = "cpu", dtype: st
          ) -> tuple[Transformer, Tokenizer]:
     """Model and tokenizer from `source` (see module doc), on `device` in `dtype`, for
     inference: on a CPU it is tuned for speed (`cpu_tuning.apply_cpu_tuning`, with
-    `cpu_tuning`). A GGUF source is converted under `cache_dir` (`cache_root`)."""
-    path = resolve_source(source)
+    `cpu_tuning`). A GGUF source is converted under `cache_dir` (`cache_root`).
+    `dtype` "int8"/"int4" quantises the linear weights (`speculative.quantize`); int4
+    from a 4-bit GGUF takes its Q4_0/Q4_1 blocks as they are."""
+    path = gguf_path = resolve_source(source)
     if path.suffix == ".gguf":
         path = converted_gguf_dir(path, cache_dir)
     model = load_hf_dir(path, device, parse_dtype(dtype))
+    if dtype in WEIGHT_ONLY_MODES + ("bfloat16",):
+        from .gguf_blocks import cached_int4_blocks
+
+        blocks = cached_int4_blocks(gguf_path, path) if dtype == "int4" and gguf_path.suffix == ".gguf" else None
+        quantize(model, dtype, blocks)
     apply_cpu_tuning(model, cpu_tuning)
     return model, Tokenizer(path)
 

@@ -1,0 +1,192 @@
+"""Weight-only int8 and int4 linear layers, and `quantize(model, mode)` that installs them.
+
+Only the weights are low-precision; activations, the KV cache and every non-linear op
+stay in the model's float dtype (`Transformer.dtype`, the embedding's). The matmuls are
+PyTorch's own weight-packed kernels:
+
+- int8: per-output-channel symmetric int8, `torch._weight_int8pack_mm` (CPU and CUDA);
+- int4: groupwise asymmetric 4-bit in torch's format, w = (q - 8) * scale + zero with
+  q in 0..15 and one (scale, zero) per `group` inputs of a row:
+  `_weight_int4pack_mm_for_cpu` on a CPU, `_weight_int4pack_mm` on CUDA (bfloat16 only).
+
+GGUF Q4_0/Q4_1 blocks are this format exactly (group 32: Q4_1 w = d*q + m is
+scale = d, zero = m + 8d; Q4_0 w = d*(q - 8) is zero = 0), so `Int4Linear.from_blocks`
+takes them as they are (speculative/gguf_blocks.py reads them); `quantize_int4`
+quantises any other float weight.
+
+Both kernels give each row of the input the same result whatever the number of rows
+(tests/test_precision.py checks it): verifying a tree rounds like decoding one token.
+CPU bfloat16 `nn.Linear` does so only up to BF16_EXACT_ROWS rows (oneDNN switches kernels
+above), so a bfloat16 model's layers run longer passes in slices of that many
+(`RowSlicedLinear`, installed by `quantize(model, "bfloat16")`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+MODES = ("int8", "int4")  # weight-only quantised
+BF16_EXACT_ROWS = 32  # CPU bfloat16 linear: the most rows whose results match one row's (measured)
+LINEAR_PARTS = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")  # a layer's linear layers
+INT4_GROUP = 32  # GGUF's block size, so a 4-bit GGUF's blocks need no regrouping
+_CPU_INNER_K_TILES = 2  # the CPU packer's tiling (any of 2, 4, 8 computes the same)
+_CUDA_INNER_K_TILES = 8
+
+
+class Int8Linear(nn.Module):
+    """`nn.Linear` with int8 weights, one scale per output channel (gpt-fast's
+    WeightOnlyInt8Linear); scales in the activation dtype, as the kernel wants."""
+
+    def __init__(self, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("weight", weight)
+        self.register_buffer("scales", scales)
+        self.register_buffer("bias", bias)
+
+    @classmethod
+    def quantized(cls, linear: nn.Linear, dtype: torch.dtype) -> "Int8Linear":
+        """`linear` quantised: each row scaled so that its largest |w| maps to 127."""
+        w = linear.weight.detach().float()
+        scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-10)
+        q = torch.round(w / scales[:, None]).clamp(-128, 127).to(torch.int8)
+        bias = None if linear.bias is None else linear.bias.detach().to(dtype)
+        return cls(q, scales.to(dtype), bias)
+
+    def dequantized(self) -> torch.Tensor:
+        return self.weight.float() * self.scales.float()[:, None]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch._weight_int8pack_mm(x.reshape(-1, self.in_features).contiguous(), self.weight, self.scales)
+        y = y.reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+class Int4Linear(nn.Module):
+    """`nn.Linear` with groupwise 4-bit weights in torch's packed int4 layout (gpt-fast's
+    WeightOnlyInt4Linear). `scales_and_zeros` [in/group, out, 2] is in the activation dtype."""
+
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, dtype: torch.dtype,
+                 bias: torch.Tensor | None = None, group: int = INT4_GROUP):
+        """`q` [out, in] integers 0..15; `scales`, `zeros` [out, in/group]; all on the target device."""
+        super().__init__()
+        self.out_features, self.in_features = q.shape
+        if self.in_features % group:
+            raise ValueError(f"int4: in_features {self.in_features} is not a multiple of the group size {group}")
+        self.group = group
+        self.on_cuda = q.device.type == "cuda"
+        if self.on_cuda and dtype != torch.bfloat16:
+            raise ValueError(f"int4 on CUDA computes in bfloat16 only, not {dtype}")
+        if self.on_cuda:  # the CUDA packer takes two 4-bit values a byte, the even one high
+            q = q.to(torch.uint8)
+            packed = torch.ops.aten._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]).contiguous(),
+                                                                _CUDA_INNER_K_TILES)
+        else:
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(),
+                                                                        _CPU_INNER_K_TILES)
+        self.register_buffer("weight", packed)
+        self.register_buffer("scales_and_zeros", torch.stack((scales.t(), zeros.t()), dim=-1).to(dtype).contiguous())
+        self.register_buffer("bias", bias)
+
+    @classmethod
+    def from_blocks(cls, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, dtype: torch.dtype,
+                    bias: torch.Tensor | None = None) -> "Int4Linear":
+        """From GGUF 4-bit blocks of 32 (w = d*q + m): `q` [out, in] in 0..15, `d` and `m`
+        [out, in/32] in float32 (widened from the blocks' float16; Q4_0 is m = -8d)."""
+        return cls(q, d, m + 8 * d, dtype, bias, group=32)
+
+    @classmethod
+    def quantized(cls, linear: nn.Linear, dtype: torch.dtype, group: int = INT4_GROUP) -> "Int4Linear":
+        """`linear` quantised groupwise, each group's min..max spread over 0..15."""
+        return cls(*quantize_int4(linear.weight.detach().float(), group), dtype,
+                   None if linear.bias is None else linear.bias.detach().to(dtype), group)
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight [out, in] as the kernel computes it, in float32 (an identity pass)."""
+        eye = torch.eye(self.in_features, dtype=self.scales_and_zeros.dtype, device=self.weight.device)
+        return self._matmul(eye).t().float()
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.on_cuda:
+            return torch.ops.aten._weight_int4pack_mm(x, self.weight, self.group, self.scales_and_zeros)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.weight, self.group, self.scales_and_zeros)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self._matmul(x.reshape(-1, self.in_features).contiguous()).reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+class RowSlicedLinear(nn.Module):
+    """A bfloat16 `nn.Linear` run BF16_EXACT_ROWS rows at a time, so that each row's result
+    is the one it gets alone (a pass of up to that many rows runs as one call)."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.linear = linear
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.linear.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if rows.shape[0] <= BF16_EXACT_ROWS:
+            return self.linear(x)
+        out = torch.cat([self.linear(part) for part in rows.split(BF16_EXACT_ROWS)])
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
+def quantize_int4(w: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q, scales, zeros) of float weight `w` [out, in], asymmetric per group of `group`
+    inputs: q = round((w - min) / scale), scale = (max - min) / 15, zero = min + 8 * scale."""
+    out, inp = w.shape
+    groups = w.reshape(out, inp // group, group)
+    low, high = groups.amin(-1), groups.amax(-1)
+    scales = ((high - low) / 15).clamp(min=1e-10)
+    q = torch.round((groups - low[..., None]) / scales[..., None]).clamp(0, 15).reshape(out, inp)
+    return q.to(torch.int32), scales, low + 8 * scales
+
+
+def quantize(model, mode: str, int4_blocks: dict[str, tuple] | None = None):
+    """Make `model`'s linear layers weight-only `mode` ("int8" or "int4"), in place
+("bfloat16": slice a CPU bfloat16 model's passes to BF16_EXACT_ROWS rows, `RowSlicedLinear`).
+
+    Every layer's q/k/v, o, gate/up and down become `mode`. The LM head becomes int8 in
+    both modes and is untied from the embedding, which stays in the float dtype for
+    lookups: it is the largest matrix (vocab x hidden), a Q8_0 in the shipped GGUF, and
+    4 bits there cost more accuracy than anywhere else (docs/DESIGN-NOTES.md, Precision).
+    `int4_blocks` maps a layer's name ("layers.3.attn.qkv") to `Int4Linear.from_blocks`
+    arguments taken from a 4-bit GGUF; other int4 layers are quantised from their weights.
+    """
+    if mode == "bfloat16":  # no quantisation: row-exact slicing of the CPU bfloat16 layers
+        if model.device.type == "cpu":
+            for layer in model.layers:
+                for part in LINEAR_PARTS:
+                    owner_name, attr = part.split(".")
+                    owner = layer.get_submodule(owner_name)
+                    setattr(owner, attr, RowSlicedLinear(getattr(owner, attr)))
+            model.lm_head = RowSlicedLinear(model.lm_head)
+        return model
+    if mode not in MODES:
+        raise ValueError(f"quantize: mode must be one of bfloat16, {', '.join(MODES)}, got {mode!r}")
+    dtype = model.dtype
+    blocks = int4_blocks or {}
+    for i, layer in enumerate(model.layers):
+        for part in LINEAR_PARTS:
+            owner_name, attr = part.split(".")
+            owner, name = layer.get_submodule(owner_name), f"layers.{i}.{part}"
+            linear = getattr(owner, attr)
+            if mode == "int8":
+                new = Int8Linear.quantized(linear, dtype)
+            elif name in blocks:
+                q, d, m = (t.to(linear.weight.device) for t in blocks[name])
+                bias = None if linear.bias is None else linear.bias.detach()
+                new = Int4Linear.from_blocks(q, d, m, dtype, bias)
+            else:
+                new = Int4Linear.quantized(linear, dtype)
+            setattr(owner, attr, new)
+    model.lm_head = Int8Linear.quantized(model.lm_head, dtype)
+    model.precision = mode
+    return model

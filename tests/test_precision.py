@@ -1,0 +1,204 @@
+"""Low precision (speculative/quantize.py, `load(dtype=...)`): lossless within each precision.
+
+In bfloat16, int8 and int4 greedy speculative decoding gives exactly the tokens of plain
+decoding in that same precision, for every kind of drafter and for fused trees, on the
+default model; speculative sampling keeps a low-precision target's distribution; the KV
+cache rolls back exactly; batched rows score as they would alone; and the int4 model's
+weights are the shipped GGUF's 4-bit blocks exactly as gguf dequantises them. What makes
+greedy exact rather than near: each precision's matmul kernel gives a row the same result
+whatever the number of rows beside it, checked first.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from conftest import dev_prompts
+from drafter_service.drafters import ModelDrafter
+from drafter_service.registry import make_drafter
+from speculative import loading
+from speculative.decoding import generate
+from speculative.gguf_blocks import cached_int4_blocks
+from speculative.model import attention_mask, causal_ancestors
+from speculative.quantize import LINEAR_PARTS, Int4Linear, Int8Linear, RowSlicedLinear, quantize
+from speculative.sampling import SamplingParams
+from test_sampling_distribution import PROMPT, chi_square_p, exact_drafted_joint
+from tiny import TINY, tiny_model
+
+PRECISIONS = ("bfloat16", "int8", "int4")
+PROMPTS = [prompt for _, prompt in dev_prompts(2)]
+MAX_TOKENS = 16
+# every drafter kind: model-free (prompt lookup, suffix index), the target's own layers,
+# a shipped small model, and a fused tree of three
+DRAFTERS = [("pld", None), ("suffix", None), ("layerskip", None), ("small-general", None),
+            ("pld+suffix+small-general", 8)]
+
+
+def tiny_in(precision: str, seed: int = 0, logit_scale: float = 1.0):
+    """A tiny random model in `precision` (its linear layers quantised for int8/int4)."""
+    return quantize(tiny_model(seed, logit_scale).to(loading.parse_dtype(precision)), precision)
+
+
+@pytest.mark.parametrize("layer", ["bfloat16", "int8/float32", "int8/bfloat16", "int4/float32", "int4/bfloat16"])
+def test_a_row_scores_the_same_whatever_rows_are_beside_it(layer):
+    """Each layer's rows are independent of the rows beside them (float32 BLAS's are not:
+    PackedLinear's docs; bfloat16's are up to BF16_EXACT_ROWS rows, hence RowSlicedLinear)."""
+    torch.manual_seed(0)
+    mode, _, act = layer.partition("/")
+    dtype = getattr(torch, act or mode)
+    linear = torch.nn.Linear(576, 960, bias=False)
+    module = {"int8": lambda: Int8Linear.quantized(linear, dtype), "int4": lambda: Int4Linear.quantized(linear, dtype),
+              "bfloat16": lambda: RowSlicedLinear(linear.to(dtype))}[mode]()
+    x = torch.randn(48, 576).to(dtype)
+    with torch.inference_mode():
+        together = module(x)
+        for rows in (1, 2, 3, 4, 7, 16, 48):
+            for start in (0, 1):
+                alone = module(x[start:start + rows])
+                assert torch.equal(alone, together[start:start + rows]), f"{rows} rows from {start}"
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantised_layers_compute_with_their_quantised_weights(mode):
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 96, bias=True)
+    module = (Int8Linear if mode == "int8" else Int4Linear).quantized(linear, torch.float32)
+    w = module.dequantized()
+    step = (linear.weight.abs().amax(1, keepdim=True) / 127 if mode == "int8" else
+            (lambda g: (g.amax(-1) - g.amin(-1)).repeat_interleave(32, 1) / 15)(linear.weight.reshape(96, 2, 32)))
+    assert ((w - linear.weight).abs() <= step / 2 + 1e-6).all(), "quantisation error beyond half a step"
+    x = torch.randn(5, 64)
+    with torch.inference_mode():
+        assert torch.allclose(module(x), x @ w.t() + linear.bias, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def models(smollm2):
+    """The default model in each precision, loaded as `specserve --dtype` loads it."""
+    return {p: loading.load(dtype=p)[0] for p in PRECISIONS}
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(smollm2):
+    _, tokenizer = smollm2
+    return [tokenizer.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
+
+
+def test_precisions_load_as_asked(models, smollm2):
+    target, _ = smollm2
+    assert {p: m.dtype for p, m in models.items()} == {"bfloat16": torch.bfloat16, "int8": torch.bfloat16,
+                                                        "int4": torch.bfloat16}
+    assert all(type(layer.get_submodule(part)) is RowSlicedLinear and layer.get_submodule(part).weight.dtype
+               == torch.bfloat16 for layer in models["bfloat16"].layers for part in LINEAR_PARTS)
+    for mode, cls in (("int8", Int8Linear), ("int4", Int4Linear)):
+        assert all(type(layer.get_submodule(part)) is cls for layer in models[mode].layers for part in LINEAR_PARTS)
+        assert type(models[mode].lm_head) is Int8Linear
+    # the quantised models still decode the float32 model's text, mostly
+    with torch.inference_mode():
+        tokens = torch.arange(1000, 1032)[None]
+        want = _scores(target, tokens).argmax(-1)
+        for p, m in models.items():
+            agree = (_scores(m, tokens).argmax(-1) == want).float().mean().item()
+            assert agree >= 0.6, f"{p}: next-token argmax agrees with float32 on {agree:.0%} of positions"
+
+
+def _scores(model, tokens):
+    t = tokens.shape[1]
+    return model(tokens, torch.arange(t)[None], model.new_cache(t + 4), attention_mask(0, causal_ancestors(t)))[0]
+
+
+def test_int4_weights_are_the_gguf_blocks_exactly(models):
+    """Every layer's int4 codes are the shipped Q4_1 blocks as they are: built from them with
+    float32 scales, a layer computes with exactly gguf's own dequantisation of the blocks
+    (the float32 conversion in the cache is gguf.quants.dequantize's output); the loaded
+    model holds the same packed codes, its scales rounded to its bfloat16 activations."""
+    directory = loading.converted_gguf_dir(loading.default_gguf_path())
+    converted = loading.load_hf_dir(directory)
+    blocks = cached_int4_blocks(loading.default_gguf_path(), directory)
+    for i, (ours, theirs) in enumerate(zip(models["int4"].layers, converted.layers)):
+        for part in LINEAR_PARTS:
+            exact = Int4Linear.from_blocks(*blocks[f"layers.{i}.{part}"], torch.float32)
+            assert torch.equal(exact.dequantized(), theirs.get_submodule(part).weight), f"layer {i} {part}"
+            loaded = ours.get_submodule(part)
+            assert torch.equal(loaded.weight, exact.weight), f"layer {i} {part}: codes"
+            assert torch.equal(loaded.scales_and_zeros, exact.scales_and_zeros.to(torch.bfloat16)), f"layer {i} {part}"
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_greedy_speculation_equals_plain_decoding_in_each_precision(models, prompt_ids, precision):
+    target = models[precision]
+    params = SamplingParams(max_tokens=MAX_TOKENS)
+    accepted = dict.fromkeys((name for name, _ in DRAFTERS), 0)
+    for i, ids in enumerate(prompt_ids):
+        plain = generate(target, ids, params).token_ids
+        for name, tree_budget in DRAFTERS:
+            drafter = make_drafter(name, target, namespace=f"precision-{precision}-{name}")
+            result = generate(target, ids, params, drafter, 2 if name == "layerskip" else 5, tree_budget=tree_budget)
+            assert result.token_ids == plain, f"{precision}, {name}, prompt {i}"
+            accepted[name] += result.accepted_draft_tokens
+    # verification really kept drafted tokens (model-free drafters may find nothing in a short answer)
+    assert all(accepted[name] for name in ("layerskip", "small-general", "pld+suffix+small-general")), accepted
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_kv_rollback_is_exact(precision):
+    """Scoring a rejected branch, rolling back and scoring another gives exactly the
+    logits of scoring that other one on a fresh cache."""
+    model = tiny_in(precision)
+    prefix, rejected, taken = [1, 2, 3, 4, 5], [6, 7, 0], [3, 1]
+    n = len(prefix)
+
+    def run(cache, tokens, start):
+        t = len(tokens)
+        return model(torch.tensor([tokens]), torch.arange(start, start + t)[None], cache,
+                     attention_mask(start, causal_ancestors(t)))
+
+    cache = model.new_cache(16)
+    run(cache, prefix, 0)
+    run(cache, rejected, n)
+    cache.rollback(n)
+    got = run(cache, taken, n)
+    fresh = model.new_cache(16)
+    run(fresh, prefix, 0)
+    assert torch.equal(got, run(fresh, taken, n))
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_batched_rows_score_as_they_would_alone(precision):
+    """Two requests in one pass, one padded (what the verifier's batches are), give each
+    row the logits it gets alone (within the precision's attention rounding)."""
+    model = tiny_in(precision)
+    rows = [[1, 2, 3, 4], [5, 6, 0, 0]]
+    real = [4, 2]
+    cache = model.new_cache(8, batch=2)
+    mask = torch.zeros(2, 4, 4, dtype=torch.bool)
+    mask[0] = causal_ancestors(4)
+    mask[1, :2, :2] = causal_ancestors(2)
+    mask[1, 2:, 2:] = torch.eye(2, dtype=torch.bool)  # padding attends to itself only
+    both = model(torch.tensor(rows), torch.arange(4).expand(2, 4), cache, mask, real=real)
+    alone = [model(torch.tensor([r[:n]]), torch.arange(n)[None], model.new_cache(8),
+                   attention_mask(0, causal_ancestors(n)))[0] for r, n in zip(rows, real)]
+    assert torch.allclose(both, torch.cat(alone), atol=1e-2, rtol=1e-2)
+
+
+SAMPLES = 3000
+
+
+@pytest.mark.parametrize("precision", ["bfloat16", "int4"])
+def test_speculative_sampling_keeps_a_low_precision_targets_distribution(precision):
+    """Seeded runs of a model drafter at temperature 1 against a low-precision tiny
+    target: the second and third tokens (the first a draft covers) follow the target's
+    own joint distribution in that precision (chi-square, as tests/test_sampling_distribution.py)."""
+    target, drafter_model = tiny_in(precision, 0, 0.5), tiny_in(precision, 1, 0.5)
+    params = SamplingParams(temperature=1.0)
+    counts, drafted = torch.zeros(TINY.vocab_size, TINY.vocab_size), 0
+    for seed in range(SAMPLES):
+        p = SamplingParams(max_tokens=4, temperature=1.0, seed=seed)
+        result = generate(target, PROMPT, p, ModelDrafter(drafter_model, max_len=64), 2)
+        counts[result.token_ids[1], result.token_ids[2]] += 1
+        drafted += result.draft_tokens > 0
+    assert drafted > SAMPLES // 2
+    assert chi_square_p(counts, exact_drafted_joint(target, params)) > 1e-3
