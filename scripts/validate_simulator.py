@@ -1,0 +1,176 @@
+"""Check the cluster simulator (bench/simulator.py) against the real local cluster.
+
+For each drafter-pool count (1 verifier): start `specserve serve` (local Ray
+cluster, embedded store, free ports) with the bench's served configuration
+made predictable enough to simulate (one drafter per request, fixed draft
+length, a chain a round, no adaptive lengths, no confidence stop); with the
+first server up, measure the costs on this machine (bench/costs.py, the call
+overhead through that server); run the real load test (`specserve bench
+--load`, Poisson arrivals per client) at each client count; simulate the same
+settings with the measured costs (the mean of `--sim-repeats` seeded runs);
+print measured against simulated throughput and the error.
+
+    python scripts/validate_simulator.py --clients 1 2 4 8 --pools 1 2 --requests 16 --out validation.json
+
+The goal is the simulator's throughput within 15% of the measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from argparse import Namespace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+from bench.simulator import SimConfig, load_costs, replicate  # noqa: E402
+import serve_process  # noqa: E402  (tests/serve_process.py: `specserve serve` on free ports)
+from serve_process import specserve_serve  # noqa: E402
+
+DRAFT_LENGTH = 5
+GOAL = 0.15
+
+
+def served_config(pools: int, drafter: str) -> str:
+    """bench/configs/served.toml with `pools` drafter pools, and nothing the simulator does not model:
+    one drafter, a chain of DRAFT_LENGTH a round, no adaptive lengths, no early stop."""
+    return f"""
+[router]
+default_drafter = "{drafter}"
+fused_drafters = 1
+draft_length = {DRAFT_LENGTH}
+tree_budget = {DRAFT_LENGTH}
+pipelined = false
+adaptive = false
+stop_confidence = 0.0
+
+[verifiers]
+count = 1
+threads = 2
+
+[drafter_pools]
+count = {pools}
+kinds = ["{drafter}"]
+threads = 1
+"""
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--questions", default=str(ROOT.parent / "shared/data/spec_bench/dev.jsonl"))
+    parser.add_argument("--limit-per-category", type=int, default=2)
+    parser.add_argument("--drafter", default="small-general")
+    parser.add_argument("--clients", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--pools", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--rate", type=float, default=0.5, help="Poisson requests/s per client")
+    parser.add_argument("--requests", type=int, default=16, help="requests per load level")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--timing-repeats", type=int, default=7)
+    parser.add_argument("--sim-repeats", type=int, default=50)
+    parser.add_argument("--costs", default=None,
+                        help="use this costs file (--measure-costs) instead of measuring one; only the call "
+                             "overhead is measured, through the first server")
+    parser.add_argument("--out", default="validation.json")
+    parser.add_argument("--start-timeout", type=float, default=serve_process.START_TIMEOUT_S,
+                        help="seconds a server may take to start (a busy machine starts Ray slowly)")
+    args = parser.parse_args()
+    serve_process.START_TIMEOUT_S = args.start_timeout
+
+    costs_path = Path(args.out).with_suffix(".costs.json")
+    loads, served = {}, []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, pools in enumerate(args.pools):
+            with specserve_serve(Path(tmp) / f"pools{pools}.toml", served_config(pools, args.drafter)) as server:
+                if i == 0 and args.costs is not None:
+                    from bench.costs import served_plain_requests
+
+                    served = served_plain_requests(server.grpc, first_prompts(args), args.max_tokens)
+                elif i == 0:
+                    from bench.costs import measure_costs
+
+                    measure_costs(Namespace(
+                        model=None, device="cpu", dtype="float32", questions=args.questions,
+                        limit_per_category=args.limit_per_category, drafters=[args.drafter], server=server.grpc,
+                        call_requests=4, timing_repeats=args.timing_repeats, max_tokens=args.max_tokens,
+                        draft_length=DRAFT_LENGTH, measure_costs=str(costs_path),
+                        argv=["simulate", "--measure-costs", str(costs_path), "--drafters", args.drafter,
+                              "--server", server.grpc, "--limit-per-category", str(args.limit_per_category),
+                              "--max-tokens", str(args.max_tokens)]))
+                from bench.load import run_load
+
+                loads[pools] = run_load(Namespace(
+                    questions=args.questions, limit_per_category=args.limit_per_category, seed=pools,
+                    server=server.grpc, http=None, clients=args.clients, rate=args.rate, requests=args.requests,
+                    load_modes=[args.drafter], max_tokens=args.max_tokens, repeats=1,
+                    out=str(Path(args.out).with_suffix(f".load{pools}.json")), argv=[]))
+    if args.costs is not None:  # read only now: it may still have been measured while the servers ran
+        with_call_overhead(Path(args.costs), costs_path, served)
+    costs = load_costs(costs_path)
+    rows = []
+    for pools, load in loads.items():
+        for measured in load["results"]:
+            cfg = SimConfig(verifiers=1, pools=pools, drafter=args.drafter, draft_length=DRAFT_LENGTH,
+                            clients=measured["clients"], rate=args.rate, requests=args.requests,
+                            max_tokens=args.max_tokens)
+            sim = replicate(costs, cfg, args.sim_repeats)
+            # a level whose requests all failed has no throughput to compare with
+            error = sim["tokens_per_s"] / measured["tokens_per_s"] - 1 if measured["tokens_per_s"] else None
+            rows.append({"pools": pools, "clients": measured["clients"],
+                         "measured_tokens_per_s": measured["tokens_per_s"],
+                         "simulated_tokens_per_s": round(sim["tokens_per_s"], 3), "errors": measured["errors"],
+                         "error": None if error is None else round(error, 4),
+                         "measured_p50_s": measured["p50_s"], "simulated_p50_s": round(sim["p50_s"], 3),
+                         "measured_p99_s": measured["p99_s"], "simulated_p99_s": round(sim["p99_s"], 3),
+                         "measured_tokens_per_pass": measured["tokens_per_pass"],
+                         "simulated_tokens_per_pass": round(sim["tokens_per_pass"], 3),
+                         "simulated_verifier_idle": round(sim["verifier_idle"], 3),
+                         "simulated_drafter_idle": round(sim["drafter_idle"], 3)})
+    report = {"command": "python scripts/validate_simulator.py " + " ".join(sys.argv[1:]), "costs": str(costs_path),
+              "goal": f"|error| <= {GOAL:.0%}", "rows": rows}
+    Path(args.out).write_text(json.dumps(report, indent=2))
+    text = to_markdown(report)
+    Path(args.out).with_suffix(".md").write_text(text)
+    print(text)
+
+
+def first_prompts(args, n: int = 2) -> list[str]:
+    from bench.harness import load_questions
+
+    return [q["turns"][0] for q in load_questions(args.questions, args.limit_per_category)][:n]
+
+
+def with_call_overhead(given: Path, out: Path, served: list[dict]) -> None:
+    """`given` costs (measured without a server) with the call overhead the `served` plain-decoding
+    requests imply (bench.costs.call_ms), as `out`."""
+    from bench.costs import call_ms
+
+    costs = json.loads(given.read_text())
+    costs.update(call_ms=round(call_ms(served, costs), 3), call_ms_measured=True, served_plain_requests=served)
+    out.write_text(json.dumps(costs, indent=1))
+
+
+def to_markdown(report: dict) -> str:
+    def num(v: float | None, fmt: str) -> str:
+        return "-" if v is None else format(v, fmt)
+
+    lines = [f"Command: `{report['command']}`", "",
+             "| pools | clients | failed requests | measured tokens/s | simulated tokens/s | error | "
+             "measured p50 / p99 s | simulated p50 / p99 s | tokens/pass measured / simulated |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in report["rows"]:
+        lines.append(f"| {r['pools']} | {r['clients']} | {r['errors']} | {r['measured_tokens_per_s']:.2f} | "
+                     f"{r['simulated_tokens_per_s']:.2f} | {num(r['error'], '+.1%')} | "
+                     f"{num(r['measured_p50_s'], '.2f')} / {num(r['measured_p99_s'], '.2f')} | "
+                     f"{r['simulated_p50_s']:.2f} / {r['simulated_p99_s']:.2f} | "
+                     f"{num(r['measured_tokens_per_pass'], '.2f')} / {r['simulated_tokens_per_pass']:.2f} |")
+    compared = [r for r in report["rows"] if r["error"] is not None]
+    within = sum(abs(r["error"]) <= GOAL for r in compared)
+    return "\n".join(lines + ["", f"Within {GOAL:.0%}: {within} of {len(compared)} rows compared."]) + "\n"
+
+
+if __name__ == "__main__":
+    main()
