@@ -40,8 +40,6 @@ drafts one token, so a request whose text turns predictable gets drafts again,
 unless the load is such that even a drafter that is always right would not
 pay (with many requests each probing every 8th round, nearly every pass would
 be padded for somebody's probe).
-A `reproducible` control (seeded sampling) ignores load and timings, so that
-the same seed draws the same tokens however busy the server is.
 
 The confidence stop (SpecDec++) is the drafter's side of the same idea:
 `stop_confidence` goes with every Propose, and a model drafter ends its draft
@@ -94,9 +92,6 @@ class SpeculationControl:
     prior_rounds: float = 2.0
     decay: float = 0.9  # weight of older rounds' evidence
     probe_every: int = 8
-    # A seeded sampled request must draw the same tokens every time: its length may then
-    # depend on its own history only, not on timings or on other requests' load.
-    reproducible: bool = False
     # learned verify costs, shared by every request of a router; None: the three settings above
     pass_costs: "PassCostModel | None" = None
     _accepted: float = field(init=False, default=0.0)  # decayed accepted tokens
@@ -118,15 +113,12 @@ class SpeculationControl:
         """Draft tokens for the next round when `batch` requests share the verifier."""
         self._rounds += 1
         a = self.acceptance
-        batch = 1 if self.reproducible else max(batch, 1)
-        draft_cost = 0.0 if self.reproducible else self.draft_token_cost
-        round_cost = 0.0 if self.reproducible else self.draft_round_cost
-        width = 1.0 if self.reproducible else self.width  # a suffix tree's width depends on other requests
+        batch, draft_cost, round_cost, width = max(batch, 1), self.draft_token_cost, self.draft_round_cost, self.width
         if self.pipelined:
             draft_cost *= 1.0 - self._reuse
             round_cost *= 1.0 - self._reuse
         row_cost, token_cost, pad_cost = (self.verify_row_cost, self.verify_token_cost, self.verify_pad_cost)
-        if self.pass_costs is not None and not self.reproducible:
+        if self.pass_costs is not None:
             row_cost, token_cost, pad_cost = self.pass_costs.costs()
 
         def goodput(k: int, a: float) -> float:  # the batch's tokens per one-token pass of time (see above)

@@ -150,8 +150,7 @@ class RouterServicer(pb_grpc.SpecserveServicer):
             speculation = SpeculationControl(cfg.draft_length, prior=prior, pipelined=pipelined,
                                              verify_row_cost=cfg.verify_row_cost,
                                              verify_token_cost=cfg.verify_token_cost, verify_pad_cost=cfg.verify_pad_cost,
-                                             pass_costs=self.coordinator.pass_costs,
-                                             reproducible=params.seed is not None and not params.greedy)
+                                             pass_costs=self.coordinator.pass_costs)
         return Job(request_id=req.request_id or uuid.uuid4().hex, prompt_ids=ids, params=params,
                    drafters=drafters, draft_length=cfg.draft_length, tree_budget=cfg.tree_budget,
                    vocab_size=cfg.vocab_size, eos_token_ids=cfg.eos_token_ids, domain=domain,

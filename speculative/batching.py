@@ -21,7 +21,7 @@ from typing import Callable, Sequence
 import torch
 
 from .model import KVCache, Transformer
-from .sampling import SamplingParams, probabilities
+from .sampling import SamplingParams, choice_scores, probabilities
 from .tree import DraftTree
 from .verification import verify_greedy, verify_sampling
 
@@ -74,8 +74,9 @@ def verify_batch(model: Transformer, cache: KVCache, items: list[VerifyItem]) ->
         offset += real[r]
         if it.on_scores is not None:
             it.on_scores([it.root_token] + it.tree.tokens, scores)
-        if it.params.greedy:
-            path, bonus = verify_greedy(it.tree, scores)
+        if it.params.deterministic:  # the target's choice at each scored position: the root's next, each node's next
+            choices = [starts[r] + 1] + [starts[r] + 1 + d for d in it.tree.depths]
+            path, bonus = verify_greedy(it.tree, choice_scores(scores, it.params, choices))
         else:
             path, bonus = verify_sampling(it.tree, probabilities(scores, it.params), it.generator)
         # keep the root's and the accepted nodes' keys and values, in path order

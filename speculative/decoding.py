@@ -145,7 +145,7 @@ def prefill(spec: Speculation, prompt_ids: Sequence[int]) -> int:
                          spec.cache, attention_mask(0, causal_ancestors(n, device)), logits_from=n - seed)
     if observe is not None:
         observe(list(prompt_ids[n - seed:]), *top_candidates(logits[0]))
-    return first_token(logits[0, -1], spec.params, spec.verifier_rng)
+    return first_token(logits[0, -1], spec.params, spec.verifier_rng, position=n)
 
 
 def speculative_round(spec: Speculation, context: list[int], left: int, ready: DraftTree | None = None) -> Round:

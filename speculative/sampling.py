@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -31,6 +32,22 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def keyed(self) -> bool:
+        """Seeded sampling: each token is the Gumbel-max choice keyed by (seed, position)
+        (`choice_scores`), a function of its position's distribution alone. The output then
+        does not depend on the drafts, the drafter, batching or resumes: a seeded request
+        gives the same tokens however it is served, and still follows the target's
+        distribution over seeds."""
+        return not self.greedy and self.seed is not None
+
+    @property
+    def deterministic(self) -> bool:
+        """Each token is the argmax of the target's choice scores (`choice_scores`): greedy
+        or keyed. Verification then walks the tree for the target's choice, and drafts
+        need no draft distributions."""
+        return self.greedy or self.keyed
 
     def validate(self, prompt_tokens: int | None = None, context_length: int | None = None) -> None:
         if self.max_tokens <= 0:
@@ -77,12 +94,36 @@ def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
-def first_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """The target's token after a prefill, from its last position's `logits` [V]: the
-    argmax (greedy) or one draw from the verifier's stream. The loop in one process and
-    the verifier service both choose it here, so a seeded request draws alike in both."""
+def position_gumbel(seed: int, position: int, vocab_size: int) -> torch.Tensor:
+    """Gumbel noise [V] (float64, CPU) of a seeded request's token at `position` (its index in
+    prompt + output): keyed by (seed, position) only, so every process draws the same."""
+    digest = hashlib.blake2b(f"{seed}@{position}".encode(), digest_size=8, person=b"gumbel").digest()
+    g = torch.Generator().manual_seed(int.from_bytes(digest, "little") % (2**63))
+    u = torch.rand(vocab_size, generator=g, dtype=torch.float64)
+    return -torch.log(-torch.log(u))  # u = 0 (chance 2^-53 a token) gives -inf: never chosen
+
+
+def choice_scores(logits: torch.Tensor, params: SamplingParams, positions: Sequence[int]) -> torch.Tensor:
+    """Scores [N, V] whose argmax is the token a deterministic request takes after each row of
+    `logits` [N, V], row i choosing the token at `positions[i]`: the logits (greedy), or
+    log p + Gumbel noise keyed by (seed, position) (keyed sampling: the Gumbel-max trick
+    draws exactly from p, independently at each position)."""
     if params.greedy:
-        return int(logits.argmax())
+        return logits
+    if not params.keyed:
+        raise ValueError("choice scores are for greedy or seeded requests")
+    noise = {pos: position_gumbel(params.seed, pos, logits.shape[-1]) for pos in set(positions)}
+    log_p = probabilities(logits, params).double().log().cpu()
+    return log_p + torch.stack([noise[pos] for pos in positions])
+
+
+def first_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator, position: int) -> int:
+    """The target's token after a prefill, at `position` (the prompt's length, plus the tokens
+    generated before a resume), from its last position's `logits` [V]: the target's choice
+    (greedy or keyed) or one draw from the verifier's stream. The loop in one process and
+    the verifier service both choose it here, so a seeded request chooses alike in both."""
+    if params.deterministic:
+        return int(choice_scores(logits[None], params, [position])[0].argmax())
     return sample(probabilities(logits, params), generator)
 
 

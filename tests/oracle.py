@@ -45,3 +45,52 @@ def near_tie_or_equal(hf_oracle, i: int, got: list[int], label: str) -> str | No
         f"{label}, prompt {i} ({category}): token {pos} is {got[pos]}, HF says {want[pos]} "
         f"and its top-two logits differ by {gap:.2e} (not a near-tie)")
     return f"prompt {i} ({category}) token {pos}: HF top-two gap {gap:.1e}"
+
+
+_keyed_cache: dict[tuple, tuple[list[int], torch.Tensor]] = {}
+
+
+def keyed_oracle(hf_oracle, i: int, params, max_tokens: int = MAX_TOKENS) -> tuple[list[int], torch.Tensor]:
+    """HF's tokens for PROMPTS[i] under seeded sampling, and the choice scores at each step.
+    Keyed sampling is defined by its noise: at position n (in prompt + output) the token is
+    the argmax of log p + Gumbel noise keyed by (seed, n) (`position_gumbel`), p being the
+    target's distribution there after temperature, top-k and top-p. HF computes the
+    logits, step by step with its own KV cache; the token is then that argmax."""
+    from speculative.sampling import choice_scores
+
+    key = (i, params, max_tokens)
+    if key not in _keyed_cache:
+        model, tok = hf_oracle
+        enc = tok.apply_chat_template([{"role": "user", "content": PROMPTS[i][1]}], add_generation_prompt=True,
+                                      return_tensors="pt", return_dict=True)
+        n, eos = enc["input_ids"].shape[1], model.generation_config.eos_token_id
+        eos = {eos} if isinstance(eos, int) else set(eos or [])
+        ids, scores = [], []
+        with torch.inference_mode():
+            out = model(**enc, use_cache=True)
+            while len(ids) < max_tokens:
+                step = choice_scores(out.logits[:, -1].float(), params, [n + len(ids)])[0]
+                ids.append(int(step.argmax()))
+                scores.append(step)
+                if ids[-1] in eos:
+                    break
+                out = model(input_ids=torch.tensor([[ids[-1]]]), past_key_values=out.past_key_values, use_cache=True)
+        _keyed_cache[key] = (ids, torch.stack(scores))
+    return _keyed_cache[key]
+
+
+def keyed_near_tie_or_equal(hf_oracle, i: int, params, got: list[int], label: str) -> str | None:
+    """As near_tie_or_equal, for seeded sampling: a departure only where HF's two best choice
+    scores are within NEAR_TIE / temperature (its logits' own near-tie, scaled)."""
+    want, scores = keyed_oracle(hf_oracle, i, params, len(got) if got else MAX_TOKENS)
+    if got == want:
+        return None
+    pos = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    assert pos < len(want) and pos < len(got), (
+        f"{label}, prompt {i}: lengths differ with equal prefixes ({len(got)} vs {len(want)})")
+    top2 = torch.topk(scores[pos], 2).values
+    gap = float(top2[0] - top2[1])
+    assert gap <= NEAR_TIE / params.temperature, (
+        f"{label}, prompt {i}: token {pos} is {got[pos]}, HF's keyed choice is {want[pos]} "
+        f"and its top-two choice scores differ by {gap:.2e} (not a near-tie)")
+    return f"prompt {i} token {pos}: HF top-two choice gap {gap:.1e}"

@@ -122,13 +122,6 @@ def test_acceptance_recovers_when_the_text_turns_predictable():
     assert control.acceptance > 0.5 and control.length() >= 2
 
 
-def test_a_reproducible_control_ignores_load_and_timings():
-    a = SpeculationControl(max_length=5, prior=0.7, reproducible=True)
-    b = SpeculationControl(max_length=5, prior=0.7, reproducible=True)
-    a.observe(draft_seconds_per_token=0.05, pass_seconds=0.05)
-    assert a.length(batch=64) == b.length(batch=1) == SpeculationControl(max_length=5, prior=0.7).length(batch=1)
-
-
 def test_a_wide_tree_costs_its_nodes_so_load_stops_it_sooner():
     """Three nodes a level cost three tokens a level: the same acceptance drafts less
     (a 16-node tree 5 deep at batch 8 costs what 16 tokens of 8 rows cost, not 5)."""
@@ -138,9 +131,6 @@ def test_a_wide_tree_costs_its_nodes_so_load_stops_it_sooner():
     assert tree.width == pytest.approx(3.2, abs=0.01)
     assert chain.length(batch=2) > tree.length(batch=2)
     assert tree.length(batch=1) <= chain.length(batch=1)
-    reproducible = SpeculationControl(max_length=5, prior=0.7, reproducible=True)
-    reproducible.observe_tree(nodes=16, depth=5)  # another request's suffix tree could make it wider
-    assert reproducible.length() == SpeculationControl(max_length=5, prior=0.7, reproducible=True).length()
 
 
 def pass_seconds(rows: int, tokens: int, width: int, c0=0.033, row=0.13, token=0.09, pad=0.01) -> float:
@@ -204,8 +194,6 @@ def test_a_control_drafts_by_the_learned_costs():
     assert model.costs()[1] == pytest.approx(0.5, abs=0.05)
     after = control.length(batch=1)
     assert after == SpeculationControl(max_length=5, prior=0.7, verify_token_cost=0.5).length() < before
-    seeded = SpeculationControl(max_length=5, prior=0.7, pass_costs=model, reproducible=True)
-    assert seeded.length(batch=1) == before  # seeded sampling ignores timings
 
 
 class DigitTokenizer:

@@ -4,7 +4,10 @@ clients on dev prompts, while the real process of each part is killed in turn
 with SIGKILL: a drafter pool, the verifier, a router replica, and Redis
 (restarted from its append-only file).
 
-Every request must complete with the oracle's tokens. Only where the client's
+Half the clients decode greedily, half sample with a seed (keyed sampling: the
+tokens are a function of the seed, so a resumed or retried request must give
+the same ones). Every request must complete with the oracle's tokens: HF's
+greedy ones, or keyed sampling on HF's logits. Only where the client's
 own request died with a router replica may it get an error, a clear retriable
 one (503, "send the request again"), and the request sent again must complete
 with the same tokens. Nothing is silently truncated or duplicated: each answer
@@ -33,13 +36,21 @@ from ray import serve
 from cluster.config import ServeConfig
 from cluster.serve import start_app
 from cluster.state import RedisStateStore
-from oracle import NEAR_TIE, PROMPTS, oracle
+from oracle import NEAR_TIE, PROMPTS, keyed_oracle, oracle
 from serve_process import free_port
+from speculative.sampling import SamplingParams
 from test_http_api import MODEL
 
 CLIENTS = 8
 MAX_TOKENS = 32  # a prefix of the oracle's answers
 ATTEMPTS = 4
+
+
+def sampling(i: int) -> SamplingParams:
+    """Client i's request: greedy for even i, seeded sampling for odd i."""
+    if i % 2 == 0:
+        return SamplingParams(max_tokens=MAX_TOKENS)
+    return SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, top_p=0.95, seed=1000 + i)
 
 
 class AofRedis:
@@ -110,12 +121,14 @@ def ask(base: str, i: int, started: threading.Event) -> Outcome:
     """One streamed chat completion, sent again (whole) after a retriable error."""
     out, t0 = Outcome(i), time.monotonic()
     client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=300)
+    params = sampling(i)
     for attempt in range(ATTEMPTS):
         ids, finish, usage = [], None, -1
         try:
             stream = client.chat.completions.create(
                 model=MODEL, messages=[{"role": "user", "content": PROMPTS[i][1]}], max_tokens=MAX_TOKENS,
-                temperature=0, stream=True, stream_options={"include_usage": True},
+                temperature=params.temperature, top_p=params.top_p, seed=params.seed,
+                stream=True, stream_options={"include_usage": True},
                 extra_body={"return_token_ids": True})
             for chunk in stream:
                 for choice in chunk.choices:
@@ -156,16 +169,23 @@ def run_clients(base: str, fault=None) -> tuple[list[Outcome], float]:
 
 
 def equal_to_oracle(hf_oracle, out: Outcome) -> bool:
-    """The oracle's first MAX_TOKENS tokens, or a departure only at a near-tie of HF's top two."""
-    want, logits = oracle(hf_oracle, out.prompt)
+    """The oracle's first MAX_TOKENS tokens (greedy, or keyed sampling with the client's seed),
+    or a departure only at a near-tie of HF's top two scores."""
+    params = sampling(out.prompt)
+    if params.greedy:
+        want, scores = oracle(hf_oracle, out.prompt)
+        tie = NEAR_TIE
+    else:
+        want, scores = keyed_oracle(hf_oracle, out.prompt, params, MAX_TOKENS)
+        tie = NEAR_TIE / params.temperature
     want = want[:MAX_TOKENS]
     if out.ids == want:
         return True
     pos = next((j for j, (a, b) in enumerate(zip(out.ids, want)) if a != b), None)
     if pos is None:
         return False  # one is a prefix of the other: truncated or too long
-    top2 = torch.topk(logits[pos], 2).values
-    return float(top2[0] - top2[1]) <= NEAR_TIE
+    top2 = torch.topk(scores[pos], 2).values
+    return float(top2[0] - top2[1]) <= tie
 
 
 def sigkill(store_url: str, kind: str):

@@ -2,9 +2,14 @@
 
 On a tiny random Llama-shaped model the exact distribution of the second and
 third generated tokens (the first ones a draft covers; the first token comes
-from the prompt's own pass) is computable; we compare it with many seeded runs
-of the real decoding loop (chi-square), check that those runs really drafted,
+from the prompt's own pass) is computable; we compare it with many runs of
+the real decoding loop (chi-square), check that those runs really drafted,
 and show the same test catches a verifier biased by 20% on one token.
+
+Both ways of sampling are tested: unseeded requests (rejection sampling
+against each draft's q; each run's random streams still come from its run
+number, so the test repeats exactly) and seeded ones (keyed: Gumbel-max keyed
+by seed and position, whose output does not depend on the drafts at all).
 """
 
 from __future__ import annotations
@@ -99,16 +104,19 @@ def exact_pair(target, params: SamplingParams, first: int) -> torch.Tensor:
 
 
 def _sampled_counts(case: str, seeds: range, pipelined: bool = False, first: int = 1,
-                    biased_token: int | None = None) -> tuple[torch.Tensor, int, int]:
+                    biased_token: int | None = None, keyed: bool = False) -> tuple[torch.Tensor, int, int]:
     """Runs of CASES[case] over `seeds` (in a worker process): counts of (token `first`,
     token `first` + 1), runs whose first round drafted, pipelined runs that reused a draft
     made ahead. With `biased_token`, the verifier's probabilities (only its copies: the
-    drafter keeps drawing from the true q) make that token 20% more likely."""
+    drafter keeps drawing from the true q) make that token 20% more likely. `keyed`: seeded
+    requests; else unseeded ones whose random streams are those of seed `seed` all the same."""
     torch.set_num_threads(1)
     target, draft_model = tiny_model(seed=0, logit_scale=0.5), tiny_model(seed=1, logit_scale=0.5)
     make, params, k = CASES[case]
     draft_length, tree_budget = k if isinstance(k, tuple) else (k, None)
-    originals = sampling.probabilities, batching.probabilities
+    originals = sampling.probabilities, batching.probabilities, decoding.make_generator
+    run = {"seed": 0}
+    decoding.make_generator = lambda _, device="cpu", stream=0: sampling.make_generator(run["seed"], device, stream)
     if biased_token is not None:
         def biased_probabilities(logits, params):
             p = probabilities(logits, params).clone()
@@ -123,25 +131,28 @@ def _sampled_counts(case: str, seeds: range, pipelined: bool = False, first: int
     max_tokens = draft_length + 2 if not pipelined else 2 * draft_length + 3
     try:
         for seed in seeds:
+            run["seed"] = seed
             p = SamplingParams(max_tokens=max_tokens, temperature=params.temperature, top_p=params.top_p,
-                               top_k=params.top_k, seed=seed)
+                               top_k=params.top_k, seed=seed if keyed else None)
+            assert p.keyed == keyed
             result = decoding.generate(target, PROMPT, p, make(draft_model), draft_length, pipelined=pipelined,
                                        tree_budget=tree_budget)
             counts[result.token_ids[first], result.token_ids[first + 1]] += 1
             drafted += result.draft_tokens > 0
             reused += result.reused_drafts > 0
     finally:
-        sampling.probabilities, batching.probabilities = originals  # the worker serves other tests next
+        # the worker serves other tests next
+        sampling.probabilities, batching.probabilities, decoding.make_generator = originals
     return counts, drafted, reused
 
 
 def sampled_joint(workers: ProcessPoolExecutor, case: str, pipelined: bool = False, first: int = 1,
-                  biased_token: int | None = None) -> torch.Tensor:
-    """SAMPLES seeded runs of CASES[case], split over the worker processes (the runs are
+                  biased_token: int | None = None, keyed: bool = False) -> torch.Tensor:
+    """SAMPLES runs of CASES[case], split over the worker processes (the runs are
     independent: each draws from its own seed). A drafter that learns across runs (the
     suffix index, the recycling table) learns in each worker from that worker's runs."""
     shares = [range(i, SAMPLES, WORKERS) for i in range(WORKERS)]
-    parts = [workers.submit(_sampled_counts, case, seeds, pipelined, first, biased_token) for seeds in shares]
+    parts = [workers.submit(_sampled_counts, case, seeds, pipelined, first, biased_token, keyed) for seeds in shares]
     counts, drafted, reused = torch.zeros(TINY.vocab_size, TINY.vocab_size), 0, 0
     for part in parts:
         c, d, r = part.result()
@@ -208,16 +219,43 @@ def test_pipelined_sampling_matches_target_distribution(target, workers):
     assert pvalue > ALPHA, f"pipelined: sampled distribution differs from the target's (p={pvalue:.2e})"
 
 
-def test_biased_verifier_is_caught(target, workers):
+def test_keyed_sampling_matches_target_distribution(target, workers):
+    """Seeded requests: over seeds, the keyed choices follow the target's distribution."""
+    expected = exact_drafted_joint(target, CASES["chain_topk_topp"][1])
+    counts = sampled_joint(workers, "chain_topk_topp", keyed=True)
+    pvalue = chi_square_p(counts, expected)
+    assert pvalue > ALPHA, f"keyed: sampled distribution differs from the target's (p={pvalue:.2e})"
+
+
+@pytest.mark.parametrize("keyed", [False, True], ids=["rejection", "keyed"])
+def test_biased_verifier_is_caught(target, workers, keyed):
     """A verifier that works against the target distribution with its most likely
     second token made 20% more likely: the same statistics must reject it, or the
     tests above prove nothing."""
     expected = exact_drafted_joint(target, CASES["chain"][1])
     token = int(expected.sum(1).argmax())
-    counts = sampled_joint(workers, "chain", biased_token=token)
+    counts = sampled_joint(workers, "chain", biased_token=token, keyed=keyed)
     pvalue = chi_square_p(counts, expected)
     assert pvalue < ALPHA, f"biased verifier not detected (p={pvalue:.3g})"
     print(f"biased verifier: p={pvalue:.3g}")
+
+
+@pytest.mark.parametrize("pipelined", [False, True], ids=["sequential", "pipelined"])
+def test_seeded_output_does_not_depend_on_the_drafter(target, draft_model, pipelined):
+    """Keyed sampling: every drafter, tree or chain, gives plain decoding's tokens for the
+    same seed (the drafts change only how many passes they take)."""
+    for seed in range(20):
+        params = SamplingParams(max_tokens=10, temperature=0.8, top_p=0.9, seed=seed)
+        plain = decoding.generate(target, PROMPT, params, None, 0).token_ids
+        for case, (make, _, k) in CASES.items():
+            draft_length, tree_budget = k if isinstance(k, tuple) else (k, None)
+            got = decoding.generate(target, PROMPT, params, make(draft_model), draft_length,
+                                    pipelined=pipelined, tree_budget=tree_budget)
+            assert got.token_ids == plain, f"{case}, seed {seed}: {got.token_ids} != {plain}"
+    # a drafter that is the target itself guesses every keyed choice
+    result = decoding.generate(target, PROMPT, SamplingParams(max_tokens=12, temperature=1.0, seed=5),
+                               ModelDrafter(target, max_len=64), 3)
+    assert result.acceptance_rate == 1.0
 
 
 def test_seeded_sampling_is_reproducible(target, draft_model):

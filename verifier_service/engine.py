@@ -400,7 +400,7 @@ class VerifierEngine:
         seed = min(len(work.tokens), PROMPT_SEED) if work.candidates else 1
         row, logits = self._fill_free_row(work.tokens, seed)
         self._busy_s += time.monotonic() - started
-        first = first_token(logits[-1], params, generator)
+        first = first_token(logits[-1], params, generator, position=len(work.tokens))
         state = _Request(row, params, generator, work.tokens + [first], self.clock())
         self._requests[work.request_id] = state
         self._checkpoint(work.request_id, state)
@@ -457,7 +457,7 @@ class VerifierEngine:
         if used + len(tree) > self.max_len:
             raise InvalidArgument("tree", f"{len(tree)} nodes do not fit: the request already uses "
                                   f"{used} of {self.max_len} KV slots")
-        if state.params.greedy or not len(tree):
+        if state.params.deterministic or not len(tree):
             return
         q = tree.draw_q
         if q is None:
