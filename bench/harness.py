@@ -4,7 +4,8 @@ Every mode runs on the same prompts, in the same process, interleaved per
 question so drift on the machine hits all modes alike. Greedy, chat
 template. Tokens/s is generated tokens over wall seconds (median of
 `--repeats` timings per generation); speedups are against Hugging Face
-`generate` (`hf-ar`) in the same run.
+`generate` (`hf-ar`) in the same run. `llamacpp-ar` and `llamacpp-pld` run llama.cpp
+on the GGUF as it is (`bench.llamacpp`, an optional extra).
 
 Served modes call a running server: `served-<drafter>` and `pipelined-<drafter>`
 over gRPC (`--server`), `http-<drafter>` over its OpenAI-compatible HTTP API
@@ -27,6 +28,7 @@ from tqdm import tqdm
 
 from bench.chart import write_chart
 from bench.http_client import REQUEST_FAILED, HttpClient
+from bench.llamacpp import LLAMACPP_MODES, LlamaCppRunner, agreement_lines
 from bench.load import CLIENT_TIMEOUT_S, WARM_UP
 from cluster.local import LocalEngine, Request
 from drafter_service.registry import SHIPPED_DRAFTERS
@@ -83,7 +85,7 @@ def load_questions(path: str, limit_per_category: int) -> list[dict]:
 
 
 class HFRunner:
-    """Hugging Face transformers on the same GGUF/directory, in the same dtype: the baseline."""
+    """Hugging Face transformers on the same GGUF/directory (float32 unless told): the baseline."""
 
     def __init__(self, source_path: Path, dtype: torch.dtype = torch.float32):
         from transformers import AutoModelForCausalLM
@@ -302,13 +304,23 @@ def run_bench(args) -> dict:
                 flag = f"--http {args.http}" if runner is http else f"--server {args.server}"
                 raise ValueError(f"{flag}: the warm-up request of mode {mode} failed: {e}") from e
     engine = LocalEngine.load(args.model, args.device, args.dtype)
-    hf = HFRunner(loading.resolve_source(args.model), engine.model.dtype) if HF_MODES & set(args.modes) else None
+    # the hf-* modes stay float32 whatever --dtype: they are the judge of float32 and the
+    # baseline the low-precision modes are measured against
+    hf = HFRunner(loading.resolve_source(args.model)) if HF_MODES & set(args.modes) else None
+    # llama.cpp: the GGUF as it is, threads as many as torch's here (LocalEngine.load set them),
+    # a context for the longest prompt, its answer and one more draft
+    llama = LlamaCppRunner(
+        loading.resolve_source(args.model), args.modes, n_threads=torch.get_num_threads(),
+        pld_tokens=args.draft_length, eos=engine.tokenizer.eos_token_ids or engine.model.config.eos_token_ids,
+        n_ctx=max(len(engine.prompt_ids(q["turns"][0], chat=True)) for q in questions) + args.max_tokens
+        + args.draft_length + 1) if set(LLAMACPP_MODES) & set(args.modes) else None
     temperature = getattr(args, "temperature", 0.0)
     # per (mode, category): tokens, seconds, target passes, draft tokens, accepted draft tokens;
     # and output agreement with hf-ar
     sums: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0, 0, 0, 0])
     same_as_hf: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     per_request: dict[str, list[float]] = defaultdict(list)  # mode: seconds per question (median of repeats)
+    outputs: dict[str, list[list[int]]] = defaultdict(list)  # mode: its tokens per question
     bar = tqdm(total=len(questions) * len(args.modes) * args.repeats, desc="bench", unit="gen")
     for qi, q in enumerate(questions):
         ids = engine.prompt_ids(q["turns"][0], chat=True)
@@ -322,18 +334,22 @@ def run_bench(args) -> dict:
                 namespace = mode_namespace(run_id, mode, repeat)
                 if mode in HF_MODES:
                     tokens, seconds = hf.run(ids, params, mode)
+                elif mode in LLAMACPP_MODES:
+                    tokens, seconds, passes, drafts = llama.run(ids, params, mode)
                 elif served_drafter(mode) is not None:
                     runner = http if mode.startswith(HTTP) else served
                     tokens, seconds, passes, drafts = runner.run(q["turns"][0], params, mode, namespace)
                 else:
                     drafter = "none" if mode == "ar" else mode
                     r = engine.run(Request(q["turns"][0], True, params, drafter, args.draft_length,
-                                           getattr(args, "tree_budget", None), namespace))
+                                           getattr(args, "tree_budget", None), namespace,
+                                           getattr(args, "parallel_layers", None) or 1))
                     tokens, seconds, passes = r.token_ids, r.seconds, r.target_forward_passes
                     drafts = (r.draft_tokens, r.accepted_draft_tokens)
                 times.append(seconds)
                 bar.update()
             per_request[mode].append(statistics.median(times))
+            outputs[mode].append(tokens)
             if mode == "hf-ar":
                 reference = tokens
             elif reference is not None and temperature == 0:  # sampled runs differ by design
@@ -381,6 +397,9 @@ def run_bench(args) -> dict:
         "overhead_per_request": api_overhead(per_request),
         "results": rows,
     }
+    if llama is not None:
+        report["llamacpp"] = llama.report(outputs, [q["bench_category"] for q in questions],
+                                         str(engine.model.dtype).removeprefix("torch."))
     if args.micro:
         report["forward_ms"] = forward_ms(engine)
         report["load_seconds"] = load_seconds(args.model)
@@ -456,6 +475,7 @@ def to_markdown(report: dict) -> str:
     lines += [f"| {cat} | " + " | ".join(cells) + " |" for cat, cells in rows]
     lines += _acceptance_table(report)
     lines += _overhead_table(report)
+    lines += agreement_lines(report)
     return "\n".join(lines + [""] + _footnotes(report)) + "\n"
 
 

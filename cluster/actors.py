@@ -211,17 +211,26 @@ class VerifierHost(_ServiceHost):
         from verifier_service.servicer import serve
 
         cfg = ServeConfig.model_validate(cfg_dict)
-        model, _ = load_on_one_thread(cfg)
-        store = connect_store(redis_url)
         v = cfg.verifiers
+        threads = v.threads or cpu_cores()
+        self.tensor_parallel = None
+        if v.tensor_parallel > 1:  # this process is rank 0 (cluster/tp_ranks.py)
+            from cluster.tp_ranks import ServedRanks
+            from verifier_service.tp_group import threads_per_rank
+
+            threads = v.threads or threads_per_rank(v.tensor_parallel)
+            self.tensor_parallel = ServedRanks(cfg, threads)
+            model = self.tensor_parallel.target
+        else:
+            model, _ = load_on_one_thread(cfg)
+        store = connect_store(redis_url)
         self.engine = VerifierEngine(model, max_batch=v.max_batch, max_len=v.max_len,
-                                     max_batch_tokens=v.max_batch_tokens, checkpoints=store,
-                                     threads=v.threads or cpu_cores())
+                                     max_batch_tokens=v.max_batch_tokens, checkpoints=store, threads=threads)
         host = internal_host(cfg)
         self.server, port = serve(self.engine, host=host, port=0, secret=cluster_secret(cfg, store))
         self.cfg, self.store = cfg, store
         metrics, stop_metrics = serve_metrics(self.engine.metrics.registry, host, host)
-        self.close_hooks = [stop_metrics]
+        self.close_hooks = [stop_metrics] + ([self.tensor_parallel.close] if self.tensor_parallel else [])
         self.registration = _Registration(store, self.kind, f"{host}:{port}", cfg.registry,
                                           meta={"metrics": metrics})
 
@@ -232,10 +241,40 @@ class VerifierHost(_ServiceHost):
         return self.engine.stats()["active_requests"]
 
 
+def learning_drafters(cfg: ServeConfig) -> list[str]:
+    """The pools' drafter kinds that learn online (small drafters with a checkpoint), if any do."""
+    from speculative.drafter_kinds import drafter_path
+
+    if not cfg.drafter_pools.learner.enabled:
+        return []
+    return [kind for kind in cfg.drafter_pools.kinds if drafter_path(kind) is not None]
+
+
+def online_learning(cfg: ServeConfig, store, target, registry):
+    """The pool's online learner, started, when `[drafter_pools.learner]` enables it (else None):
+    it publishes under the cache directory (which every pool must share: one node, or a
+    shared disk) and records versions in the state store."""
+    settings = cfg.drafter_pools.learner
+    if not settings.enabled:
+        return None
+    from cluster.env import cache_dir_from_env
+    from drafter_service.learner import OnlineLearning
+    from drafter_service.metrics import LearnerMetrics
+    from drafter_service.published import PublishedDrafters
+    from speculative import loading
+
+    published = PublishedDrafters(loading.cache_root(cache_dir_from_env()) / "online-drafters", store,
+                                  settings.refresh_s)
+    learning = OnlineLearning(settings, published, target.config.vocab_size, LearnerMetrics(registry))
+    learning.start()
+    return learning
+
+
 class DrafterPoolHost(_ServiceHost):
     kind = "drafter"
 
     def __init__(self, cfg_dict: dict, redis_url: str | None):
+        from drafter_service.metrics import DrafterMetrics
         from drafter_service.pool import DrafterPool
         from drafter_service.servicer import serve
 
@@ -243,13 +282,16 @@ class DrafterPoolHost(_ServiceHost):
         model, _ = load_on_one_thread(cfg)
         store = connect_store(redis_url)
         pools = cfg.drafter_pools
-        self.pool = DrafterPool(model, kinds=tuple(pools.kinds))
+        metrics = DrafterMetrics()
+        learning = online_learning(cfg, store, model, metrics.registry)
+        self.pool = DrafterPool(model, kinds=tuple(pools.kinds), parallel_layers=pools.parallel_layers,
+                                metrics=metrics, learning=learning)
         host = internal_host(cfg)
         self.server, port = serve(self.pool, host=host, port=0, threads=pools.threads,
                                   secret=cluster_secret(cfg, store))
         self.cfg, self.store = cfg, store
         metrics, stop_metrics = serve_metrics(self.pool.metrics.registry, host, host)
-        self.close_hooks = [stop_metrics]
+        self.close_hooks = [stop_metrics] + ([learning.stop] if learning is not None else [])
         self.registration = _Registration(store, self.kind, f"{host}:{port}", cfg.registry,
                                           meta={"kinds": pools.kinds, "metrics": metrics})
 
@@ -290,7 +332,8 @@ class RouterHost(_ServiceHost):
         # every call to a verifier or a pool carries the cluster secret
         coordinator = Coordinator(verifiers=live("verifier"), drafters=live("drafter"), pass_costs=pass_costs,
                                   service_wait_s=settings.service_wait_s,
-                                  channels=Channels(secret=cluster_secret(cfg, store)))
+                                  channels=Channels(secret=cluster_secret(cfg, store)),
+                                  learning_drafters=learning_drafters(cfg))
         # a request, and the largest tree a round can send, must fit the verifier's KV slots
         # as well as the model's context
         largest_tree = max(settings.draft_length, settings.tree_budget)

@@ -47,6 +47,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="most draft nodes verified per round (default: the draft length, a chain's worth); "
                         "tree drafters branch to fill it")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
+    g.add_argument("--parallel-layers", type=int, default=None, metavar="N",
+                   help="EasySpec: model drafters run N consecutive layers' attentions at once on the "
+                        "group's input, recomputing accepted tokens exactly (default 1: exact drafting; "
+                        "see docs/DRAFTERS.md)")
+    g.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
+                   help="split the target across N processes spawned here (tensor parallelism; gloo on "
+                        "the CPU, NCCL on CUDA; default 1: one process; see docs/SERVING.md)")
     g.add_argument("--server", metavar="HOST:PORT",
                    help="generate on a specserve server instead of in this process "
                         "(--model, --device, --dtype, --draft-length and --tree-budget then do not apply)")
@@ -88,6 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="http://HOST:PORT of a running `specserve serve`'s OpenAI-compatible API, for the "
                         "http-<mode> modes and --load (with --server too: both APIs)")
     b.add_argument("--out", required=True, help="JSON file to write")
+    b.add_argument("--parallel-layers", type=int, default=None, metavar="N",
+                   help="EasySpec: model drafters run N consecutive layers' attentions at once on the "
+                        "group's input, recomputing accepted tokens exactly (default 1: exact drafting; "
+                        "see docs/DRAFTERS.md) (the in-process modes)")
     b.add_argument("--load", action="store_true",
                    help="served throughput and p50/p99 latency under Poisson load, speculative vs plain "
                         "(needs --server or --http, or both)")
@@ -101,6 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default none auto)")
     b.add_argument("--seed", type=int, default=0, help="seed of --load arrival times, and of sampled runs (default 0)")
     _add_model_args(b)
+
+    _add_simulate_parser(sub)
 
     t = sub.add_parser("train-drafter", help="distil a small drafter from a target model (see docs/DRAFTERS.md)")
     t.add_argument("--target", default=None, help="target model: Hugging Face directory or .gguf (default smollm2)")
@@ -132,6 +145,44 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_simulate_parser(sub) -> None:
+    m = sub.add_parser("simulate", help="project throughput and latency of N verifiers and M drafter pools "
+                                        "from measured costs (discrete-event model, bench/simulator.py)")
+    m.add_argument("--measure-costs", metavar="FILE", help="measure the costs on this machine and write them to FILE")
+    m.add_argument("--costs", metavar="FILE", help="simulate with the costs in FILE (from --measure-costs)")
+    m.add_argument("--questions", default="../shared/data/spec_bench/dev.jsonl",
+                   help="with --measure-costs: Spec-Bench JSONL file whose questions are the simulated requests")
+    m.add_argument("--limit-per-category", type=int, default=2, help="with --measure-costs: questions per domain")
+    m.add_argument("--drafters", nargs="+", default=["small-general"],
+                   help="with --measure-costs: drafters whose draft time and acceptance to measure")
+    m.add_argument("--server", metavar="HOST:PORT",
+                   help="with --measure-costs: a running server whose per-call overhead to measure (else 0)")
+    m.add_argument("--call-requests", type=int, default=4,
+                   help="with --measure-costs --server: plain-decoding requests timed for the call overhead")
+    m.add_argument("--timing-repeats", type=int, default=7, help="with --measure-costs: median of this many timings")
+    m.add_argument("--verifiers", type=int, nargs="+", default=[1], help="verifier nodes (each value is a run)")
+    m.add_argument("--pools", type=int, nargs="+", default=[1], help="drafter-pool nodes (each value is a run)")
+    m.add_argument("--pool-workers", type=int, default=1, help="cores drafting at once in each pool (default 1)")
+    m.add_argument("--clients", type=int, nargs="+", default=[1, 2, 4, 8], help="concurrent clients (each a run)")
+    m.add_argument("--rate", type=float, default=None,
+                   help="Poisson requests/s per client, as `bench --load --rate` (default: closed loop)")
+    m.add_argument("--requests", type=int, default=16, help="requests per run, shared out over the clients")
+    m.add_argument("--drafter", default="small-general", help="every request's drafter; none: plain decoding")
+    m.add_argument("--pipelined", action="store_true", help="draft each next round while this one is verified")
+    m.add_argument("--draft-length", type=int, default=5, help="most tokens a round drafts")
+    m.add_argument("--max-tokens", type=int, default=128)
+    m.add_argument("--max-batch", type=int, default=8, help="rows of each verifier ([verifiers] max_batch)")
+    m.add_argument("--max-batch-tokens", type=int, default=256, help="[verifiers] max_batch_tokens")
+    m.add_argument("--repeats", type=int, default=20, help="runs per level, seeds seed..seed+repeats-1, averaged")
+    m.add_argument("--grid", action="store_true",
+                   help="the projection: every --verifiers x --pools at saturation (closed loop, as many "
+                        "clients as verifier rows)")
+    m.add_argument("--requests-per-client", type=int, default=8, help="with --grid: requests each client sends")
+    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--out", default=None, help="JSON file to write (and a .md beside it)")
+    _add_model_args(m)
+
+
 def _params(args) -> SamplingParams:
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                           top_k=args.top_k, seed=args.seed)
@@ -148,15 +199,26 @@ def cmd_generate(args) -> int:
         check_drafter(args.drafter)
     if not args.prompt.strip():
         raise InvalidArgument("prompt", "must not be empty")
+    if args.server and args.parallel_layers is not None:
+        raise InvalidArgument("parallel_layers", "does not apply with --server: the server's "
+                                                 "[drafter_pools] parallel_layers does")
+    if args.server and args.tensor_parallel is not None:
+        raise InvalidArgument("tensor_parallel", "does not apply with --server: the server's "
+                                                 "[verifiers] tensor_parallel does")
+    if args.tensor_parallel is not None and args.tensor_parallel < 1:
+        raise InvalidArgument("tensor_parallel", f"must be >= 1, got {args.tensor_parallel}")
     if args.server:
         return _generate_remote(args, params)
     if args.tls or args.timeout is not None:
         raise InvalidArgument("tls" if args.tls else "timeout", "applies only with --server")
+    if args.parallel_layers is not None and args.parallel_layers < 1:
+        raise InvalidArgument("parallel_layers", f"must be >= 1, got {args.parallel_layers}")
     args.drafter = args.drafter or "pld"
     from cluster.local import LocalEngine, Request
 
-    engine = LocalEngine.load(args.model, args.device, args.dtype)
-    req = Request(args.prompt, args.chat, params, args.drafter, args.draft_length, args.tree_budget)
+    engine = LocalEngine.load(args.model, args.device, args.dtype, args.tensor_parallel or 1)
+    req = Request(args.prompt, args.chat, params, args.drafter, args.draft_length, args.tree_budget,
+                  parallel_layers=args.parallel_layers or 1)
     tok = engine.tokenizer
     if args.json:
         result = engine.run(req)
@@ -256,6 +318,15 @@ def cmd_serve(args) -> int:
         err = e.errors()[0]
         # a section's key is named section.key; an error of the file as a whole, by the file
         raise InvalidArgument(".".join(str(x) for x in err["loc"]) or "config", err["msg"]) from None
+    if cfg.verifiers.tensor_parallel > 1:  # a count the model cannot take fails here, not in every verifier
+        from cluster.env import cache_dir_from_env
+        from speculative.loading import load_tokenizer
+        from speculative.tp import check_tp
+
+        try:
+            check_tp(load_tokenizer(cfg.model, cache_dir=cache_dir_from_env())[1], cfg.verifiers.tensor_parallel)
+        except InvalidArgument as e:
+            raise InvalidArgument("verifiers.tensor_parallel", str(e).split(": ", 1)[1]) from None
     from cluster.serve import run
 
     return run(cfg)
@@ -265,17 +336,33 @@ def cmd_bench(args) -> int:
     if args.load:
         return _bench_load(args)
     from bench.harness import GRPC, HF_MODES, HTTP, REMOTE, run_bench
+    from bench.llamacpp import AMX_HINT, INSTALL_HINT, LLAMACPP_MODES, built_with_amx, llama_cpp_missing
 
-    def known(mode: str) -> bool:  # hf-*, ar, or a drafter (also served-, pipelined-, http-<drafter>)
+    in_process_only = HF_MODES | set(LLAMACPP_MODES)
+
+    def known(mode: str) -> bool:  # hf-*, llamacpp-*, ar, or a drafter (also served-, pipelined-, http-<drafter>)
         local = next((mode.removeprefix(p) for p in REMOTE if mode.startswith(p)), mode)
         if local in ("auto", "none"):  # served-auto, http-auto: the server routes; served-none: served-ar
             return mode != local
-        return mode in HF_MODES | {"ar"} or local == "ar" or (local not in HF_MODES and local != "none"
-                                                               and is_drafter(local))
+        return mode in in_process_only | {"ar"} or local == "ar" or (local not in in_process_only and local != "none"
+                                                                      and is_drafter(local))
 
     unknown = [m for m in args.modes if not known(m)]
     if unknown:
         raise InvalidArgument("modes", f"unknown mode(s) {', '.join(unknown)}")
+    llama_modes = [m for m in args.modes if m in LLAMACPP_MODES]
+    if llama_modes:  # before any work: llama.cpp is an optional extra
+        if llama_cpp_missing():
+            raise InvalidArgument("modes", f"{', '.join(llama_modes)}: {INSTALL_HINT}")
+        if args.temperature != 0:
+            raise InvalidArgument("temperature", f"must be 0 with {', '.join(llama_modes)} (greedy only)")
+        from speculative.loading import resolve_source
+
+        if resolve_source(args.model).suffix != ".gguf":
+            raise InvalidArgument("model", f"must be a .gguf file with {', '.join(llama_modes)} (they run it "
+                                           f"as it is), got {args.model}")
+        if built_with_amx():
+            raise InvalidArgument("modes", f"{', '.join(llama_modes)}: the installed llama-cpp-python {AMX_HINT}")
     if any(m.startswith(GRPC) for m in args.modes) and not args.server:
         raise InvalidArgument("server", "the served-* and pipelined-* modes need --server HOST:PORT")
     if any(m.startswith(HTTP) for m in args.modes) and not args.http:
@@ -314,6 +401,33 @@ def _bench_load(args) -> int:
     from bench.load import run_load
 
     run_load(args)
+    return 0
+
+
+def cmd_simulate(args) -> int:
+    if bool(args.measure_costs) == bool(args.costs):
+        raise InvalidArgument("costs", "give either --costs FILE (simulate) or --measure-costs FILE (measure)")
+    for name in ("limit_per_category", "call_requests", "timing_repeats", "pool_workers", "requests", "max_tokens",
+                 "max_batch", "max_batch_tokens", "repeats", "requests_per_client", "draft_length"):
+        if getattr(args, name) <= 0:
+            raise InvalidArgument(name, f"must be positive, got {getattr(args, name)}")
+    for name in ("verifiers", "pools", "clients"):
+        if min(getattr(args, name)) <= 0:
+            raise InvalidArgument(name, f"must be positive, got {getattr(args, name)}")
+    if args.rate is not None and not args.rate > 0:
+        raise InvalidArgument("rate", f"must be positive, got {args.rate}")
+    if args.measure_costs:
+        for d in args.drafters:
+            check_drafter(d)
+        from bench.costs import measure_costs
+
+        measure_costs(args)
+        return 0
+    if args.drafter != "none":
+        check_drafter(args.drafter)
+    from bench.simulator import run_simulation
+
+    run_simulation(args)
     return 0
 
 
@@ -381,7 +495,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        return {"generate": cmd_generate, "serve": cmd_serve, "bench": cmd_bench,
+        return {"generate": cmd_generate, "serve": cmd_serve, "bench": cmd_bench, "simulate": cmd_simulate,
                 "train-drafter": cmd_train_drafter, "keys": cmd_keys}[args.command](args)
     except InvalidArgument as e:
         print(f"specserve: error: {_flag(e.field)}: {str(e).split(': ', 1)[1]}", file=sys.stderr)

@@ -33,15 +33,29 @@ class Request:
     draft_length: int = 5
     tree_budget: int | None = None  # most draft nodes per round; None: draft_length
     namespace: str = ""  # the memory drafters learn in across requests (speculative.namespaces)
+    parallel_layers: int = 1  # EasySpec layer-parallel drafting of model drafters (1: exact)
 
 
 class LocalEngine:
-    def __init__(self, model, tokenizer):
+    def __init__(self, model, tokenizer, group=None):
         self.model, self.tokenizer = model, tokenizer
+        self.group = group  # the other ranks of a tensor-parallel model (verifier_service/tp_group.py)
+
+    def close(self) -> None:
+        """Stop a tensor-parallel model's other ranks (they also stop when this process exits)."""
+        if self.group is not None:
+            self.group.close()
 
     @classmethod
-    def load(cls, model: str | None = None, device: str = "cpu", dtype: str = "float32") -> "LocalEngine":
+    def load(cls, model: str | None = None, device: str = "cpu", dtype: str = "float32",
+             tensor_parallel: int = 1) -> "LocalEngine":
+        """`tensor_parallel` > 1 spawns that many ranks here (verifier_service/tp_group.py)."""
         set_cpu_threads()
+        if tensor_parallel > 1:
+            from verifier_service.tp_group import load_local
+
+            return cls(*load_local(model, tensor_parallel, device, dtype, cache_dir_from_env(),
+                                   cpu_tuning_from_env()))
         return cls(*loading.load(model, device, dtype, cache_dir=cache_dir_from_env(),
                                  cpu_tuning=cpu_tuning_from_env()))
 
@@ -54,7 +68,8 @@ class LocalEngine:
 
     def run(self, req: Request, on_tokens=None) -> GenerationResult:
         ids = self.prompt_ids(req.prompt, req.chat)
-        drafter = make_drafter(req.drafter, self.model, namespace=req.namespace)
+        drafter = make_drafter(req.drafter, self.model, namespace=req.namespace,
+                               parallel_layers=req.parallel_layers)
         eos = self.tokenizer.eos_token_ids or self.model.config.eos_token_ids
         return generate(self.model, ids, req.params, drafter, req.draft_length, eos, on_tokens,
                         tree_budget=req.tree_budget)

@@ -16,6 +16,8 @@ Redis layout (every key starts with the store's prefix, default "specserve:"):
     rate:{sha256 of name} integer, fixed-window counter, PX = window
     slots:{sha256 of name} integer, requests in flight, PX = slot TTL (renewed by each acquire)
     shared:{name}         string, a value set once (`setdefault`), e.g. shared:cluster_secret
+    drafter:{kind}        string, JSON {"version", "path", ...}: the online learner's latest
+                          published checkpoint of a drafter kind (drafter_service/published.py)
 """
 
 from __future__ import annotations
@@ -93,6 +95,10 @@ class StateStore(ABC):
     def delete_checkpoint(self, request_id: str) -> None: ...
 
     @abstractmethod
+    def count_checkpoints(self) -> int:
+        """Checkpoints stored and not lapsed (soak runs check that released requests leave none)."""
+
+    @abstractmethod
     def add_api_key(self, key: str, record: dict[str, Any]) -> None:
         """Accept `key` from now on, with its `record` (JSON: "id", "name", limits); only the
         key's SHA-256 is kept."""
@@ -127,6 +133,14 @@ class StateStore(ABC):
     def setdefault(self, name: str, value: str) -> str:
         """Store `value` under `name` unless a value is there already; return the value stored.
         Atomic: of concurrent callers, one sets its value and all get that one."""
+
+    @abstractmethod
+    def publish_drafter(self, kind: str, record: dict[str, Any]) -> None:
+        """Record `record` ({"version", "path", ...}) as drafter `kind`'s latest published checkpoint."""
+
+    @abstractmethod
+    def published_drafter(self, kind: str) -> dict[str, Any] | None:
+        """Drafter `kind`'s latest published checkpoint record, or None if none was published."""
 
     def get_or_create_cluster_secret(self) -> str:
         """The secret every internal call carries (protos.server.ClusterSecretCheck): generated
@@ -291,6 +305,9 @@ class RedisStateStore(StateStore):
     def delete_checkpoint(self, request_id: str) -> None:
         self._client.delete(f"{self.prefix}ckpt:{request_id}")
 
+    def count_checkpoints(self) -> int:
+        return sum(1 for _ in self._client.scan_iter(match=f"{self.prefix}ckpt:*", count=1000))
+
     def add_api_key(self, key: str, record: dict[str, Any]) -> None:
         self._client.hset(f"{self.prefix}apikeys", _digest(key), json.dumps(record))
 
@@ -339,6 +356,13 @@ class RedisStateStore(StateStore):
         # SET NX GET (Redis >= 7.0): the value there before, or None when this one was set
         old = self._client.set(f"{self.prefix}shared:{name}", value, nx=True, get=True)
         return value if old is None else old
+
+    def publish_drafter(self, kind: str, record: dict[str, Any]) -> None:
+        self._client.set(f"{self.prefix}drafter:{kind}", json.dumps(record))
+
+    def published_drafter(self, kind: str) -> dict[str, Any] | None:
+        stored = self._client.get(f"{self.prefix}drafter:{kind}")
+        return None if stored is None else json.loads(stored)
 
     def ping(self) -> bool:
         try:
@@ -401,6 +425,7 @@ class EmbeddedStateStore(StateStore):
         self._rate = _ExpiringDict()  # SHA-256 hex of the counter -> total in the current window
         self._slots = _ExpiringDict()  # SHA-256 hex of the counter -> slots taken
         self._shared: dict[str, str] = {}  # setdefault's values
+        self._drafters: dict[str, str] = {}  # drafter kind -> JSON record of its latest published checkpoint
 
     def register_service(
         self, kind: str, service_id: str, address: str, ttl_s: float, meta: dict[str, Any] | None = None
@@ -466,6 +491,10 @@ class EmbeddedStateStore(StateStore):
         with self._lock:
             self._checkpoints.pop(request_id)
 
+    def count_checkpoints(self) -> int:
+        with self._lock:
+            return len(self._checkpoints.live(time.monotonic()))
+
     def add_api_key(self, key: str, record: dict[str, Any]) -> None:
         with self._lock:
             self._api_keys[_digest(key)] = json.dumps(record)
@@ -519,6 +548,16 @@ class EmbeddedStateStore(StateStore):
     def setdefault(self, name: str, value: str) -> str:
         with self._lock:
             return self._shared.setdefault(name, value)
+
+    def publish_drafter(self, kind: str, record: dict[str, Any]) -> None:
+        stored = json.dumps(record)
+        with self._lock:
+            self._drafters[kind] = stored
+
+    def published_drafter(self, kind: str) -> dict[str, Any] | None:
+        with self._lock:
+            stored = self._drafters.get(kind)
+        return None if stored is None else json.loads(stored)
 
     def ping(self) -> bool:
         return True

@@ -401,6 +401,15 @@ def _replicas(count: int, max_count: int | None, policy: str | None, cfg: ServeC
     return {"autoscaling_config": config}
 
 
+def _tensor_parallel_placement(cfg: ServeConfig) -> dict:
+    """A tensor-parallel verifier replica and its ranks: one bundle each, all on one node."""
+    if cfg.verifiers.tensor_parallel == 1:
+        return {}
+    from cluster.tp_ranks import placement_bundles
+
+    return {"placement_group_bundles": placement_bundles(cfg), "placement_group_strategy": "STRICT_PACK"}
+
+
 def build(cfg: ServeConfig, redis_url: str | None = None):
     """The application, with the config's replica counts, resources and autoscaling."""
     redis_url = redis_url or os.environ.get(REDIS_URL_ENV)
@@ -408,7 +417,7 @@ def build(cfg: ServeConfig, redis_url: str | None = None):
     shutdown = {"graceful_shutdown_timeout_s": cfg.autoscaling.graceful_shutdown_s}
     services = [Verifier.options(ray_actor_options={"num_cpus": 0, "resources": cfg.verifiers.resources},
                                  **_replicas(cfg.verifiers.count, cfg.verifiers.max_count, "verifier_policy", cfg),
-                                 **shutdown).bind(spec, redis_url)]
+                                 **_tensor_parallel_placement(cfg), **shutdown).bind(spec, redis_url)]
     if cfg.drafter_pools.count or cfg.drafter_pools.max_count:
         pools = cfg.drafter_pools
         services.append(DrafterPool.options(ray_actor_options={"num_cpus": 0, "resources": pools.resources},

@@ -17,12 +17,13 @@ import torch
 from speculative.model import Transformer, attention_mask, causal_ancestors
 from speculative.calibration import Calibration
 from speculative.decoding import DraftRequest
+from speculative.easyspec import fuzzy_forward, run_sequentially
 from speculative.drafter_kinds import Abilities, abilities as kind_abilities
 from speculative.cpu_tuning import PAD_ROWS_TO
 from speculative.fusion import fuse
 from speculative.ngram import lookup_continuation
 from speculative.recycling import RecycledCandidates
-from speculative.sampling import SamplingParams, probabilities, sample
+from speculative.sampling import SamplingParams, choice_scores, probabilities, sample
 from speculative.suffix import SuffixIndex, SuffixStream
 from speculative.tree import DraftTree
 
@@ -54,7 +55,7 @@ class PromptLookupDrafter:
 
     def propose(self, request: DraftRequest) -> DraftTree:
         tokens = lookup_continuation(request.context, request.depth, self.max_ngram, self.min_ngram)
-        return DraftTree.chain(tokens, None if request.params.greedy else _one_hot(tokens, self.vocab_size))
+        return DraftTree.chain(tokens, None if request.params.deterministic else _one_hot(tokens, self.vocab_size))
 
 
 class SuffixDrafter:
@@ -79,7 +80,7 @@ class SuffixDrafter:
         self.index.feed(self.stream, known[n:])
         self.fed = known
         tree = self.index.propose(request.context, request.nodes, max_depth=request.depth)
-        if not request.params.greedy and len(tree):
+        if not request.params.deterministic and len(tree):
             tree.draw_q = _one_hot([tree.tokens[node] for node in tree.draw_nodes], self.vocab_size)
         return tree
 
@@ -101,7 +102,7 @@ class RecyclingDrafter:
 
     def propose(self, request: DraftRequest) -> DraftTree:
         tree = self.table.propose(request.context[-1], request.nodes, request.depth)
-        if not request.params.greedy and len(tree):
+        if not request.params.deterministic and len(tree):
             tree.draw_q = _one_hot([tree.tokens[node] for node in tree.draw_nodes], self.table.vocab_size)
         return tree
 
@@ -114,13 +115,25 @@ class ModelDrafter:
     token i is the target's token vocab_ids[i], and its one extra last row
     stands for every other target token on input and is never proposed. Its
     q, spread back over the target's vocabulary, is still exactly what the
-    draft was drawn from."""
+    draft was drawn from.
+
+    `parallel_layers` set drafts EasySpec-style (speculative.easyspec): each group of
+    that many consecutive layers runs its attentions on the group's input, at the same
+    time (`layer_runner`); 1 is the exact forward, op for op. Above 1 the keys and
+    values drafting writes are fuzzy: the drafter counts how many of the first cached
+    entries are exact (`exact`), and the next `_sync` recomputes the accepted tokens'
+    entries in one exact pass (bonus calibration), whose logits give each draft's
+    first token."""
 
     abilities = Abilities(stops_on_confidence=True)
 
     def __init__(self, model: Transformer, layers: Sequence[int] | None = None, name: str = "model",
                  max_len: int | None = None, draft_top_k: int | None = None,
-                 vocab_ids: Sequence[int] | None = None, target_vocab_size: int | None = None):
+                 vocab_ids: Sequence[int] | None = None, target_vocab_size: int | None = None,
+                 parallel_layers: int | None = None, layer_runner=run_sequentially):
+        if parallel_layers is not None and parallel_layers < 1:
+            raise ValueError(f"parallel_layers must be >= 1, got {parallel_layers}")
+        self.parallel_layers, self.layer_runner = parallel_layers, layer_runner
         self.model, self.layers, self.name = model, list(layers) if layers is not None else None, name
         # Sampling from the top-k renormalised distribution makes q exactly
         # sparse: k (id, prob) pairs per draft token on the wire, still exact.
@@ -136,6 +149,13 @@ class ModelDrafter:
         self.stop_below = 0.0
         self.cache = None
         self.cached: list[int] = []  # tokens whose keys and values the cache holds
+        self.exact = 0  # how many of them have exact entries (the rest were drafted fuzzily)
+
+    def use_model(self, model: Transformer) -> None:
+        """Draft with `model` (a newer version of this drafter, same vocabulary) from the next
+        proposal on. Its cache is dropped and refills from the verified context, so nothing
+        the old model computed carries over; call between rounds only."""
+        self.model, self.cache, self.cached, self.exact = model, None, [], 0
 
     def _sync(self, context: Sequence[int], depth: int) -> torch.Tensor:
         """Bring the cache to context[:-1] plus the last token; return logits after it."""
@@ -148,43 +168,55 @@ class ModelDrafter:
         elif need > self.cache.max_len:
             self.cache = self.cache.grown(min(max(need, 2 * self.cache.max_len), self.max_len))
         common = 0
-        limit = min(len(self.cached), len(context) - 1)
+        # fuzzy entries (drafted tokens that were accepted) are recomputed exactly: bonus calibration
+        limit = min(self.exact, len(context) - 1)
         while common < limit and self.cached[common] == context[common]:
             common += 1
         self.cache.rollback(common)
         return self._feed(list(context[common:]), common)
 
-    def _feed(self, tokens: list[int], start: int) -> torch.Tensor:
+    def _feed(self, tokens: list[int], start: int, exact: bool = True) -> torch.Tensor:
+        """Append `tokens` at cache slot `start`; logits after the last. Not `exact`: a drafted
+        token, through the layer-parallel forward when `parallel_layers` > 1."""
         device = self.model.device
         t = len(tokens)
         ids = torch.tensor([tokens])
         if self.to_draft is not None:
             ids = self.to_draft[ids]
-        logits = self.model(ids.to(device),
-                            torch.arange(start, start + t, device=device)[None], self.cache,
-                            attention_mask(start, causal_ancestors(t, device)), layers=self.layers,
-                            logits_from=t - 1)
+        forward = self.model if exact else self._draft_forward
+        logits = forward(ids.to(device), torch.arange(start, start + t, device=device)[None], self.cache,
+                         attention_mask(start, causal_ancestors(t, device)), layers=self.layers,
+                         logits_from=t - 1)
         self.cached = self.cached[:start] + tokens
+        self.exact = len(self.cached) if exact or (self.parallel_layers or 1) == 1 else min(self.exact, start)
         logits = logits[0, -1]
         if self.vocab_ids is not None:  # the "any other token" row is never proposed
             logits = torch.cat((logits[:-1], logits.new_full((1,), float("-inf"))))
         return logits
+
+    def _draft_forward(self, tokens, positions, cache, mask, layers=None, logits_from=0) -> torch.Tensor:
+        """The forward that scores drafted tokens: the model's own, or EasySpec's layer-parallel one."""
+        if self.parallel_layers is None:
+            return self.model(tokens, positions, cache, mask, layers=layers, logits_from=logits_from)
+        return fuzzy_forward(self.model, tokens, positions, cache, mask, self.parallel_layers, layers=layers,
+                             logits_from=logits_from, run=self.layer_runner)
 
     def propose(self, request: DraftRequest) -> DraftTree:
         context, params, generator = request.context, request.params, request.generator
         depth = min(request.depth, self.max_len - len(context))  # the cache holds no more
         nodes = depth if request.max_nodes is None else request.max_nodes
         if depth > 0 and nodes > depth:
-            if params.greedy:
-                return self._propose_tree(context, depth, nodes)
+            if params.deterministic:
+                return self._propose_tree(context, depth, nodes, params)
             if nodes >= 2 * depth:
                 return self._sample_tree(context, depth, nodes // depth, params, generator)
         logits = self._sync(context, depth)
         tokens, qs, confidence = [], [], []
         for i in range(depth):
-            if params.greedy:
-                tok = int(logits.argmax())
-                confidence.append(float(torch.softmax(logits.float(), -1)[tok]))
+            if params.deterministic:  # guess the target's choice: the drafter's own, keyed alike
+                scores = self._choice_scores(logits[None], params, len(context) + i)[0]
+                tok = int(scores.argmax())
+                confidence.append(float(torch.softmax(scores.float(), -1)[tok]))
             else:
                 q = self._draft_q(logits, params)
                 tok = sample(q, generator)
@@ -198,14 +230,14 @@ class ModelDrafter:
             if confidence[-1] < self.stop_below:
                 break
             if i + 1 < depth:
-                logits = self._feed([tok], len(self.cached))
+                logits = self._feed([tok], len(self.cached), exact=False)
         return DraftTree.chain(tokens, torch.stack(qs) if qs else None, confidence)
 
-    def _propose_tree(self, context: Sequence[int], depth: int, max_nodes: int) -> DraftTree:
-        """Greedy only: a tree of at most `max_nodes` nodes and `depth` levels, grown level by
-        level (as EAGLE-2 does): each level's candidates are the top children of the level
-        above, and the `width` of them likeliest by path probability under the drafter become
-        nodes, all scored together in one forward with tree attention. The nodes come out
+    def _propose_tree(self, context: Sequence[int], depth: int, max_nodes: int, params: SamplingParams) -> DraftTree:
+        """Deterministic requests only (greedy or keyed, on the choice scores): a tree of at
+        most `max_nodes` nodes and `depth` levels, grown level by level (as EAGLE-2 does):
+        each level's candidates are the top children of the level above, and the `width` of
+        them likeliest by path probability under the drafter become nodes, all scored together in one forward with tree attention. The nodes come out
         best-first by path probability, so every parent precedes its children and
         `truncated(k)` keeps the best k. Any tree is lossless under greedy verification;
         this one holds the tokens the target most likely takes. The tree's keys and values
@@ -220,7 +252,8 @@ class ModelDrafter:
         slot: dict[int, int] = {}  # node -> its KV cache slot, once fed
         frontier, frontier_logits = [-1], logits[None]  # the last level's nodes, and logits after each
         for level in range(depth):
-            top = torch.topk(torch.softmax(frontier_logits.float(), -1), min(width, frontier_logits.shape[-1]))
+            scores = self._choice_scores(frontier_logits, params, base + level)
+            top = torch.topk(torch.softmax(scores.float(), -1), min(width, scores.shape[-1]))
             candidates = []
             for node, probs, toks in zip(frontier, top.values.tolist(), top.indices.tolist()):
                 logp = path_logp[node] if node >= 0 else 0.0
@@ -268,7 +301,7 @@ class ModelDrafter:
         device = self.model.device
         ids = torch.tensor([[tree_tokens[n] for n in level_nodes]], device=device)
         positions = torch.tensor([[base + level] * len(level_nodes)], device=device)
-        out = self.model(ids, positions, self.cache, mask[None].to(device), layers=self.layers)[0]
+        out = self._draft_forward(ids, positions, self.cache, mask[None].to(device), layers=self.layers)[0]
         if self.vocab_ids is not None:  # the "any other token" row is never proposed
             out = torch.cat((out[:, :-1], out.new_full((len(level_nodes), 1), float("-inf"))), 1)
         return out
@@ -320,6 +353,21 @@ class ModelDrafter:
             tokens = self.vocab_ids[torch.tensor(tokens, dtype=torch.long)].tolist()
         return DraftTree(tokens, parents, draw_nodes, torch.stack(qs), confidence)
 
+    def _choice_scores(self, logits: torch.Tensor, params: SamplingParams, position: int) -> torch.Tensor:
+        """`speculative.sampling.choice_scores` of rows [N, V'] all guessing the token at
+        `position`, over the drafter's vocabulary: keyed by the target's token ids, the same
+        noise the verifier adds, so a drafter close to the target guesses its choice."""
+        if params.greedy:
+            return logits
+        if self.vocab_ids is None:
+            return choice_scores(logits, params, [position] * len(logits))
+        full = logits.new_full((len(logits), self.target_vocab_size), float("-inf"))
+        full[:, self.vocab_ids] = logits[:, :-1]
+        scores = choice_scores(full, params, [position] * len(logits))
+        out = scores.new_full((len(logits), len(self.vocab_ids) + 1), float("-inf"))  # "any other token": never
+        out[:, :-1] = scores[:, self.vocab_ids]
+        return out
+
     def _draft_q(self, logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         """The distribution a sampled draft token is drawn from, over the drafter's vocabulary."""
         q = probabilities(logits, params)
@@ -351,6 +399,8 @@ class MultiSampleDrafter:
         self.name = f"{getattr(base, 'name', 'drafter')}x{branches}"
 
     def propose(self, request: DraftRequest) -> DraftTree:
+        if request.params.deterministic:  # every proposal would be the same: the base drafter's tree instead
+            return self.base.propose(request)
         tree = DraftTree()
         for _ in range(self.branches):
             chain = self.base.propose(replace(request, max_nodes=None))
@@ -387,7 +437,7 @@ class FusedDrafter:
         self._learners = [d for d, _ in self.members if d.abilities.learns_from_target]
 
     def propose(self, request: DraftRequest) -> DraftTree:
-        context, greedy, nodes = request.context, request.params.greedy, request.nodes
+        context, greedy, nodes = request.context, request.params.deterministic, request.nodes
         member = replace(request, depth=min(request.depth, self.member_tokens or request.depth), max_nodes=nodes)
         if greedy:
             self._learn(request.known)

@@ -25,6 +25,7 @@ from speculative.namespaces import DEFAULT_NAMESPACE, check_namespace
 from speculative.sampling import InvalidArgument, SamplingParams, make_generator
 from speculative.tree import DraftTree
 
+from .learner import OnlineLearning
 from .metrics import DrafterMetrics
 from .registry import make_drafter
 from .settings import DrafterPoolSettings, check_kinds
@@ -51,9 +52,14 @@ class _Request:
 class DrafterPool:
     def __init__(self, target_model: Transformer, kinds: Sequence[str] = tuple(_SETTINGS.kinds),
                  idle_timeout_s: float = 300.0, draft_top_k: int = 32,
-                 clock: Callable[[], float] = time.monotonic, metrics: DrafterMetrics | None = None):
-        """`metrics`: where the pool records its Prometheus metrics (default: a fresh registry of its own)."""
+                 clock: Callable[[], float] = time.monotonic, metrics: DrafterMetrics | None = None,
+                 parallel_layers: int = _SETTINGS.parallel_layers, learning: OnlineLearning | None = None):
+        """`metrics`: where the pool records its Prometheus metrics (default: a fresh registry of its own).
+        `parallel_layers`: EasySpec layer-parallel drafting of the model drafters (1: exact).
+        `learning`: online learning (drafter_service/learner.py): its small drafters then learn from
+        the target's scores they are sent, and swap in published versions between rounds."""
         check_kinds(kinds)
+        self.parallel_layers = parallel_layers
         self.target, self.kinds = target_model, tuple(kinds)
         self.idle_timeout_s, self.draft_top_k, self.clock = idle_timeout_s, draft_top_k, clock
         self._requests: dict[str, _Request] = {}
@@ -61,13 +67,15 @@ class DrafterPool:
         self._busy_s = 0.0  # time spent drafting, summed over the server's threads (autoscaling reads it)
         self.metrics = metrics or DrafterMetrics()
         self.metrics.watch(self.active_requests)
+        self.learning = learning
 
     def prefill(self, request_id: str, kind: str, token_ids: Sequence[int], params: SamplingParams,
-                stream: int = 1, resumed: int = 0, namespace: str = DEFAULT_NAMESPACE) -> None:
+                stream: int = 1, resumed: int = 0, namespace: str = DEFAULT_NAMESPACE, domain: str = "") -> None:
         """Start (or restart) drafting for a request whose verified tokens are `token_ids`,
         drawing from random stream `stream` of its seed (1 is the single-process loop's drafter);
         `resumed` > 0 (earlier prefills of this drafter of the request) makes that stream fresh.
-        A drafter that learns across requests learns and drafts in `namespace`'s memory."""
+        A drafter that learns across requests learns and drafts in `namespace`'s memory; an online
+        learning one buffers what it learns under `domain` ("" for none given)."""
         if not request_id:
             raise InvalidArgument("request_id", "must not be empty")
         if kind not in self.kinds:
@@ -82,7 +90,10 @@ class DrafterPool:
         check_namespace(namespace)
         params.validate()
         generator = make_generator(params.seed, self.target.device, stream=stream, resumed=resumed)
-        drafter = make_drafter(kind, self.target, draft_top_k=self.draft_top_k, namespace=namespace)
+        drafter = make_drafter(kind, self.target, draft_top_k=self.draft_top_k, namespace=namespace,
+                               parallel_layers=self.parallel_layers)
+        if self.learning is not None:
+            drafter = self.learning.wrap(drafter, kind, domain or "any", self.target)
         state = _Request(drafter, list(token_ids),
                          params, generator, self.clock(), kind=kind)
         with state.lock:
@@ -138,7 +149,14 @@ class DrafterPool:
 
     def release(self, request_id: str) -> bool:
         with self._lock:
-            return self._requests.pop(request_id, None) is not None
+            state = self._requests.pop(request_id, None)
+        if state is None:
+            return False
+        flush = getattr(state.drafter, "flush", None)  # a learning drafter sends what it labelled
+        if flush is not None:
+            with state.lock:
+                flush()
+        return True
 
     def active_requests(self) -> int:
         with self._lock:

@@ -22,6 +22,7 @@ from speculative.namespaces import DEFAULT_NAMESPACE, Namespaces
 from .checkpoint import load_drafter
 from .drafters import (FusedDrafter, ModelDrafter, PromptLookupDrafter, RecyclingDrafter, SuffixDrafter,
                        layer_skip_layers)
+from .layer_threads import make_runner
 
 # Layer-skip default: the target's first layers and its last, with its head.
 # Argmax agreement with the full SmolLM2-135M, teacher-forced on 8 dev prompts:
@@ -81,16 +82,24 @@ def memory(target: Transformer, namespace: str = DEFAULT_NAMESPACE) -> DrafterMe
 
 
 def make_drafter(name: str, target: Transformer, draft_top_k: int | None = None,
-                 namespace: str = DEFAULT_NAMESPACE):
+                 namespace: str = DEFAULT_NAMESPACE, parallel_layers: int = 1):
     """A fresh per-request drafter of kind `name` for `target`; None for plain decoding.
 
     `draft_top_k` makes a model drafter sample from its top-k renormalised
     distribution, so its q is exactly sparse (k pairs on the wire). A drafter that
-    learns across requests learns and drafts in `namespace`'s memory alone."""
+    learns across requests learns and drafts in `namespace`'s memory alone.
+    `parallel_layers` > 1 makes model drafters draft EasySpec-style, that many
+    layers' attentions at once (speculative.easyspec); other kinds ignore it."""
+    if parallel_layers < 1:
+        raise InvalidArgument("parallel_layers", f"must be >= 1, got {parallel_layers}")
+    # 1 keeps the model's own (CPU-tuned) forward: the same drafts, bit for bit
+    easyspec = {} if parallel_layers == 1 else dict(parallel_layers=parallel_layers,
+                                                    layer_runner=make_runner(parallel_layers))
     check_drafter(name)
     if "+" in name:  # every member trusted alike; greedy, their confidences are calibrated
         parts = name.split("+")
-        return FusedDrafter([(make_drafter(part, target, draft_top_k, namespace), 1.0) for part in parts],
+        return FusedDrafter([(make_drafter(part, target, draft_top_k, namespace, parallel_layers), 1.0)
+                             for part in parts],
                             calibrations=[calibration(part, target, namespace) for part in parts])
     if name == "none":
         return None
@@ -98,14 +107,14 @@ def make_drafter(name: str, target: Transformer, draft_top_k: int | None = None,
         return PromptLookupDrafter(target.config.vocab_size, max_ngram=PLD_MAX_NGRAM, min_ngram=PLD_MIN_NGRAM)
     if name == "layerskip":
         layers = layer_skip_layers(target.config.num_layers, LAYER_SKIP_FIRST, LAYER_SKIP_LAST)
-        return ModelDrafter(target, layers, name="layerskip", draft_top_k=draft_top_k)
+        return ModelDrafter(target, layers, name="layerskip", draft_top_k=draft_top_k, **easyspec)
     if name == "suffix":
         return SuffixDrafter(memory(target, namespace).suffix_index(), target.config.vocab_size)
     if name == "recycle":
         return RecyclingDrafter(memory(target, namespace).recycled())
     model, vocab_ids = _small_model(name, target)
     return ModelDrafter(model, name=name, draft_top_k=draft_top_k, vocab_ids=vocab_ids,
-                        target_vocab_size=target.config.vocab_size)
+                        target_vocab_size=target.config.vocab_size, **easyspec)
 
 
 def calibration(name: str, target: Transformer, namespace: str = DEFAULT_NAMESPACE) -> Calibration | None:

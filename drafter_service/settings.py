@@ -13,6 +13,28 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from speculative.drafter_kinds import DRAFTER_NAMES, is_drafter
 
 
+class LearnerSettings(BaseModel):
+    """`[drafter_pools.learner]`: online distillation of the pools' small drafters from the
+    target's scores at verified positions (drafter_service/learner.py). Off by default: on a
+    small machine its steps take CPU from serving."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = Field(False, description="learn from served traffic and publish improved drafters")
+    threads: int = Field(1, ge=1, description="torch threads of the learner's thread")
+    steps_per_minute: float = Field(6.0, gt=0, description="most distillation steps a minute")
+    tokens_per_step: int = Field(1024, ge=16, description="buffered positions one step trains on")
+    buffer_tokens: int = Field(65536, ge=256, description="most tokens buffered per domain "
+                                                          "(the held-aside slice included)")
+    held_aside: float = Field(0.2, gt=0, lt=1, description="share of buffered windows kept aside to judge "
+                                                           "a checkpoint before it is published")
+    publish_every_steps: int = Field(20, ge=1, description="steps between tries to publish")
+    min_improvement: float = Field(0.005, ge=0, description="a checkpoint is published only if its loss on "
+                                                            "the held-aside slice is at least this share lower")
+    lr: float = Field(1e-4, gt=0, description="the learning rate (AdamW)")
+    refresh_s: float = Field(5.0, gt=0, description="how often a pool looks for a newer published drafter")
+
+
 class DrafterPoolSettings(BaseModel):
     """`[drafter_pools]`: the drafter pool actors and the drafters each hosts."""
 
@@ -28,6 +50,10 @@ class DrafterPoolSettings(BaseModel):
                                                           "(default: count, no autoscaling)")
     target_busy: float = Field(0.5, gt=0, le=1, description="autoscaling aims each pool at this share of its "
                                                             "time spent drafting")
+    parallel_layers: int = Field(1, ge=1, description="EasySpec: model drafters run the attentions of this many "
+                                                      "consecutive layers at once, on the group's input, and "
+                                                      "recompute accepted tokens exactly (1: exact drafting)")
+    learner: LearnerSettings = Field(default_factory=LearnerSettings)
 
     @field_validator("kinds")
     @classmethod

@@ -48,9 +48,10 @@ import dataclasses
 import logging
 import threading
 import time
+import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Collection, Iterator, Sequence
 
 import grpc
 
@@ -168,7 +169,7 @@ class NoService(Exception):
 
 @dataclass
 class Job:
-    request_id: str
+    request_id: str  # the client's (or a new) id, echoed in the answer
     prompt_ids: list[int]
     params: SamplingParams
     # (kind, reliability on the request's domain in [0, 1]) of each drafter, best first;
@@ -185,6 +186,8 @@ class Job:
     speculation: SpeculationControl | None = None  # adaptive draft length; None: always draft_length
     stop_confidence: float = 0.0  # model drafters stop after a token drafted with less confidence
     namespace: str = DEFAULT_NAMESPACE  # the memory its drafters learn in (speculative.namespaces)
+    # the request's key at the verifiers, pools and checkpoints: unique, whatever id clients send
+    service_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
     @property
     def max_tree_nodes(self) -> int:
@@ -202,8 +205,11 @@ class Coordinator:
 
     def __init__(self, verifiers: Callable[[], list[str]], drafters: Callable[[], list[str]],
                  channels: Channels | None = None, pass_costs: PassCostModel | None = None,
-                 service_wait_s: float = 0.0):
+                 service_wait_s: float = 0.0, learning_drafters: Collection[str] = ()):
+        """`learning_drafters`: drafter kinds the pools train online (`[drafter_pools.learner]`),
+        sent the target's scores after each pass as the kinds that learn from them are."""
         self.verifiers, self.drafters = verifiers, drafters
+        self.learning_drafters = frozenset(learning_drafters)
         # how long a request waits for a verifier to be listed before it fails UNAVAILABLE
         self.service_wait_s = service_wait_s
         self.channels = channels or Channels()
@@ -215,6 +221,10 @@ class Coordinator:
         self._calibrations_lock = threading.Lock()
         # pipelined rounds send their verify calls from here while their own thread drafts ahead
         self.calls = ThreadPoolExecutor(max_workers=VERIFY_CALL_THREADS, thread_name_prefix="verify-call")
+
+    def learns_from_target(self, kind: str) -> bool:
+        """Whether drafter `kind`'s pools are sent the target's scores at the positions it scored."""
+        return abilities(kind).learns_from_target or kind in self.learning_drafters
 
     def calibration(self, kind: str, namespace: str = DEFAULT_NAMESPACE) -> Calibration:
         kinds = self._calibrations.get(namespace)
@@ -289,7 +299,7 @@ class _Request:
             dataclasses.replace(job.speculation, prior=reliability) if len(job.drafters) > 1 else job.speculation
             for _, reliability in job.drafters]
         self.ready: list[DraftTree] | None = None  # each drafter's tree for this round, drafted ahead
-        self.candidates = CANDIDATES if any(abilities(kind).learns_from_target for kind, _ in job.drafters) else 0
+        self.candidates = CANDIDATES if any(coord.learns_from_target(kind) for kind, _ in job.drafters) else 0
         self.rnd, self.load = 0, 1  # round; requests sharing the verifier
 
     def prefill(self, context: list[int]) -> list[int]:
@@ -398,7 +408,7 @@ class _Side:
 
     def __init__(self, coord: Coordinator, job: Job, request_id: str | None = None):
         self.coord, self.job = coord, job
-        self.request_id = request_id or job.request_id  # the request's id at the service
+        self.request_id = request_id or job.service_id  # the request's id at the service
         self.address: str | None = None
         self.stub = None
         self.failed: set[str] = set()
@@ -535,7 +545,7 @@ class _Drafting:
         several = len(job.drafters) > 1
         # drafters of one request may share a pool: each needs its own id there
         self.sides = [_DraftSide(coord, job, kind, stream=1 + i,
-                                 request_id=f"{job.request_id}/{kind}" if several else job.request_id)
+                                 request_id=f"{job.service_id}/{kind}" if several else job.service_id)
                       for i, (kind, _) in enumerate(job.drafters)]
         self._threads = ThreadPoolExecutor(len(self.sides), thread_name_prefix="draft") if several else None
         # greedy fusion ranks nodes by each drafter's calibrated confidence (`speculative.calibration`)
@@ -576,9 +586,10 @@ class _Drafting:
             return proposals[0].truncated(nodes[0])
         budget = max(min(self.job.tree_budget, sum(nodes)), 1)
         if self.calibrations is None:
-            # a sampled fused tree keeps its draws in fuse's order: the verifier tests them in it
+            # a sampled fused tree keeps its draws in fuse's order: the verifier tests them in it;
+            # a keyed one is fused as greedy trees are, uncalibrated (greedy verdicts teach those)
             return fuse([(tree.truncated(n), reliability) for tree, n, (_, reliability)
-                         in zip(proposals, nodes, self.job.drafters)], budget, self.job.params.greedy)
+                         in zip(proposals, nodes, self.job.drafters)], budget, self.job.params.deterministic)
         # greedy: a calibrated confidence is already the drafter's acceptance rate at it
         return fuse([(cal.calibrated(tree.truncated(n)), 1.0)
                      for tree, n, cal in zip(proposals, nodes, self.calibrations)], budget, greedy=True)
@@ -606,7 +617,7 @@ class _Drafting:
         if not resp.candidate_ids or len(resp.candidate_ids) % len(tokens):
             return  # a verifier that did not report them: nothing to learn this round
         for side in self.sides:
-            if abilities(side.drafter).learns_from_target:
+            if side.coord.learns_from_target(side.drafter):
                 side.observe(tokens, resp.candidate_ids, resp.candidate_probs)
 
     def give_output(self, context: list[int]) -> None:
