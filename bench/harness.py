@@ -398,8 +398,7 @@ def run_bench(args) -> dict:
         "results": rows,
     }
     if llama is not None:
-        report["llamacpp"] = llama.report(outputs, [q["bench_category"] for q in questions],
-                                         str(engine.model.dtype).removeprefix("torch."))
+        report["llamacpp"] = llama.report(outputs, [q["bench_category"] for q in questions], args.dtype)
     if args.micro:
         report["forward_ms"] = forward_ms(engine)
         report["load_seconds"] = load_seconds(args.model)

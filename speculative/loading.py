@@ -27,11 +27,10 @@ from .tokenizer import Tokenizer
 
 DEFAULT_MODEL = "smollm2"
 # precision name -> the float dtype of activations and the KV cache. int8 and int4 also
-# make the linear weights that (speculative/quantize.py); their activations are bfloat16:
-# torch's packed int8/int4 CPU kernels run 10-30x faster on bfloat16 than on float32
-# activations (docs/DESIGN-NOTES.md, Precision), and CUDA's int4 kernel takes bfloat16 only.
+# make the linear weights that (speculative/quantize.py), whose kernels compute in bfloat16
+# inside a float32 model.
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-          "int8": torch.bfloat16, "int4": torch.bfloat16}
+          "int8": torch.float32, "int4": torch.float32}
 
 
 def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:

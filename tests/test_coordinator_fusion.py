@@ -118,8 +118,10 @@ def services(target, drafter_model, fused):
 
 def job(request_id: str, prompt: list[int], params: SamplingParams, drafters,
         tree_budget: int = TREE_BUDGET) -> Job:
+    # the services key it by its service id: the test names it, to find its trees there
     return Job(request_id=request_id, prompt_ids=prompt, params=params, drafters=drafters,
-               draft_length=DRAFT_LENGTH, tree_budget=tree_budget, vocab_size=V, eos_token_ids=())
+               draft_length=DRAFT_LENGTH, tree_budget=tree_budget, vocab_size=V, eos_token_ids=(),
+               service_id=request_id)
 
 
 def served(coordinator: Coordinator, j: Job) -> tuple[list[int], RoundStats]:
