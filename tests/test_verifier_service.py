@@ -224,8 +224,8 @@ def test_bad_input_is_invalid_argument_naming_the_field(tiny):
         resumed.resumed = -1
         invalid(stub.Prefill, resumed, "resumed")
 
-        # sampling needs every draw's q, a distribution over the vocabulary
-        stub.Prefill(prefill("s", [1, 2], params_to_pb(SAMPLED)))
+        # unseeded sampling (rejection sampling) needs every draw's q, a distribution over the vocabulary
+        stub.Prefill(prefill("s", [1, 2], params_to_pb(replace(SAMPLED, seed=None))))
         chain = tree_to_pb(DraftTree.chain([3, 4]))
         invalid(stub.Verify, verify(chain, "s"), "tree.draw_q")
         chain.draw_q.extend([pb.SparseDist(ids=[3], probs=[1.0]), pb.SparseDist(ids=[99], probs=[1.0])])
