@@ -92,7 +92,7 @@ class LearningDrafter:
     def _learn(self, known: list[int]) -> None:
         if self._proposed is not None and self._last_tree and len(known) > self._proposed:
             new = known[self._proposed:]
-            self._record_round(self.version, len(self._last_tree), _path_prefix(self._last_tree, new[:-1]))
+            self._record_round(self.version, len(self._last_tree), self._last_tree.path_prefix(new[:-1]))
             self._last_tree = None
         if self._pending:
             tokens = [t for p in self._pending for t in p[0]]
@@ -163,12 +163,3 @@ def _width(t: torch.Tensor, k: int) -> torch.Tensor:
     return torch.cat((t, t.new_zeros(t.shape[0], k - t.shape[1])), 1)
 
 
-def _path_prefix(tree: DraftTree, tokens: Sequence[int]) -> int:
-    """How many of `tokens`, from the first, follow a path of `tree` down from its root."""
-    child = {(parent, token): node for node, (token, parent) in enumerate(zip(tree.tokens, tree.parents))}
-    node = -1
-    for n, token in enumerate(tokens):
-        node = child.get((node, token))
-        if node is None:
-            return n
-    return len(tokens)

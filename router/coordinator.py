@@ -389,7 +389,7 @@ class _Request:
         for i, (c, own) in enumerate(zip(self.controls or (), draft.proposals)):
             if len(own):  # how deep the accepted path went in the drafter's own tree
                 depth = max(own.depths)
-                c.record(depth, _path_prefix(own, accepted))
+                c.record(depth, own.path_prefix(accepted))
                 c.observe_tree(len(own), depth)
             if draft.costs and draft.costs[i]:
                 c.observe(draft.costs[i], draft.verify_seconds)
@@ -608,7 +608,7 @@ class _Drafting:
     def count(self, trees: list[DraftTree], accepted: Sequence[int], stats: RoundStats) -> None:
         """Credit each drafter with its own tree's nodes and its share of the accepted path."""
         for side, tree in zip(self.sides, trees):
-            stats.record_drafter(side.drafter, len(tree.tokens), _path_prefix(tree, accepted))
+            stats.record_drafter(side.drafter, len(tree.tokens), tree.path_prefix(accepted))
 
     def observe(self, tokens: list[int], resp: pb.VerifyResponse | pb.VerifierPrefillResponse) -> None:
         """The target's candidates at the positions it scored (`tokens`: a verify's root, then
@@ -637,15 +637,6 @@ class _Drafting:
             side.release()
 
 
-def _path_prefix(tree: DraftTree, tokens: Sequence[int]) -> int:
-    """How many of `tokens`, from the first, follow a path of `tree` down from its root."""
-    child = {(parent, token): node for node, (token, parent) in enumerate(zip(tree.tokens, tree.parents))}
-    node = -1
-    for n, token in enumerate(tokens):
-        node = child.get((node, token))
-        if node is None:
-            return n
-    return len(tokens)
 
 
 class _DraftSide(_Side):

@@ -41,6 +41,16 @@ class DraftTree:
     def __len__(self) -> int:
         return len(self.tokens)
 
+    def path_prefix(self, tokens: Sequence[int]) -> int:
+        """How many of `tokens`, from the first, follow a path of this tree down from its root."""
+        child = {(parent, token): node for node, (token, parent) in enumerate(zip(self.tokens, self.parents))}
+        node = -1
+        for n, token in enumerate(tokens):
+            node = child.get((node, token))
+            if node is None:
+                return n
+        return len(tokens)
+
     @property
     def depths(self) -> list[int]:
         depths: list[int] = []

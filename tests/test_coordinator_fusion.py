@@ -210,28 +210,36 @@ def held(tree: DraftTree, tokens: list[int]) -> int:
 
 
 @pytest.mark.parametrize("seed", [3, 4])
-def test_each_drafter_of_a_request_draws_from_its_own_stream(target, drafter_model, services, fused, seed):
-    """Sampled: the pool sees streams 1, 2 and 3, and the served tokens are those
-    of the same fusion in one process with those streams (and not with the two
-    model drafters sharing one)."""
+def test_each_drafter_of_a_request_draws_from_its_own_stream(target, drafter_model, services, fused, seed,
+                                                            monkeypatch):
+    """Sampled (unseeded: rejection sampling, whose streams the pools and the verifier draw
+    here as seed `seed`'s, so that the run can be replayed): the pool sees streams 1, 2 and
+    3, and the served tokens are those of the same fusion in one process with those streams
+    (and not with the two model drafters sharing one)."""
+    import drafter_service.pool
+    import verifier_service.engine
+
+    for module in (drafter_service.pool, verifier_service.engine):
+        monkeypatch.setattr(module, "make_generator", lambda _, device="cpu", stream=0, resumed=0:
+                            make_generator(seed, device, stream, resumed))
     coordinator, pool, _ = services
-    params = SamplingParams(max_tokens=MAX_TOKENS, seed=seed, **SAMPLED)
+    params = SamplingParams(max_tokens=MAX_TOKENS, **SAMPLED)
     tokens, stats = served(coordinator, job(f"s{seed}", PROMPTS[0], params, fused))
     assert [pool.streams[f"s{seed}/{kind}"] for kind, _ in fused] == [1, 2, 3]
-    assert tokens == local_fused_sampling(target, drafter_model, fused, PROMPTS[0], params, streams=(1, 2, 3))
-    assert tokens != local_fused_sampling(target, drafter_model, fused, PROMPTS[0], params, streams=(1, 1, 3))
+    assert tokens == local_fused_sampling(target, drafter_model, fused, PROMPTS[0], params, seed, streams=(1, 2, 3))
+    assert tokens != local_fused_sampling(target, drafter_model, fused, PROMPTS[0], params, seed, streams=(1, 1, 3))
     assert all(s.proposed > 0 for s in stats.per_drafter.values())
     with pytest.raises(InvalidArgument, match="stream"):  # stream 0 is the verifier's
         pool.prefill("bad", "pld", PROMPTS[0], params, stream=0)
 
 
-def local_fused_sampling(target, drafter_model, fused, prompt: list[int], params: SamplingParams,
+def local_fused_sampling(target, drafter_model, fused, prompt: list[int], params: SamplingParams, seed: int,
                          streams: tuple[int, ...]) -> list[int]:
     """The served fused rounds in one process: drafter i on stream streams[i], trees
     read back as the coordinator reads them, fused, verified on stream 0."""
     drafters = [make_drafter(kind, drafter_model, draft_top_k=32) for kind, _ in fused]
-    streams = [make_generator(params.seed, stream=s) for s in streams]
-    verifier_rng = make_generator(params.seed, stream=0)
+    streams = [make_generator(seed, stream=s) for s in streams]
+    verifier_rng = make_generator(seed, stream=0)
     cache = target.new_cache(len(prompt) + params.max_tokens + TREE_BUDGET + 1)
     n = len(prompt)
     logits = target(torch.tensor([prompt]), torch.arange(n)[None], cache, attention_mask(0, causal_ancestors(n)),
