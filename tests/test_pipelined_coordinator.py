@@ -82,7 +82,8 @@ def job(rid: str, prompt: list[int], params: SamplingParams, drafters, pipelined
         adaptive: bool = False) -> Job:
     return Job(request_id=rid, prompt_ids=prompt, params=params, drafters=drafters, draft_length=DRAFT_LENGTH,
                tree_budget=TREE_BUDGET, vocab_size=V, eos_token_ids=(), pipelined=pipelined,
-               speculation=SpeculationControl(DRAFT_LENGTH) if adaptive else None)
+               speculation=SpeculationControl(DRAFT_LENGTH) if adaptive else None,
+               service_id=rid)  # the services' records are found by it
 
 
 def served(coordinator: Coordinator, j: Job) -> tuple[list[int], RoundStats]:

@@ -121,7 +121,7 @@ def test_served_recycling_learns_from_the_verifier_and_stays_exact():
                 stats = RoundStats()
                 rid = f"r{i}-{len(drafters)}"
                 job = Job(request_id=rid, prompt_ids=prompt, params=params, drafters=drafters,
-                          draft_length=4, tree_budget=6, vocab_size=TINY.vocab_size, eos_token_ids=())
+                          draft_length=4, tree_budget=6, vocab_size=TINY.vocab_size, eos_token_ids=(), service_id=rid)
                 tokens = [t for new in coordinator.run(job, stats) for t in new]
                 assert tokens == decoding.generate(target, prompt, params).token_ids, (prompt, drafters)
                 drafted += stats.draft_tokens

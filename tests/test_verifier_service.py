@@ -272,10 +272,10 @@ def test_failed_pass_fails_its_requests_which_resume_from_checkpoints(tiny, monk
     greedy = SamplingParams(max_tokens=30)
     cases = [("r", prompt(4), SAMPLED), ("c", prompt(5), replace(SAMPLED, seed=12)),  # rows 0-3
              ("idle", prompt(6), greedy), ("d", prompt(8), greedy)]
-    real, calls = batching.verify_sampling, []
+    real, calls = batching.verify_greedy, []  # seeded sampling is keyed: verified as greedy is
 
     def fail_at_row_1(*args):
-        # after the forward wrote rows 0-3, row 0 drew from its random stream, and before
+        # after the forward wrote rows 0-3, row 0 was verified, and before
         # rows 2 and 3 were cut back: the worst moment
         calls.append(1)
         if len(calls) == 2:
@@ -287,7 +287,7 @@ def test_failed_pass_fails_its_requests_which_resume_from_checkpoints(tiny, monk
         remotes = [Remote(stub, name, ids, params, tiny) for name, ids, params in cases]
         for remote in remotes:
             remote.step()
-        monkeypatch.setattr(batching, "verify_sampling", fail_at_row_1)
+        monkeypatch.setattr(batching, "verify_greedy", fail_at_row_1)
         in_pass = [remotes[0], remotes[1], remotes[3]]  # one pass; "idle" is not in it
         for step in [pool.submit(remote.step) for remote in in_pass]:
             with pytest.raises(grpc.RpcError, match="device lost"):
