@@ -17,30 +17,20 @@ import torch
 from cluster.cli import main as cli_main
 from drafter_service.drafters import ModelDrafter
 from drafter_service.layer_threads import LayerThreads
-from speculative.config import ModelConfig
 from speculative.decoding import DraftRequest
 from speculative.easyspec import fuzzy_forward, layer_groups
-from speculative.model import Transformer, attention_mask, causal_ancestors
+from speculative.model import attention_mask, causal_ancestors
 from speculative.sampling import SamplingParams, probabilities
 from oracle import NEAR_TIE, PROMPTS, oracle
+from tiny import tiny_model
 
-DEEP = ModelConfig(vocab_size=16, hidden_size=32, intermediate_size=64, num_layers=6, num_heads=4,
-                   num_kv_heads=2, head_dim=8, max_position_embeddings=96, rope_theta=10000.0)
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
 
 
 @pytest.fixture(scope="module")
 def deep():
     """A random 6-layer model: groups of 2 and 4 (and a short last group) to cut."""
-    torch.manual_seed(0)
-    model = Transformer(DEEP)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.3)
-        for layer in model.layers:
-            layer.attn_norm.weight.fill_(1.0)
-            layer.mlp_norm.weight.fill_(1.0)
-    return model.eval()
+    return tiny_model(0, max_positions=96, vocab_size=16, num_layers=6)
 
 
 def _prefill(model, tokens, forward, layers=None, **kw):
@@ -97,7 +87,7 @@ def _rounds(drafter, params, depth=4, nodes=None, rounds=4, seed=0):
     for r in range(rounds):
         tree = drafter.propose(DraftRequest(list(context), depth, params, generator=generator, max_nodes=nodes))
         out.append((tree.tokens, tree.parents, tree.draw_q))
-        context += tree.tokens[:len(tree.tokens) // 2] + [(7 * r + 3) % DEEP.vocab_size]
+        context += tree.tokens[:len(tree.tokens) // 2] + [(7 * r + 3) % 16]  # the deep model's vocabulary
     return out
 
 
