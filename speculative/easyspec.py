@@ -48,13 +48,7 @@ def fuzzy_forward(model: Transformer, tokens: torch.Tensor, positions: torch.Ten
     """`Transformer.forward` (without packing) with each group of `parallel` layers'
     attentions reading the group's input: the same arguments, cache layout and logits."""
     b, t = tokens.shape
-    starts = cache.lengths[:b]
-    if max(starts) + t > cache.max_len:
-        raise ValueError(f"KV cache of {cache.max_len} slots is full")
-    x = model.embed(tokens)
-    cos = model.rope_cos[positions].unsqueeze(1).to(x.dtype)
-    sin = model.rope_sin[positions].unsqueeze(1).to(x.dtype)
-    mask = mask.unsqueeze(1)
+    x, cos, sin, starts, mask = model.layer_inputs(tokens, positions, cache, mask)
     picked = range(len(model.layers)) if layers is None else layers
     slot = 0  # the cache holds one entry per picked layer, in order
     for group in layer_groups(picked, parallel):

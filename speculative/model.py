@@ -239,6 +239,18 @@ class Transformer(nn.Module):
         kv_heads = self.layers[0].attn.n_kv  # a tensor-parallel shard's own (speculative/tp.py)
         return KVCache(num_layers or cfg.num_layers, batch, kv_heads, max_len, cfg.head_dim, self.device, self.dtype)
 
+    def layer_inputs(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, mask: torch.Tensor):
+        """What the first layer takes: the embeddings, RoPE's cos and sin at `positions`, each
+        row's first free cache slot, and the mask with a head axis; the cache must have room."""
+        b, t = tokens.shape
+        starts = cache.lengths[:b]
+        if max(starts) + t > cache.max_len:
+            raise ValueError(f"KV cache of {cache.max_len} slots is full")
+        x = self.embed(tokens)
+        cos = self.rope_cos[positions].unsqueeze(1).to(x.dtype)
+        sin = self.rope_sin[positions].unsqueeze(1).to(x.dtype)
+        return x, cos, sin, starts, mask.unsqueeze(1)
+
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, mask: torch.Tensor,
                 layers: Sequence[int] | None = None, logits_from: int = 0,
@@ -261,13 +273,7 @@ class Transformer(nn.Module):
         packing = None if real is None or sum(real) == b * t else _Packing(b, t, real, tokens.device)
         if packing is not None and logits_from:
             raise ValueError("packed rows give logits for every real token")
-        starts = cache.lengths[:b]
-        if max(starts) + t > cache.max_len:
-            raise ValueError(f"KV cache of {cache.max_len} slots is full")
-        x = self.embed(tokens)
-        cos = self.rope_cos[positions].unsqueeze(1).to(x.dtype)
-        sin = self.rope_sin[positions].unsqueeze(1).to(x.dtype)
-        mask = mask.unsqueeze(1)
+        x, cos, sin, starts, mask = self.layer_inputs(tokens, positions, cache, mask)
         if packing is not None:
             x = packing.pack(x)
         picked = range(len(self.layers)) if layers is None else layers
