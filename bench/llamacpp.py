@@ -67,8 +67,7 @@ class _CountedDrafts:
 
 class LlamaCppRunner:
     """The GGUF loaded by llama.cpp once per requested mode: plain decoding keeps only the
-    last position's logits, prompt lookup needs every position's (llama-cpp-python sets
-    that itself when given a draft model)."""
+    last position's logits, prompt lookup needs every position's."""
 
     def __init__(self, gguf: Path, modes: Collection[str], n_ctx: int, n_threads: int, pld_tokens: int,
                  eos: Collection[int]):
@@ -82,9 +81,11 @@ class LlamaCppRunner:
                          "gguf": gguf.name, "n_ctx": n_ctx, "n_threads": n_threads, "n_threads_batch": n_threads,
                          "pld_num_pred_tokens": pld_tokens, "pld_max_ngram_size": PLD_NGRAM}
         self.drafts = _CountedDrafts(LlamaPromptLookupDecoding(PLD_NGRAM, pld_tokens))
+        # logits_all=True with the draft model: llama-cpp-python sizes its logits buffer by that
+        # argument, not by the draft model, and a context past n_batch (512) then overflows it.
         self.llamas = {mode: Llama(str(gguf), n_ctx=n_ctx, n_threads=n_threads, n_threads_batch=n_threads,
                                    n_gpu_layers=0, draft_model=self.drafts if mode == "llamacpp-pld" else None,
-                                   verbose=False)
+                                   logits_all=mode == "llamacpp-pld", verbose=False)
                        for mode in modes if mode in LLAMACPP_MODES}
 
     def run(self, ids: list[int], params: SamplingParams, mode: str) -> tuple[list[int], float, int, tuple[int, int]]:
