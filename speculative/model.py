@@ -152,6 +152,7 @@ class Attention(nn.Module):
         v = v.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
+        q = q.to(k_cache.dtype)  # attention runs in the cache's dtype (Transformer.attention_dtype)
         for row, start in enumerate(starts):
             k_cache[row, :, start:start + t] = k[row]
             v_cache[row, :, start:start + t] = v[row]
@@ -161,7 +162,7 @@ class Attention(nn.Module):
         else:
             out = F.scaled_dot_product_attention(
                 q, k_cache[:b, :, :span], v_cache[:b, :, :span], attn_mask=mask, enable_gqa=gqa)
-        out = out.transpose(1, 2).reshape(b, t, -1)
+        out = out.to(x.dtype).transpose(1, 2).reshape(b, t, -1)
         return self.o(out if packing is None else packing.pack(out))
 
     def _few_wide_rows(self, q, k_cache, v_cache, starts, mask, wide):
@@ -214,6 +215,10 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
+        # None: the model's dtype. The int modes (speculative/quantize.py) attend in float64:
+        # float32 attention of a token in a many-query pass rounds unlike the same token
+        # alone, and the bfloat16 cast before each int layer grows that into other tokens.
+        self.attention_dtype: torch.dtype | None = None
         cos, sin = self.rope_tables(cfg)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -237,7 +242,8 @@ class Transformer(nn.Module):
     def new_cache(self, max_len: int, batch: int = 1, num_layers: int | None = None) -> KVCache:
         cfg = self.config
         kv_heads = self.layers[0].attn.n_kv  # a tensor-parallel shard's own (speculative/tp.py)
-        return KVCache(num_layers or cfg.num_layers, batch, kv_heads, max_len, cfg.head_dim, self.device, self.dtype)
+        return KVCache(num_layers or cfg.num_layers, batch, kv_heads, max_len, cfg.head_dim, self.device,
+                       self.attention_dtype or self.dtype)
 
     def layer_inputs(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, mask: torch.Tensor):
         """What the first layer takes: the embeddings, RoPE's cos and sin at `positions`, each

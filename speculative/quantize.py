@@ -195,4 +195,5 @@ def quantize(model, mode: str, int4_blocks: dict[str, tuple] | None = None):
             setattr(owner, attr, new)
     model.lm_head = Int8Linear.quantized(model.lm_head, dtype)
     model.precision = mode
+    model.attention_dtype = torch.float64  # so a verified token rounds as it does alone (model.py)
     return model

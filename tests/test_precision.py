@@ -128,13 +128,7 @@ def test_int4_weights_are_the_gguf_blocks_exactly(models):
             assert torch.equal(loaded.scales_and_zeros, exact.scales_and_zeros.to(torch.bfloat16)), f"layer {i} {part}"
 
 
-INT4_NOT_EXACT = pytest.mark.xfail(strict=True, reason=(
-    "a known bug: int4 verification passes do not round every token as one-token passes do "
-    "(layerskip's output departs from plain int4 decoding at token 3 of prompt 0)"))
-
-
-@pytest.mark.parametrize("precision", [p if p != "int4" else pytest.param(p, marks=INT4_NOT_EXACT)
-                                       for p in PRECISIONS])
+@pytest.mark.parametrize("precision", PRECISIONS)
 def test_greedy_speculation_equals_plain_decoding_in_each_precision(models, prompt_ids, precision):
     target = models[precision]
     params = SamplingParams(max_tokens=MAX_TOKENS)
