@@ -110,6 +110,9 @@ class LlamaCppRunner:
         """The report's `llamacpp` section: the settings, and with `ar` run too, how far the
         llama.cpp modes' outputs agree with it (`outputs`: per mode, its tokens per question)."""
         out = {**self.settings, "threads_source": THREADS_SOURCE}
+        if set(LLAMACPP_MODES) <= set(outputs):  # is llama.cpp's prompt lookup lossless against its own decoding?
+            ar, pld = outputs["llamacpp-ar"], outputs["llamacpp-pld"]
+            out["pld_identical_to_ar"] = f"{sum(a == b for a, b in zip(ar, pld))}/{len(ar)}"
         if "ar" in outputs:
             out["agreement_with_ours"] = {"reference_mode": "ar", "reference_dtype": dtype,
                                           **agreement(outputs["ar"], {m: outputs[m] for m in self.llamas},
@@ -151,4 +154,6 @@ def agreement_lines(report: dict) -> list[str]:
         lines.append(f"| {i} | {q['category']} | "
                      + " | ".join(f"{q[m]}/{q['reference_tokens']}" for m in modes) + " |")
     lines.append("| identical | | " + " | ".join(agree["identical"][m] for m in modes) + " |")
+    if "pld_identical_to_ar" in llama:
+        lines += ["", f"llamacpp-pld's outputs identical to llamacpp-ar's: {llama['pld_identical_to_ar']}"]
     return lines

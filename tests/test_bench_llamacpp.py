@@ -11,10 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.llamacpp import agreement, agreement_lines, built_with_amx
+from bench.llamacpp import LlamaCppRunner, agreement, agreement_lines, built_with_amx
 from cluster.cli import main as cli_main
 from cluster.local import cpu_cores
 from conftest import DEV_QUESTIONS
+from speculative.loading import default_gguf_path
+from speculative.sampling import SamplingParams
 
 REPO = Path(__file__).resolve().parents[1]
 # the CLI in a fresh interpreter where `import llama_cpp` fails, as it does without the extra
@@ -49,6 +51,19 @@ def test_agreement_counts_leading_equal_tokens_per_question():
     lines = agreement_lines({"llamacpp": {"agreement_with_ours": {
         "reference_mode": "ar", "reference_dtype": "float32", **agree}}})
     assert "| 1 | qa | 2/4 | 0/4 |" in lines and "| identical | | 1/2 | 0/2 |" in lines
+
+
+def test_prompt_lookup_takes_a_context_past_llama_cpps_batch(tmp_path):
+    """llama-cpp-python sizes its logits buffer by n_batch (512) unless told to keep every
+    position's logits; prompt lookup needs them all (a long prompt failed on a second question)."""
+    pytest.importorskip("llama_cpp")
+    if built_with_amx():
+        pytest.skip("llama-cpp-python built with AMX; rebuild it without (docs/CLI.md)")
+    ids = list(range(100, 700))  # 600 prompt tokens
+    runner = LlamaCppRunner(default_gguf_path(), ["llamacpp-pld"], n_ctx=1024, n_threads=1, pld_tokens=3, eos=[])
+    for _ in range(2):
+        tokens, _, passes, _ = runner.run(ids, SamplingParams(max_tokens=4), "llamacpp-pld")
+        assert len(tokens) == 4 and passes >= 2
 
 
 def test_llamacpp_modes_are_greedy_only(tmp_path, capsys):
@@ -93,4 +108,6 @@ def test_llamacpp_modes_run_beside_ours_and_agree_with_ar(tmp_path):
     assert agree["identical"]["llamacpp-ar"] == f"{int(identical)}/1"
     markdown = out.with_suffix(".md").read_text()
     assert "| question | category | llamacpp-ar | llamacpp-pld |" in markdown
+    assert llama["pld_identical_to_ar"] in ("0/1", "1/1")
+    assert f"llamacpp-pld's outputs identical to llamacpp-ar's: {llama['pld_identical_to_ar']}" in markdown
     assert f"| 1 | {report['results'][0]['category']} | {q['llamacpp-ar']}/{q['reference_tokens']} |" in markdown
