@@ -194,7 +194,7 @@ def _overhead_table(report: dict) -> list[str]:
     return lines + ["| " + " | ".join(_overhead_cells(r)) + " |" for r in rows]
 
 
-def forward_ms(engine: LocalEngine, sizes=(1, 4, 8, 16, 24, 32), prefix: int = 128, repeats: int = 10) -> dict[str, float]:
+def forward_ms(engine: LocalEngine, sizes=(1, 2, 4, 6, 8, 16, 32), prefix: int = 128, repeats: int = 10) -> dict[str, float]:
     """Median time of one target forward of T new tokens after a cached prefix."""
     from speculative.model import attention_mask, causal_ancestors
 
@@ -393,6 +393,7 @@ def run_bench(args) -> dict:
         "draft_length": args.draft_length, "tree_budget": getattr(args, "tree_budget", None), "repeats": args.repeats, "torch_threads": torch.get_num_threads(),
         "temperature": temperature,
         "identical_to_hf_ar": {m: f"{a}/{n}" for m, (a, n) in same_as_hf.items()},
+        "identical_to_ar": identical_to_ar(outputs, args.dtype, temperature),
         "served_overhead_ms_per_round": overhead,
         "overhead_per_request": api_overhead(per_request),
         "results": rows,
@@ -410,6 +411,17 @@ def run_bench(args) -> dict:
     write_chart(report, Path(args.out).with_suffix(".png"))
     print_table(report)
     return report
+
+
+def identical_to_ar(outputs: dict[str, list[list[int]]], dtype: str, temperature: float) -> dict | None:
+    """Greedy, with `ar` run: per speculative mode of ours (in process or served), how many
+    outputs equal our plain decoding's in the bench's dtype, the lossless contract of every
+    precision (hf-ar judges float32 only)."""
+    if temperature != 0 or "ar" not in outputs:
+        return None
+    ref = outputs["ar"]
+    ours = [m for m in outputs if m != "ar" and m not in HF_MODES and m not in LLAMACPP_MODES]
+    return {"dtype": dtype, **{m: f"{sum(o == r for o, r in zip(outputs[m], ref))}/{len(ref)}" for m in ours}}
 
 
 def _table(report: dict) -> tuple[list[str], list[tuple[str, list[str]]]]:
@@ -435,6 +447,9 @@ def _footnotes(report: dict) -> list[str]:
     notes = []
     if report.get("identical_to_hf_ar"):
         notes.append("Outputs identical to hf-ar: " + ", ".join(f"{m} {v}" for m, v in report["identical_to_hf_ar"].items()))
+    if len(same := dict(report.get("identical_to_ar") or {})) > 1:
+        dtype = same.pop("dtype")
+        notes.append(f"Outputs identical to ar ({dtype}): " + ", ".join(f"{m} {v}" for m, v in same.items()))
     if report.get("served_overhead_ms_per_round"):
         notes.append(f"Served overhead per round (ms): {report['served_overhead_ms_per_round']}")
     if "forward_ms" in report:

@@ -35,10 +35,12 @@ def test_bench_reports_every_category_and_mode(tmp_path, capsys):
     assert rows[("hf-ar", "overall")]["speedup_vs_hf_ar"] == 1.0
     assert rows[("ar", "overall")]["mean_accepted_tokens"] == 1.0
     assert report["identical_to_hf_ar"] == {"ar": "6/6", "small-general": "6/6"}
+    assert report["identical_to_ar"] == {"dtype": "float32", "small-general": "6/6"}
     assert rows[("ar", "overall")]["acceptance_rate"] is None  # nothing drafted
     assert 0 <= rows[("small-general", "overall")]["acceptance_rate"] <= 1  # a model drafter always drafts
     markdown = out.with_suffix(".md").read_text()
     assert "| overall |" in markdown and "acceptance rate" in markdown
+    assert "Outputs identical to ar (float32): small-general 6/6" in markdown
     assert "overall" in capsys.readouterr().out
     png = out.with_suffix(".png").read_bytes()  # the speedup chart
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 5000
