@@ -207,11 +207,13 @@ class VerifierHost(_ServiceHost):
 
     def __init__(self, cfg_dict: dict, redis_url: str | None):
         from verifier_service.engine import VerifierEngine
-        from cluster.local import cpu_cores
+        from cluster.local import cpu_cores, pin_to_cores
         from verifier_service.servicer import serve
 
         cfg = ServeConfig.model_validate(cfg_dict)
         v = cfg.verifiers
+        if v.cores:
+            pin_to_cores(v.cores, "verifiers.cores")
         threads = v.threads or cpu_cores()
         self.tensor_parallel = None
         if v.tensor_parallel > 1:  # this process is rank 0 (cluster/tp_ranks.py)
@@ -274,14 +276,17 @@ class DrafterPoolHost(_ServiceHost):
     kind = "drafter"
 
     def __init__(self, cfg_dict: dict, redis_url: str | None):
+        from cluster.local import pin_to_cores
         from drafter_service.metrics import DrafterMetrics
         from drafter_service.pool import DrafterPool
         from drafter_service.servicer import serve
 
         cfg = ServeConfig.model_validate(cfg_dict)
+        pools = cfg.drafter_pools
+        if pools.cores:
+            pin_to_cores(pools.cores, "drafter_pools.cores")
         model, _ = load_on_one_thread(cfg)
         store = connect_store(redis_url)
-        pools = cfg.drafter_pools
         metrics = DrafterMetrics()
         learning = online_learning(cfg, store, model, metrics.registry)
         self.pool = DrafterPool(model, kinds=tuple(pools.kinds), parallel_layers=pools.parallel_layers,

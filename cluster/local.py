@@ -19,6 +19,19 @@ def cpu_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+def pin_to_cores(cores: list[int], setting: str) -> None:
+    """Run every thread of this process, and the threads they start later, on `cores` only
+    (Linux pins threads one by one: pid 0 would pin only the calling thread)."""
+    allowed = os.sched_getaffinity(0)
+    if unknown := sorted(set(cores) - allowed):
+        raise ValueError(f"{setting}: cores {unknown} are not among this node's {sorted(allowed)}")
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cores)
+        except ProcessLookupError:  # the thread has ended
+            pass
+
+
 def set_cpu_threads() -> None:
     """Use every core this process may run on (torch's default can be lower)."""
     torch.set_num_threads(cpu_cores())

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, field_validator
 
 from speculative.drafter_kinds import DRAFTER_NAMES, is_drafter
 
@@ -45,6 +45,8 @@ class DrafterPoolSettings(BaseModel):
         ["pld", "suffix", "recycle", "small-general", "small-math", "small-extraction", "small-language"],
         description="drafters the pools host; with default_drafter 'auto' the router picks among them")
     threads: int = Field(1, ge=1, description="torch threads of each pool server thread")
+    cores: list[NonNegativeInt] | None = Field(None, min_length=1, description="CPU core ids every pool process runs on "
+                                     "(default: all the node's; see verifiers.cores)")
     resources: dict[str, float] = Field({"drafter": 1}, description="Ray resources each pool needs")
     max_count: int | None = Field(None, ge=0, description="most pool replicas the autoscaler starts "
                                                           "(default: count, no autoscaling)")

@@ -5,7 +5,7 @@ is written here once. Loads pydantic only, no torch.
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt
 
 
 class VerifierSettings(BaseModel):
@@ -19,6 +19,9 @@ class VerifierSettings(BaseModel):
     max_batch_tokens: int = Field(256, ge=1, description="most tokens in one batched verification")
     threads: int | None = Field(None, ge=1, description="torch threads of a verifier's engine (default: all cores, "
                                                        "shared out among its tensor-parallel ranks)")
+    cores: list[NonNegativeInt] | None = Field(None, min_length=1, description="CPU core ids every verifier process runs "
+                                     "on (default: all the node's); pinned apart from the drafter pools' "
+                                     "cores, each side computes on cores of its own")
     tensor_parallel: int = Field(1, ge=1, description="processes each verifier's target is split across, on "
                                                       "one node (tensor parallelism, docs/SERVING.md)")
     resources: dict[str, float] = Field({"verifier": 1}, description="Ray resources each verifier needs")
