@@ -7,7 +7,7 @@ Prints, per window of requests, the mean accepted tokens per target pass of the
 learning drafter and of the frozen one on the same prompts, whether every output
 equals plain greedy decoding, the tokens per second of each, and what the learner did.
 
-    python scripts/online_learning.py --category translation --drafter small-math --limit 24
+    python scripts/online_learning.py --category translation --drafter small-math --limit 53 --passes 2
 """
 
 from __future__ import annotations
@@ -39,7 +39,9 @@ def main() -> None:
     ap.add_argument("--questions", default=str(DEV))
     ap.add_argument("--category", default="translation")
     ap.add_argument("--drafter", default="small-math")
-    ap.add_argument("--limit", type=int, default=24, help="requests in the stream")
+    ap.add_argument("--limit", type=int, default=24, help="prompts of the category, in file order")
+    ap.add_argument("--passes", type=int, default=1,
+                    help="times the stream goes through those prompts (a category has at most 54)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--draft-length", type=int, default=4)
     ap.add_argument("--window", type=int, default=8, help="requests per reported window")
@@ -54,7 +56,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     target, tokenizer = loading.load()
     questions = [q for q in read_questions(args.questions) if q["category"] == args.category][:args.limit]
-    prompts = [tokenizer.encode_chat([{"role": "user", "content": q["turns"][0]}]) for q in questions]
+    prompts = [tokenizer.encode_chat([{"role": "user", "content": q["turns"][0]}]) for q in questions] * args.passes
     eos = tokenizer.eos_token_ids or target.config.eos_token_ids
     params = SamplingParams(max_tokens=args.max_tokens)
 
@@ -98,6 +100,11 @@ def main() -> None:
         a, b = statistics.mean(r["learning"] for r in part), statistics.mean(r["frozen"] for r in part)
         versions = sorted({r["version"] for r in part})
         print(f"| {start + 1}-{start + len(part)} | {a:.3f} | {b:.3f} | {a - b:+.3f} | {versions} |")
+    per_pass = len(questions)
+    for p in range(args.passes):  # the same prompts each pass: what the learner made of them
+        part = rows[p * per_pass:(p + 1) * per_pass]
+        print(f"pass {p + 1} (requests {p * per_pass + 1}-{(p + 1) * per_pass}): learning "
+              f"{statistics.mean(r['learning'] for r in part):.3f}, frozen {statistics.mean(r['frozen'] for r in part):.3f}")
     tokens = sum(r["tokens"] for r in rows)
     print(f"outputs equal to plain greedy decoding: {sum(r['equal_plain'] for r in rows)}/{len(rows)}")
     speed = {mode: tokens / sum(r[f"{mode}_s"] for r in rows) for mode in ("learning", "frozen", "plain")}
