@@ -53,7 +53,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         stream = request.stream if request.HasField("stream") else 1  # unset: the default drafter stream
         _checked(context, lambda: self.pool.prefill(request.request_id, request.drafter, list(request.token_ids),
                                                     params_from_pb(request.sampling), stream,
-                                                    request.resumed, request.namespace))
+                                                    request.resumed, request.namespace, request.domain))
         return pb.Ack()
 
     def Propose(self, request: pb.ProposeRequest, context: grpc.ServicerContext) -> pb.ProposeResponse:

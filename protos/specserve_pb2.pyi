@@ -121,7 +121,7 @@ class GenerateChunk(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
 
 class DrafterPrefillRequest(_message.Message):
-    __slots__ = ("request_id", "drafter", "token_ids", "sampling", "stream", "resumed", "namespace")
+    __slots__ = ("request_id", "drafter", "token_ids", "sampling", "stream", "resumed", "namespace", "domain")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -129,6 +129,7 @@ class DrafterPrefillRequest(_message.Message):
     STREAM_FIELD_NUMBER: _ClassVar[int]
     RESUMED_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    DOMAIN_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     drafter: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -136,7 +137,8 @@ class DrafterPrefillRequest(_message.Message):
     stream: int
     resumed: int
     namespace: str
-    def __init__(self, request_id: _Optional[str] = ..., drafter: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stream: _Optional[int] = ..., resumed: _Optional[int] = ..., namespace: _Optional[str] = ...) -> None: ...
+    domain: str
+    def __init__(self, request_id: _Optional[str] = ..., drafter: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stream: _Optional[int] = ..., resumed: _Optional[int] = ..., namespace: _Optional[str] = ..., domain: _Optional[str] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
     __slots__ = ("request_id", "context_length", "new_tokens", "max_tokens", "speculative_tokens", "min_confidence", "max_nodes", "observed_tokens", "observed_ids", "observed_probs")

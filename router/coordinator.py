@@ -671,7 +671,8 @@ class _DraftSide(_Side):
             stub = pb_grpc.DrafterStub(self.coord.channels.get(address))
             req = pb.DrafterPrefillRequest(request_id=self.request_id, drafter=self.drafter, token_ids=context,
                                            sampling=params_to_pb(self.job.params), stream=self.stream,
-                                           resumed=self.prefills, namespace=self.job.namespace)
+                                           resumed=self.prefills, namespace=self.job.namespace,
+                                           domain=self.job.domain or "")
             self.prefills += 1
             try:
                 stub.Prefill(req, timeout=self.coord.timeout(self.job))

@@ -257,3 +257,32 @@ def test_router_sends_the_targets_scores_to_learning_drafters():
         assert not coordinator.learns_from_target("pld") and not coordinator.learns_from_target("small-math")
     finally:
         coordinator.calls.shutdown()
+
+
+def test_a_served_pool_learns_under_the_domain_the_router_names(smollm2, tmp_path):
+    """Over gRPC the router names each request's domain at Prefill, and a learning drafter
+    buffers that request's positions under it ("any" when none is named)."""
+    import grpc
+
+    from drafter_service.servicer import serve
+    from protos import specserve_pb2 as pb
+    from protos import specserve_pb2_grpc as pb_grpc
+    from protos.convert import params_to_pb
+
+    target, tokenizer = smollm2
+    published, _ = _published(tmp_path)
+    learning = OnlineLearning(LearnerSettings(enabled=True), published, target.config.vocab_size)
+    pool = DrafterPool(target, kinds=("small-general",), learning=learning)
+    server, port = serve(pool)
+    prompt = tokenizer.encode_chat([{"role": "user", "content": PROMPTS[0][1]}])
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = pb_grpc.DrafterStub(channel)
+            for request_id, domain in (("named", "translation"), ("unnamed", "")):
+                stub.Prefill(pb.DrafterPrefillRequest(request_id=request_id, drafter="small-general",
+                                                      token_ids=prompt, domain=domain,
+                                                      sampling=params_to_pb(SamplingParams(max_tokens=8))))
+        assert pool._requests["named"].drafter.domain == "translation"
+        assert pool._requests["unnamed"].drafter.domain == "any"
+    finally:
+        server.stop(None)
