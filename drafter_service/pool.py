@@ -20,6 +20,7 @@ from typing import Callable, Sequence
 import torch
 
 from speculative.decoding import Drafter, DraftRequest
+from speculative.domains import DOMAINS
 from speculative.model import Transformer
 from speculative.namespaces import DEFAULT_NAMESPACE, check_namespace
 from speculative.sampling import InvalidArgument, SamplingParams, make_generator
@@ -88,6 +89,8 @@ class DrafterPool:
         if resumed < 0:
             raise InvalidArgument("resumed", f"must be >= 0, got {resumed}")
         check_namespace(namespace)
+        if domain and domain not in DOMAINS:  # the learner keeps a buffer per domain: only known ones
+            raise InvalidArgument("domain", f"unknown domain {domain!r}; known: {', '.join(DOMAINS)}")
         params.validate()
         generator = make_generator(params.seed, self.target.device, stream=stream, resumed=resumed)
         drafter = make_drafter(kind, self.target, draft_top_k=self.draft_top_k, namespace=namespace,

@@ -152,7 +152,8 @@ def hints(vocab_size: int, request_ids: tuple[str, ...], kinds: tuple[str, ...]
             [*DRAFTER_NAMES, "", "auto", "pld+suffix", "suffix+recycle", "pld+none", "pld+", "pld+pld", "+"])),
         "namespace": (st.sampled_from(["", "a", "tenant/1"]), st.sampled_from(["bad namespace", "n" * 129])),
         "role": (st.sampled_from(["system", "user", "assistant"]), st.sampled_from(["developer", "tool", ""])),
-        "domain_hint": (st.sampled_from(["", *DOMAINS]), st.sampled_from(["astrology", "QA"])),
+        **{name: (st.sampled_from(["", *DOMAINS]), st.sampled_from(["astrology", "QA"]))
+           for name in ("domain_hint", "domain")},
         **{name: (st.text(st.characters(codec="utf-8"), min_size=1, max_size=20), None)
            for name in ("prompt", "content")},
         "stop": (st.sampled_from(["1", "23", "4"]), st.sampled_from(["", "\x00"])),

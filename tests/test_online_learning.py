@@ -8,6 +8,7 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 import speculative.decoding as decoding
@@ -282,7 +283,12 @@ def test_a_served_pool_learns_under_the_domain_the_router_names(smollm2, tmp_pat
                 stub.Prefill(pb.DrafterPrefillRequest(request_id=request_id, drafter="small-general",
                                                       token_ids=prompt, domain=domain,
                                                       sampling=params_to_pb(SamplingParams(max_tokens=8))))
+            with pytest.raises(grpc.RpcError) as refused:  # per-domain buffers: only known domains
+                stub.Prefill(pb.DrafterPrefillRequest(request_id="odd", drafter="small-general", token_ids=prompt,
+                                                      domain="astrology", sampling=params_to_pb(SamplingParams())))
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "domain" in refused.value.details()
         assert pool._requests["named"].drafter.domain == "translation"
         assert pool._requests["unnamed"].drafter.domain == "any"
+        assert "odd" not in pool._requests
     finally:
         server.stop(None)
