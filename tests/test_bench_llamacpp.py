@@ -24,6 +24,14 @@ WITHOUT_LLAMA_CPP = ("import sys; sys.modules['llama_cpp'] = None; from cluster.
                      "sys.exit(main(sys.argv[1:]))")
 
 
+def needs_llama_cpp() -> None:
+    """Skip unless llama-cpp-python is installed without AMX (the bench refuses that build:
+    its AMX kernels segfault on this model, llama.cpp #20824)."""
+    pytest.importorskip("llama_cpp")
+    if built_with_amx():
+        pytest.skip("llama-cpp-python built with AMX; rebuild it without (docs/CLI.md)")
+
+
 def test_without_the_extra_the_bench_says_how_to_install_it_before_any_work(tmp_path):
     out = tmp_path / "bench.json"
     # questions that do not exist: had the bench started any work, it would fail on them instead
@@ -56,9 +64,7 @@ def test_agreement_counts_leading_equal_tokens_per_question():
 def test_prompt_lookup_takes_a_context_past_llama_cpps_batch(tmp_path):
     """llama-cpp-python sizes its logits buffer by n_batch (512) unless told to keep every
     position's logits; prompt lookup needs them all (a long prompt failed on a second question)."""
-    pytest.importorskip("llama_cpp")
-    if built_with_amx():
-        pytest.skip("llama-cpp-python built with AMX; rebuild it without (docs/CLI.md)")
+    needs_llama_cpp()
     ids = list(range(100, 700))  # 600 prompt tokens
     runner = LlamaCppRunner(default_gguf_path(), ["llamacpp-pld"], n_ctx=1024, n_threads=1, pld_tokens=3, eos=[])
     for _ in range(2):
@@ -75,9 +81,7 @@ def test_llamacpp_modes_are_greedy_only(tmp_path, capsys):
 
 
 def test_llamacpp_modes_run_beside_ours_and_agree_with_ar(tmp_path):
-    pytest.importorskip("llama_cpp")
-    if built_with_amx():  # the bench refuses it: its AMX kernels segfault here (llama.cpp #20824)
-        pytest.skip("llama-cpp-python built with AMX; rebuild it without (docs/CLI.md)")
+    needs_llama_cpp()
     question = json.loads(DEV_QUESTIONS.read_text().splitlines()[0])
     questions = tmp_path / "one.jsonl"
     questions.write_text(json.dumps(question) + "\n")
