@@ -34,6 +34,13 @@ PAD_ROWS_TO = 4
 
 ONE_ROW_PATHS = ("auto", "blas", "packed")
 
+# oneDNN keeps a primitive, with scratch memory sized by its rows, for every shape it meets
+# (up to 1,024 of them): a server whose passes took every row count up to a prompt's length
+# grew by gigabytes. A packed layer therefore runs at most PACKED_CHUNK_ROWS rows a call,
+# padded to one of a few sizes (`packed_rows`): about 80 shapes per layer size.
+PACKED_CHUNK_ROWS = 256
+_EXACT_ROWS = 16  # up to this many rows run unpadded: the sizes a verification pass takes
+
 
 @dataclass(frozen=True)
 class CpuTuning:
@@ -111,7 +118,26 @@ class PackedLinear(nn.Module):
         return self._packed(x)
 
     def _packed(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
+        rows = x.reshape(-1, self.in_features)
+        out = torch.cat([self._packed_rows(part) for part in rows.split(PACKED_CHUNK_ROWS)])
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def _packed_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        n = rows.shape[0]
+        padded = packed_rows(n)
+        if padded > n:
+            rows = torch.cat((rows, rows.new_zeros(padded - n, self.in_features)))
+        out = torch.ops.mkldnn._linear_pointwise(rows.contiguous(), self.packed, self.bias, "none", [], "")
+        return out[:n]
+
+
+def packed_rows(n: int) -> int:
+    """`n` rows rounded up to a shape a packed layer runs: exact up to _EXACT_ROWS, then to
+    four significant bits (at most 1/16 padding), so few shapes cover every row count."""
+    if n <= _EXACT_ROWS:
+        return n
+    step = 1 << (n.bit_length() - 5)
+    return -(-n // step) * step
 
 
 # (out, in, bias, torch threads) -> seconds of one row by (BLAS, packed), measured once a process

@@ -103,3 +103,31 @@ def test_a_tuned_model_is_freed_when_dropped():
         assert gone() is None
     finally:
         gc.enable()
+
+
+def test_a_packed_layer_runs_few_shapes_and_gives_every_row_its_result(monkeypatch):
+    """oneDNN keeps a primitive (with scratch memory) per shape: every row count from 1 to
+    well past a chunk must reach it as one of a few shapes, and still give nn.Linear's rows."""
+    if not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        pytest.skip("this torch has no oneDNN packed linear")
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(24, 40)
+    layer = PackedLinear(linear)
+    seen = set()
+    real = torch.ops.mkldnn._linear_pointwise
+
+    def spy(x, *args):
+        seen.add(tuple(x.shape))
+        return real(x, *args)
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", spy)
+    with torch.inference_mode():
+        for n in range(1, 3 * cpu_tuning.PACKED_CHUNK_ROWS + 40):
+            x = torch.randn(1, n, 24)
+            got = layer._packed(x)
+            assert got.shape == (1, n, 40)
+            if n % 37 == 0 or n in (cpu_tuning.PACKED_CHUNK_ROWS, cpu_tuning.PACKED_CHUNK_ROWS + 1):
+                torch.testing.assert_close(got, linear(x), rtol=1e-5, atol=1e-5)
+    assert all(rows <= cpu_tuning.PACKED_CHUNK_ROWS for rows, _ in seen)
+    assert len(seen) <= 80, f"{len(seen)} shapes reached oneDNN"
+    assert all(cpu_tuning.packed_rows(n) - n <= n / 16 for n in range(1, cpu_tuning.PACKED_CHUNK_ROWS + 1))
