@@ -52,3 +52,33 @@ def hf_oracle():
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     return model.eval(), tok
+
+
+@pytest.fixture(scope="module")
+def cli_loads_model_once():
+    """`specserve generate` run in process (cluster.cli.main) loads the model again on every
+    call (LocalEngine.load, ~0.6 s); a module that calls it dozens of times loads it once: the
+    load is memoised on its arguments. Each call still begins as a fresh CLI process would:
+    threads set, and no drafter memory (the suffix index, the recycling table and fused
+    calibrations, which drafter_service.registry keeps per target model) from earlier calls."""
+    from cluster.local import LocalEngine, set_cpu_threads
+    from drafter_service import registry
+
+    load = LocalEngine.load.__func__
+    engines: dict[tuple, LocalEngine] = {}
+
+    def load_once(cls, *args, **kwargs):
+        key = (args, tuple(sorted(kwargs.items())))
+        if key not in engines:
+            engines[key] = load(cls, *args, **kwargs)
+        engine = engines[key]
+        set_cpu_threads()
+        with registry._load_lock:
+            registry._memories.pop(id(engine.model), None)
+        return engine
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(LocalEngine, "load", classmethod(load_once))
+        yield
+    for engine in engines.values():
+        engine.close()

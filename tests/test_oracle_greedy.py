@@ -38,7 +38,7 @@ def cli_generate(capsys, prompt: str, drafter: str, *extra: str) -> dict:
 
 
 @pytest.mark.parametrize("drafter", DRAFTER_NAMES)
-def test_greedy_matches_hf_generate(hf_oracle, smollm2, capsys, drafter):
+def test_greedy_matches_hf_generate(hf_oracle, smollm2, cli_loads_model_once, capsys, drafter):
     ties = []
     for i, (_, prompt) in enumerate(PROMPTS[:PROMPT_COUNT.get(drafter, EVERY_CATEGORY)]):
         tie = near_tie_or_equal(hf_oracle, i, cli_generate(capsys, prompt, drafter)["token_ids"], drafter)
@@ -49,7 +49,8 @@ def test_greedy_matches_hf_generate(hf_oracle, smollm2, capsys, drafter):
 
 
 @pytest.mark.parametrize("drafter,tree_budget", TREE_CASES)
-def test_greedy_token_trees_match_hf_generate(hf_oracle, smollm2, capsys, drafter, tree_budget):
+def test_greedy_token_trees_match_hf_generate(hf_oracle, smollm2, cli_loads_model_once, capsys, drafter,
+                                              tree_budget):
     ties, drafted = [], 0
     for i, (_, prompt) in enumerate(PROMPTS[:8]):
         out = cli_generate(capsys, prompt, drafter, "--tree-budget", str(tree_budget))

@@ -42,7 +42,7 @@ def cli_sampled(capsys, prompt: str, drafter: str, tree_budget: int | None, seed
 
 
 @pytest.mark.parametrize("drafter,tree_budget", CASES)
-def test_seeded_sampling_matches_keyed_hf(hf_oracle, smollm2, capsys, drafter, tree_budget):
+def test_seeded_sampling_matches_keyed_hf(hf_oracle, smollm2, cli_loads_model_once, capsys, drafter, tree_budget):
     from oracle import PROMPTS
 
     ties, drafted = [], 0
@@ -57,7 +57,7 @@ def test_seeded_sampling_matches_keyed_hf(hf_oracle, smollm2, capsys, drafter, t
         warnings.warn(f"{drafter}: differs from keyed HF only at near-ties: " + "; ".join(ties))
 
 
-def test_another_seed_gives_other_tokens(hf_oracle, smollm2, capsys):
+def test_another_seed_gives_other_tokens(hf_oracle, smollm2, cli_loads_model_once, capsys):
     from oracle import PROMPTS
 
     a = cli_sampled(capsys, PROMPTS[0][1], "pld", None, SEEDS[0])["token_ids"]
