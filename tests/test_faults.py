@@ -95,7 +95,11 @@ def app(aof_redis):
         "port": 0, "http": {"port": free_port()}, "routers": {"count": 2},
         "router": {"service_wait_s": 180},
         "verifiers": {"max_len": 1024, "threads": 1}, "drafter_pools": {"kinds": ["pld", "suffix"]},
-        "registry": {"heartbeat_s": 0.5, "service_ttl_s": 3.0}})
+        "registry": {"heartbeat_s": 0.5, "service_ttl_s": 3.0},
+        # Serve stops replicas gracefully only at teardown here (a killed one is replaced, not
+        # stopped); after the faults a replica's drain still waited (up to the 60 s default) and
+        # serve.shutdown gave up after its own 30 s; the cluster goes down right after anyway
+        "autoscaling": {"graceful_shutdown_s": 5}})
     ray.init(num_cpus=2, resources={"verifier": 1, "drafter": 1}, include_dashboard=False, log_to_driver=False,
              namespace="specserve")
     try:
