@@ -28,7 +28,8 @@ from speculative.model import attention_mask, causal_ancestors
 from speculative.sampling import SamplingParams, make_generator, sample
 from speculative.tree import DraftTree
 from speculative.verification import residual
-from test_sampling_distribution import ALPHA, PROMPT, chi_square_p, exact_joint, target  # noqa: F401 (fixture)
+from test_sampling_distribution import (ALPHA, PROMPT, WORKERS, chi_square_p, exact_joint,  # noqa: F401 (fixtures)
+                                        target, workers)
 from tiny import TINY, tiny_model
 from trees import path_to
 
@@ -376,26 +377,46 @@ def test_drafters_sharing_a_random_stream_break_exactness():
 
 # ---- tiny models through the real verifier ---------------------------------------------------
 
-@pytest.fixture(scope="module")
-def members():
+def make_members():
     return [(MultiSampleDrafter(ModelDrafter(tiny_model(seed=1, logit_scale=0.5), max_len=64), branches=2), 0.7),
             (ModelDrafter(tiny_model(seed=2, logit_scale=0.5), max_len=64), 0.5),
             (PromptLookupDrafter(TINY.vocab_size), 0.6)]
+
+
+@pytest.fixture(scope="module")
+def members():
+    return make_members()
 
 
 SAMPLES = 12_000
 BUDGET = 4  # nodes per fused tree, from 8 draws: each drafter drafts 2 tokens (the ones the test sees)
 
 
-def first_two_sampled(target, drafter, params, conditional) -> torch.Tensor:
-    """Counts of the first two tokens after PROMPT: one round of fused drafting
-    verified by `verify_batch` (the target's next token after a lone bonus)."""
+def first_two_sampled(workers, params, conditional) -> torch.Tensor:
+    """Counts of the first two tokens after PROMPT over SAMPLES runs: one round of fused
+    drafting verified by `verify_batch` (the target's next token after a lone bonus). The
+    runs are independent (each draws from its own seed) and split over the worker processes."""
+    shares = [range(i, SAMPLES, WORKERS) for i in range(WORKERS)]
+    parts = [workers.submit(_fused_first_two, seeds, params, conditional) for seeds in shares]
+    counts, drafted = torch.zeros(TINY.vocab_size, TINY.vocab_size), 0
+    for part in parts:
+        c, d = part.result()
+        counts, drafted = counts + c, drafted + d
+    assert drafted > 3 * SAMPLES, "the fused trees were mostly empty: nothing was tested"
+    return counts
+
+
+def _fused_first_two(seeds: range, params, conditional) -> tuple[torch.Tensor, int]:
+    """`first_two_sampled`'s runs of `seeds` (in a worker process): the `target` fixture's
+    model, a FusedDrafter of the `members` fixture's drafters."""
+    torch.set_num_threads(1)
+    target, drafter = tiny_model(seed=0, logit_scale=0.5), FusedDrafter(make_members(), member_tokens=2)
     cache = target.new_cache(len(PROMPT) + BUDGET + 1)
     n = len(PROMPT) - 1
     target(torch.tensor([PROMPT[:-1]]), torch.arange(n)[None], cache, attention_mask(0, causal_ancestors(n)))
     counts = torch.zeros(TINY.vocab_size, TINY.vocab_size)
     drafted = 0
-    for seed in range(SAMPLES):
+    for seed in seeds:
         verifier_rng = make_generator(seed, stream=0)
         cache.rollback(n)
         tree = drafter.propose(DraftRequest(PROMPT, BUDGET, params, make_generator(seed, stream=1)))
@@ -405,15 +426,14 @@ def first_two_sampled(target, drafter, params, conditional) -> torch.Tensor:
         if len(out) == 1:
             out.append(sample(conditional[out[0]], verifier_rng))
         counts[out[0], out[1]] += 1
-    assert drafted > 3 * SAMPLES, "the fused trees were mostly empty: nothing was tested"
-    return counts
+    return counts, drafted
 
 
-def test_fused_sampling_matches_target_distribution(target, members):
+def test_fused_sampling_matches_target_distribution(target, workers):
     params = SamplingParams(temperature=1.0)
     expected = exact_joint(target, params)
     conditional = expected / expected.sum(1, keepdim=True)
-    counts = first_two_sampled(target, FusedDrafter(members, member_tokens=2), params, conditional)
+    counts = first_two_sampled(workers, params, conditional)
     pvalue = chi_square_p(counts, expected)
     print(f"fused sampling: p={pvalue:.3g}")
     assert pvalue > ALPHA, f"fused sampling differs from the target's distribution (p={pvalue:.2e})"
