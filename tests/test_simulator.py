@@ -139,6 +139,10 @@ def test_call_overhead_is_what_a_served_request_took_beyond_prefill_and_passes()
     # a prefill of 50 tokens (10 ms) and 9 passes of 13 ms, 10 calls of 4 ms
     served = [{"ms": 10 + 9 * 13 + 10 * 4, "passes": 10, "prompt_tokens": 50}] * 3
     assert call_ms(served, costs) == pytest.approx(4.0)
+    # a one-row, one-token pass measured off the fit (its own path): the measurement counts
+    costs["verify_pass"]["measured"] = [{"rows": 1, "tokens": 1, "ms": 9.0}, {"rows": 2, "tokens": 2, "ms": 16.0}]
+    served = [{"ms": 10 + 9 * 9 + 10 * 4, "passes": 10, "prompt_tokens": 50}] * 3
+    assert call_ms(served, costs) == pytest.approx(4.0)
 
 
 COSTS_FILE = {
