@@ -13,15 +13,25 @@ print measured against simulated throughput and the error.
     python scripts/validate_simulator.py --clients 1 2 4 8 --pools 1 2 --requests 16 --out validation.json
 
 The goal is the simulator's throughput within 15% of the measured.
+
+The simulator gives each service cores of its own, as separate nodes have. On
+one small machine `--cores V D` makes that true: the verifier computes on core
+V and the drafter pool on core D, one torch thread each, and the costs are
+measured on one thread on core D, which plain-decoding calls leave idle (one
+pool only: a second would share core D).
+
+    python scripts/validate_simulator.py --cores 0 1 --pools 1 --clients 1 2 4 8 --requests 12 --max-tokens 64
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 from argparse import Namespace
+from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,9 +45,12 @@ DRAFT_LENGTH = 5
 GOAL = 0.15
 
 
-def served_config(pools: int, drafter: str) -> str:
+def served_config(pools: int, drafter: str, cores: list[int] | None = None) -> str:
     """bench/configs/served.toml with `pools` drafter pools, and nothing the simulator does not model:
-    one drafter, a chain of DRAFT_LENGTH a round, no adaptive lengths, no early stop."""
+    one drafter, a chain of DRAFT_LENGTH a round, no adaptive lengths, no early stop. `cores`
+    (verifier core, pool core): each side pinned to its own core, one torch thread each."""
+    verifier, pool = ("threads = 2", "threads = 1") if cores is None else (
+        f"threads = 1\ncores = [{cores[0]}]", f"threads = 1\ncores = [{cores[1]}]")
     return f"""
 [router]
 default_drafter = "{drafter}"
@@ -50,12 +63,12 @@ stop_confidence = 0.0
 
 [verifiers]
 count = 1
-threads = 2
+{verifier}
 
 [drafter_pools]
 count = {pools}
 kinds = ["{drafter}"]
-threads = 1
+{pool}
 """
 
 
@@ -77,14 +90,20 @@ def main() -> None:
     parser.add_argument("--out", default="validation.json")
     parser.add_argument("--start-timeout", type=float, default=serve_process.START_TIMEOUT_S,
                         help="seconds a server may take to start (a busy machine starts Ray slowly)")
+    parser.add_argument("--cores", type=int, nargs=2, metavar=("VERIFIER", "POOL"), default=None,
+                        help="pin the verifier and the drafter pool to a core each (one torch thread each); "
+                             "the costs are measured on one thread on the pool's core")
     args = parser.parse_args()
+    if args.cores is not None and (args.pools != [1] or args.cores[0] == args.cores[1]):
+        parser.error("--cores: one pool (--pools 1) and two different cores")
     serve_process.START_TIMEOUT_S = args.start_timeout
 
     costs_path = Path(args.out).with_suffix(".costs.json")
     loads, served = {}, []
     with tempfile.TemporaryDirectory() as tmp:
         for i, pools in enumerate(args.pools):
-            with specserve_serve(Path(tmp) / f"pools{pools}.toml", served_config(pools, args.drafter)) as server:
+            config = served_config(pools, args.drafter, args.cores)
+            with specserve_serve(Path(tmp) / f"pools{pools}.toml", config) as server:
                 if i == 0 and args.costs is not None:
                     from bench.costs import served_plain_requests
 
@@ -92,14 +111,15 @@ def main() -> None:
                 elif i == 0:
                     from bench.costs import measure_costs
 
-                    measure_costs(Namespace(
-                        model=None, device="cpu", dtype="float32", questions=args.questions,
-                        limit_per_category=args.limit_per_category, drafters=[args.drafter], server=server.grpc,
-                        call_requests=4, timing_repeats=args.timing_repeats, max_tokens=args.max_tokens,
-                        draft_length=DRAFT_LENGTH, measure_costs=str(costs_path),
-                        argv=["simulate", "--measure-costs", str(costs_path), "--drafters", args.drafter,
-                              "--server", server.grpc, "--limit-per-category", str(args.limit_per_category),
-                              "--max-tokens", str(args.max_tokens)]))
+                    with on_core(args.cores):
+                        measure_costs(Namespace(
+                            model=None, device="cpu", dtype="float32", questions=args.questions,
+                            limit_per_category=args.limit_per_category, drafters=[args.drafter], server=server.grpc,
+                            call_requests=4, timing_repeats=args.timing_repeats, max_tokens=args.max_tokens,
+                            draft_length=DRAFT_LENGTH, measure_costs=str(costs_path),
+                            argv=["simulate", "--measure-costs", str(costs_path), "--drafters", args.drafter,
+                                  "--server", server.grpc, "--limit-per-category", str(args.limit_per_category),
+                                  "--max-tokens", str(args.max_tokens)]))
                 from bench.load import run_load
 
                 loads[pools] = run_load(Namespace(
@@ -130,11 +150,38 @@ def main() -> None:
                          "simulated_verifier_idle": round(sim["verifier_idle"], 3),
                          "simulated_drafter_idle": round(sim["drafter_idle"], 3)})
     report = {"command": "python scripts/validate_simulator.py " + " ".join(sys.argv[1:]), "costs": str(costs_path),
+              "placement": "shared cores" if args.cores is None else f"verifier on core {args.cores[0]}, "
+                                                                      f"pool on core {args.cores[1]}",
               "goal": f"|error| <= {GOAL:.0%}", "rows": rows}
     Path(args.out).write_text(json.dumps(report, indent=2))
     text = to_markdown(report)
     Path(args.out).with_suffix(".md").write_text(text)
     print(text)
+
+
+@contextmanager
+def on_core(cores: list[int] | None):
+    """With `cores`, this process on the pool's core with one torch thread, as each side computes
+    (plain-decoding calls leave that core idle); as it was afterwards."""
+    if cores is None:
+        yield
+        return
+    import torch
+
+    from cluster.local import pin_to_cores
+
+    allowed, threads = sorted(os.sched_getaffinity(0)), torch.get_num_threads()
+    pin_to_cores([cores[1]], "--cores")
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+        for tid in os.listdir("/proc/self/task"):  # every thread back on the cores it had
+            try:
+                os.sched_setaffinity(int(tid), allowed)
+            except ProcessLookupError:
+                pass
 
 
 def first_prompts(args, n: int = 2) -> list[str]:
