@@ -221,6 +221,7 @@ class Verifier:
         self.max_batch, self.max_batch_tokens = max_batch, max_batch_tokens
         self.rows_held = 0
         self.busy_s, self.passes, self.rows_verified = 0.0, 0, 0
+        self.pass_s = 0.0  # of busy_s, in verification passes (the rest is prefills)
         self.row_seconds = 0.0  # integral of rows held over time: mean occupancy
         self._since = 0.0
         self._row_waiters: deque[Event] = deque()
@@ -306,6 +307,7 @@ class Verifier:
             seconds = self.costs.pass_s(len(batch), sum(w.tokens for w in batch))
             yield seconds
             self.busy_s += seconds
+            self.pass_s += seconds
             self.passes += 1
             self.rows_verified += len(batch)
             for work in batch:
@@ -364,6 +366,8 @@ class SimResult:
     verifier_occupancy: float  # mean share of the verifiers' rows held (autoscaling's verifier signal)
     mean_batch_rows: float
     tokens_per_pass: float  # tokens a request gains per verification round
+    passes: int  # verification passes (prefills not counted)
+    pass_ms: float  # their mean time
 
 
 def _arrivals(cfg: SimConfig, rng: random.Random) -> list[list[float]]:
@@ -469,7 +473,8 @@ def simulate(costs: Costs, cfg: SimConfig) -> SimResult:
         drafter_idle=1 - sum(p.busy_s for p in pools) / (wall * len(pools) * cfg.pool_workers),
         verifier_occupancy=sum(v.row_seconds for v in verifiers) / (wall * len(verifiers) * cfg.max_batch),
         mean_batch_rows=sum(v.rows_verified for v in verifiers) / passes if passes else 0.0,
-        tokens_per_pass=(tokens_out[0] - len(latencies)) / tokens_out[1] if tokens_out[1] else 0.0)
+        tokens_per_pass=(tokens_out[0] - len(latencies)) / tokens_out[1] if tokens_out[1] else 0.0,
+        passes=passes, pass_ms=sum(v.pass_s for v in verifiers) / passes * 1000 if passes else 0.0)
 
 
 def replicate(costs: Costs, cfg: SimConfig, repeats: int) -> dict:

@@ -122,11 +122,17 @@ def main() -> None:
                                   "--max-tokens", str(args.max_tokens)]))
                 from bench.load import run_load
 
-                loads[pools] = run_load(Namespace(
-                    questions=args.questions, limit_per_category=args.limit_per_category, seed=pools,
-                    server=server.grpc, http=None, clients=args.clients, rate=args.rate, requests=args.requests,
-                    load_modes=[args.drafter], max_tokens=args.max_tokens, repeats=1,
-                    out=str(Path(args.out).with_suffix(f".load{pools}.json")), argv=[]))
+                results = []
+                for clients in args.clients:  # one level at a time, the services' counters read around each
+                    before = served_counters(server.http)
+                    load = run_load(Namespace(
+                        questions=args.questions, limit_per_category=args.limit_per_category, seed=pools,
+                        server=server.grpc, http=None, clients=[clients], rate=args.rate, requests=args.requests,
+                        load_modes=[args.drafter], max_tokens=args.max_tokens, repeats=1,
+                        out=str(Path(args.out).with_suffix(f".load{pools}-{clients}.json")), argv=[]))
+                    sides = served_sides(before, served_counters(server.http))
+                    results += [{**r, "served": sides} for r in load["results"]]
+                loads[pools] = {"results": results}
     if args.costs is not None:  # read only now: it may still have been measured while the servers ran
         with_call_overhead(Path(args.costs), costs_path, served)
     costs = load_costs(costs_path)
@@ -148,7 +154,14 @@ def main() -> None:
                          "measured_tokens_per_pass": measured["tokens_per_pass"],
                          "simulated_tokens_per_pass": round(sim["tokens_per_pass"], 3),
                          "simulated_verifier_idle": round(sim["verifier_idle"], 3),
-                         "simulated_drafter_idle": round(sim["drafter_idle"], 3)})
+                         "simulated_drafter_idle": round(sim["drafter_idle"], 3),
+                         "measured_passes": measured["served"]["passes"],
+                         "simulated_passes": round(sim["passes"], 1),
+                         "measured_mean_batch_rows": measured["served"]["mean_batch_rows"],
+                         "simulated_mean_batch_rows": round(sim["mean_batch_rows"], 2),
+                         "measured_pass_ms": measured["served"]["pass_ms"],
+                         "simulated_pass_ms": round(sim["pass_ms"], 1),
+                         "measured_propose_ms": measured["served"]["propose_ms"]})
     report = {"command": "python scripts/validate_simulator.py " + " ".join(sys.argv[1:]), "costs": str(costs_path),
               "placement": "shared cores" if args.cores is None else f"verifier on core {args.cores[0]}, "
                                                                       f"pool on core {args.cores[1]}",
@@ -184,6 +197,39 @@ def on_core(cores: list[int] | None):
                 pass
 
 
+COUNTERS = {"passes": ("specserve_verifier_pass_seconds", "count"),
+            "pass_s": ("specserve_verifier_pass_seconds", "sum"),
+            "rows": ("specserve_verifier_batch_size", "sum"),
+            "proposals": ("specserve_drafter_propose_seconds", "count"),
+            "propose_s": ("specserve_drafter_propose_seconds", "sum")}
+
+
+def served_counters(http: str) -> dict[str, float]:
+    """The verifier's and pools' pass and proposal counters, summed over instances (the ingress's
+    /metrics gathers every service's)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"{http}/metrics", timeout=10) as r:
+        families = {f.name: f for f in text_string_to_metric_families(r.read().decode())}
+    out = {}
+    for key, (name, part) in COUNTERS.items():
+        family = families.get(name)
+        out[key] = sum(s.value for s in family.samples if s.name == f"{name}_{part}") if family else 0.0
+    return out
+
+
+def served_sides(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
+    """What the served verifier and pools did during one load level: verification passes (prefills
+    not counted), mean rows a pass, mean pass and proposal time."""
+    d = {k: after[k] - before[k] for k in COUNTERS}
+    return {"passes": int(d["passes"]),
+            "mean_batch_rows": round(d["rows"] / d["passes"], 2) if d["passes"] else None,
+            "pass_ms": round(d["pass_s"] / d["passes"] * 1000, 1) if d["passes"] else None,
+            "propose_ms": round(d["propose_s"] / d["proposals"] * 1000, 2) if d["proposals"] else None}
+
+
 def first_prompts(args, n: int = 2) -> list[str]:
     from bench.harness import load_questions
 
@@ -214,6 +260,15 @@ def to_markdown(report: dict) -> str:
                      f"{num(r['measured_p50_s'], '.2f')} / {num(r['measured_p99_s'], '.2f')} | "
                      f"{r['simulated_p50_s']:.2f} / {r['simulated_p99_s']:.2f} | "
                      f"{num(r['measured_tokens_per_pass'], '.2f')} / {r['simulated_tokens_per_pass']:.2f} |")
+    lines += ["", "What the verifier and the pool did, measured (their /metrics, a level's warm-up request "
+              "included) and simulated:", "",
+              "| pools | clients | verification passes | rows a pass | ms a pass | ms a proposal (measured) |",
+              "| ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in report["rows"]:
+        lines.append(f"| {r['pools']} | {r['clients']} | {r['measured_passes']} / {r['simulated_passes']:.0f} | "
+                     f"{num(r['measured_mean_batch_rows'], '.2f')} / {r['simulated_mean_batch_rows']:.2f} | "
+                     f"{num(r['measured_pass_ms'], '.1f')} / {r['simulated_pass_ms']:.1f} | "
+                     f"{num(r['measured_propose_ms'], '.1f')} |")
     compared = [r for r in report["rows"] if r["error"] is not None]
     within = sum(abs(r["error"]) <= GOAL for r in compared)
     return "\n".join(lines + ["", f"Within {GOAL:.0%}: {within} of {len(compared)} rows compared."]) + "\n"

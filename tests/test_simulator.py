@@ -42,6 +42,8 @@ def test_one_client_matches_the_closed_form():
     busy = (5 + 0.1 * 20 + 9 * 17 + 15) / 1000  # prefill and passes of one request
     assert r.verifier_idle == pytest.approx(1 - busy / latency)
     assert r.drafter_idle == pytest.approx(1 - (9 * 8 + 4) / 1000 / latency)
+    assert r.passes == 5 * 10 and r.mean_batch_rows == 1.0  # prefills are not verification passes
+    assert r.pass_ms == pytest.approx((9 * 17 + 15) / 10)
 
 
 def test_plain_decoding_is_one_token_per_pass():
@@ -177,3 +179,17 @@ def test_simulate_command_errors(tmp_path, capsys):
     assert "no measured acceptance" in capsys.readouterr().err
     assert cli_main(["simulate", "--costs", str(path), "--pools", "0"]) == 2
     assert "--pools" in capsys.readouterr().err
+
+
+def test_validation_reads_what_the_served_sides_did_between_two_scrapes():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from validate_simulator import COUNTERS, served_sides
+
+    before = dict.fromkeys(COUNTERS, 0.0) | {"passes": 4, "pass_s": 0.5, "rows": 4}
+    after = {"passes": 14, "pass_s": 1.7, "rows": 36, "proposals": 20, "propose_s": 0.3}
+    assert served_sides(before, after) == {"passes": 10, "mean_batch_rows": 3.2, "pass_ms": 120.0,
+                                           "propose_ms": 15.0}
+    assert served_sides(before, before)["mean_batch_rows"] is None  # no pass: nothing to divide
