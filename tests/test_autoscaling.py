@@ -37,6 +37,9 @@ CONFIG = dict(
 )
 
 
+TRICKLE_PAUSE_S = 2 * (CONFIG["autoscaling"]["downscale_delay_s"] + CONFIG["autoscaling"]["look_back_period_s"])
+
+
 def running_replicas() -> dict[str, int]:
     deployments = serve.status().applications[APP_NAME].deployments
     return {name: deployments[name].replica_states.get("RUNNING", 0) for name in SERVICES}
@@ -93,14 +96,16 @@ def test_burst_scales_each_service_up_and_quiet_scales_back(app, hf_oracle):
     assert all(watch.peak[name] == 2 for name in SERVICES), watch.peak
 
     # quiet: back to the minimum, while a trickle of requests still succeeds as replicas drain
-    # (compared with the oracle afterwards: computing it here would outlast the scale-down)
+    # (compared with the oracle afterwards: computing it here would outlast the scale-down).
+    # The pauses outlast the downscale delay and look-back, or a request a second would keep
+    # the pool's drafting above its target and the pool up.
     deadline = time.monotonic() + 120
     trickled = []
     while running_replicas() != dict.fromkeys(SERVICES, 1):
         assert time.monotonic() < deadline, running_replicas()
         i = len(trickled) % 10
         trickled.append((i, ask(app, i)))
-        time.sleep(1.0)
+        time.sleep(TRICKLE_PAUSE_S)
     assert trickled, "the replicas were back to one before any request was sent during scale-down"
     for i, ids in zip(prompts, outputs):
         near_tie_or_equal(hf_oracle, i, ids, "during scale-up")
