@@ -38,7 +38,8 @@ def client(engine: VerifierEngine, seed: int, stop: float, done: list[int]) -> N
         engine.prefill(request_id, prompt, SamplingParams(), reserve=80)
         generated = 0
         while generated < 64:
-            out = engine.verify(request_id, DraftTree.chain([rng.randrange(100, vocab) for _ in range(rng.randrange(1, 7))]))
+            chain = [rng.randrange(100, vocab) for _ in range(rng.randrange(1, 7))]
+            out = engine.verify(request_id, DraftTree.chain(chain))
             generated += len(out.accepted) + 1
         engine.release(request_id)
         done[0] += 1
