@@ -25,6 +25,11 @@ def pin_to_cores(cores: list[int], setting: str) -> None:
     allowed = os.sched_getaffinity(0)
     if unknown := sorted(set(cores) - allowed):
         raise ValueError(f"{setting}: cores {unknown} are not among this node's {sorted(allowed)}")
+    pin_threads(cores)
+
+
+def pin_threads(cores) -> None:
+    """Every thread of this process on `cores`, unchecked (putting back what it had)."""
     for tid in os.listdir("/proc/self/task"):
         try:
             os.sched_setaffinity(int(tid), cores)

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 
+import psutil
 import torch
 from torch import nn
 
@@ -21,8 +22,7 @@ from speculative.cpu_tuning import PackedLinear
 
 
 def resident_mb() -> float:
-    with open("/proc/self/status") as status:
-        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS")) / 1024
+    return psutil.Process().memory_info().rss / 2**20
 
 
 def run(way: str, rows: int) -> None:

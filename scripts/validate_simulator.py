@@ -181,20 +181,16 @@ def on_core(cores: list[int] | None):
         return
     import torch
 
-    from cluster.local import pin_to_cores
+    from cluster.local import pin_threads, pin_to_cores
 
-    allowed, threads = sorted(os.sched_getaffinity(0)), torch.get_num_threads()
+    allowed, threads = os.sched_getaffinity(0), torch.get_num_threads()
     pin_to_cores([cores[1]], "--cores")
     torch.set_num_threads(1)
     try:
         yield
     finally:
         torch.set_num_threads(threads)
-        for tid in os.listdir("/proc/self/task"):  # every thread back on the cores it had
-            try:
-                os.sched_setaffinity(int(tid), allowed)
-            except ProcessLookupError:
-                pass
+        pin_threads(allowed)
 
 
 COUNTERS = {"passes": ("specserve_verifier_pass_seconds", "count"),

@@ -15,6 +15,7 @@ import threading
 import time
 
 import numpy as np
+import psutil
 
 from speculative import loading
 from speculative.sampling import SamplingParams
@@ -23,8 +24,7 @@ from verifier_service.engine import VerifierEngine
 
 
 def resident_mb() -> float:
-    with open("/proc/self/status") as status:
-        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS")) / 1024
+    return psutil.Process().memory_info().rss / 2**20
 
 
 def client(engine: VerifierEngine, seed: int, stop: float, done: list[int]) -> None:
@@ -68,7 +68,10 @@ def main() -> None:
         t.join()
     engine.close()
     half = [(t, mb) for t, mb in samples if t >= 30 * args.minutes]
-    slope = np.polyfit([t / 60 for t, _ in half], [mb for _, mb in half], 1)[0] if len(half) > 1 else float("nan")
+    if len(half) < 2:
+        print(f"{done[0]} requests; too few samples for a slope (raise --minutes or lower --every)")
+        return
+    slope = np.polyfit([t / 60 for t, _ in half], [mb for _, mb in half], 1)[0]
     print(f"{done[0]} requests; resident memory over the second half: {half[0][1]:.0f} -> {half[-1][1]:.0f} MB, "
           f"{slope:+.1f} MB/min")
 

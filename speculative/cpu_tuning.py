@@ -119,7 +119,10 @@ class PackedLinear(nn.Module):
 
     def _packed(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        out = torch.cat([self._packed_rows(part) for part in rows.split(PACKED_CHUNK_ROWS)])
+        if rows.shape[0] <= PACKED_CHUNK_ROWS:  # every verification pass: no joining copy
+            out = self._packed_rows(rows)
+        else:
+            out = torch.cat([self._packed_rows(part) for part in rows.split(PACKED_CHUNK_ROWS)])
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def _packed_rows(self, rows: torch.Tensor) -> torch.Tensor:
