@@ -70,6 +70,7 @@ from speculative.stopping import clip
 from speculative.tree import DraftTree, nodes_for_depth
 
 from .adaptive import PassCostModel, SpeculationControl
+from .row_line import Place, RowLine
 from .stats import RoundStats
 
 log = logging.getLogger(__name__)
@@ -221,6 +222,7 @@ class Coordinator:
         self._calibrations_lock = threading.Lock()
         # pipelined rounds send their verify calls from here while their own thread drafts ahead
         self.calls = ThreadPoolExecutor(max_workers=VERIFY_CALL_THREADS, thread_name_prefix="verify-call")
+        self.row_line = RowLine(SERVICE_POLL_S)  # prefills waiting for a verifier row, in arrival order
 
     def learns_from_target(self, kind: str) -> bool:
         """Whether drafter `kind`'s pools are sent the target's scores at the positions it scored."""
@@ -439,7 +441,17 @@ class _VerifySide(_Side):
         """The answer holds the target's next token (and, with `candidates`, its top candidates
         after the last tokens)."""
         reserve = len(tokens) + self.job.params.max_tokens + self.job.max_tree_nodes + SPARE_SLOTS
-        for address in self._live_verifiers():
+        with self.coord.row_line.place() as place:
+            return self._prefill(place, tokens, candidates, reserve)
+
+    def release(self) -> None:
+        held = self.stub is not None
+        super().release()
+        if held:
+            self.coord.row_line.freed()
+
+    def _prefill(self, place: Place, tokens: list[int], candidates: int, reserve: int) -> pb.VerifierPrefillResponse:
+        for address in self._live_verifiers(place):
             stub = pb_grpc.VerifierStub(self.coord.channels.get(address))
             req = pb.VerifierPrefillRequest(request_id=self.request_id, token_ids=tokens,
                                             sampling=params_to_pb(self.job.params), max_len=reserve,
@@ -466,21 +478,31 @@ class _VerifySide(_Side):
             return resp
         raise NoService("no verifier is available")
 
-    def _live_verifiers(self) -> Iterator[str]:
+    def _live_verifiers(self, place: Place) -> Iterator[str]:
         """Listed verifiers not yet failed for this request; while there is none (the service is
         starting, or one is restarting) wait for one, up to the coordinator's service wait and
-        the request's deadline. While the ones there are full (every row taken), wait for a row
-        as long as the deadline allows: a burst queues instead of failing."""
-        give_up = time.monotonic() + self.coord.service_wait_s
+        the request's deadline. While the ones there are full (every row taken), wait in the
+        router's line for a row as long as the deadline allows: a burst queues, in arrival
+        order, instead of failing."""
+        give_up, full = time.monotonic() + self.coord.service_wait_s, False
         while True:
+            if full or place.ticket is not None:
+                place.wait_turn(self._check, for_row=full)
             self.full.clear()
             fresh = [a for a in self.coord.verifiers() if a not in self.failed]
             yield from fresh
-            if time.monotonic() >= give_up and not self.full:
+            full = bool(self.full)
+            if time.monotonic() >= give_up and not full:
                 return
-            if self.job.is_cancelled():
-                raise Cancelled()
-            time.sleep(min(SERVICE_POLL_S, max(0.0, self.coord.timeout(self.job) or SERVICE_POLL_S)))
+            if not full:  # none listed, or all failed: look at the registry again soon
+                self._check()
+                time.sleep(min(SERVICE_POLL_S, max(0.0, self.coord.timeout(self.job) or SERVICE_POLL_S)))
+
+    def _check(self) -> None:
+        """Raise if the request should stop waiting: cancelled, or past its deadline."""
+        if self.job.is_cancelled():
+            raise Cancelled()
+        self.coord.timeout(self.job)
 
     def verify(self, tree: DraftTree, context_length: int, candidates: int = 0) -> pb.VerifyResponse | None:
         """The verdict, or None when the request must be prefilled again. The call blocks this
