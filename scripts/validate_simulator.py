@@ -21,6 +21,11 @@ measured on one thread on core D, which plain-decoding calls leave idle (one
 pool only: a second would share core D).
 
     python scripts/validate_simulator.py --cores 0 1 --pools 1 --clients 1 2 4 8 --requests 12 --max-tokens 64
+
+With `--fit-served EARLIER.json` (this script's report of an earlier run) the
+simulator takes the verification pass's and the drafting's costs as the served
+services timed them in that run, not as timed in process: fit on one run,
+checked against another.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import tempfile
 from argparse import Namespace
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
@@ -87,6 +93,9 @@ def main() -> None:
     parser.add_argument("--costs", default=None,
                         help="use this costs file (--measure-costs) instead of measuring one; only the call "
                              "overhead is measured, through the first server")
+    parser.add_argument("--fit-served", default=None, metavar="EARLIER_JSON",
+                        help="take the pass and draft costs from the served services' counters in an earlier "
+                             "run's report (at least two load levels) instead of the in-process timings")
     parser.add_argument("--out", default="validation.json")
     parser.add_argument("--start-timeout", type=float, default=serve_process.START_TIMEOUT_S,
                         help="seconds a server may take to start (a busy machine starts Ray slowly)")
@@ -135,14 +144,15 @@ def main() -> None:
                 loads[pools] = {"results": results}
     if args.costs is not None:  # read only now: it may still have been measured while the servers ran
         with_call_overhead(Path(args.costs), costs_path, served)
+    if args.fit_served is not None:
+        fitted = fitted_to_served(json.loads(costs_path.read_text()), json.loads(Path(args.fit_served).read_text()),
+                                  args.drafter, lambda clients: sim_config(args, 1, clients), args.sim_repeats)
+        costs_path.write_text(json.dumps(fitted, indent=1))
     costs = load_costs(costs_path)
     rows = []
     for pools, load in loads.items():
         for measured in load["results"]:
-            cfg = SimConfig(verifiers=1, pools=pools, drafter=args.drafter, draft_length=DRAFT_LENGTH,
-                            clients=measured["clients"], rate=args.rate, requests=args.requests,
-                            max_tokens=args.max_tokens)
-            sim = replicate(costs, cfg, args.sim_repeats)
+            sim = replicate(costs, sim_config(args, pools, measured["clients"]), args.sim_repeats)
             # a level whose requests all failed has no throughput to compare with
             error = sim["tokens_per_s"] / measured["tokens_per_s"] - 1 if measured["tokens_per_s"] else None
             rows.append({"pools": pools, "clients": measured["clients"],
@@ -170,6 +180,11 @@ def main() -> None:
     text = to_markdown(report)
     Path(args.out).with_suffix(".md").write_text(text)
     print(text)
+
+
+def sim_config(args, pools: int, clients: int) -> SimConfig:
+    return SimConfig(verifiers=1, pools=pools, drafter=args.drafter, draft_length=DRAFT_LENGTH, clients=clients,
+                     rate=args.rate, requests=args.requests, max_tokens=args.max_tokens)
 
 
 @contextmanager
@@ -240,6 +255,43 @@ def with_call_overhead(given: Path, out: Path, served: list[dict]) -> None:
     costs = json.loads(given.read_text())
     costs.update(call_ms=round(call_ms(served, costs), 3), call_ms_measured=True, served_plain_requests=served)
     out.write_text(json.dumps(costs, indent=1))
+
+
+def fitted_to_served(costs: dict, earlier: dict, drafter: str, config: Callable[[int], SimConfig],
+                     repeats: int) -> dict:
+    """`costs` with the verification pass, the drafting and the call overhead as the served services
+    showed them in an `earlier` run (this script's report, same settings). The pass: base and per-row
+    cost fitted to each level's mean pass, the per-token cost kept (every row scores a root and a
+    chain of DRAFT_LENGTH, so rows and tokens move together). A draft token: the least-loaded level's
+    mean proposal over DRAFT_LENGTH (under load, proposals also wait for each other on the pool's
+    core, which the simulator models). The call overhead: what makes the simulated least-loaded level
+    as fast as it was measured (`config(clients)` simulates it), as everything else a round costs
+    outside the two services' own timers (the network, the router, gRPC) is in it."""
+    from bench.simulator import costs_from_dict, fit_linear
+
+    levels = [r for r in earlier["rows"] if r.get("measured_pass_ms") and r.get("measured_mean_batch_rows")]
+    if len({r["measured_mean_batch_rows"] for r in levels}) < 2:
+        raise SystemExit("--fit-served: the earlier report needs two load levels with different rows a pass")
+    v = costs["verify_pass"]
+    per_row_tokens = 1 + DRAFT_LENGTH
+    base, row = fit_linear([([r["measured_mean_batch_rows"]],
+                             r["measured_pass_ms"] - v["token_ms"] * per_row_tokens * r["measured_mean_batch_rows"])
+                            for r in levels])
+    lone = min(levels, key=lambda r: r["clients"])
+    fitted = {**costs, "verify_pass": {**v, "base_ms": round(base, 3), "row_ms": round(row, 3)},
+              "draft_token_ms": {**costs["draft_token_ms"],
+                                 drafter: round(lone["measured_propose_ms"] / DRAFT_LENGTH, 3)}}
+    low, high = 0.0, 200.0  # call overhead in ms: the simulated throughput falls as it grows
+    for _ in range(12):
+        fitted["call_ms"] = (low + high) / 2
+        simulated = replicate(costs_from_dict(fitted), config(lone["clients"]), repeats)["tokens_per_s"]
+        low, high = (fitted["call_ms"], high) if simulated > lone["measured_tokens_per_s"] else (low, fitted["call_ms"])
+    fitted["call_ms"] = round((low + high) / 2, 3)
+    fitted["fitted_to_served"] = {"report": earlier["command"], "call_ms_in_process": costs["call_ms"],
+                                  "levels": [{k: r[k] for k in ("clients", "measured_tokens_per_s",
+                                                                "measured_mean_batch_rows", "measured_pass_ms",
+                                                                "measured_propose_ms")} for r in levels]}
+    return fitted
 
 
 def to_markdown(report: dict) -> str:

@@ -10,7 +10,7 @@ import json
 import pytest
 
 from bench.simulator import (Costs, DrafterProfile, Question, SimConfig, costs_from_dict, fit_linear, grid,
-                             load_costs, saturation_points, simulate)
+                             load_costs, replicate, saturation_points, simulate)
 from cluster.cli import main as cli_main
 
 DOMAIN = "qa"
@@ -193,3 +193,39 @@ def test_validation_reads_what_the_served_sides_did_between_two_scrapes():
     assert served_sides(before, after) == {"passes": 10, "mean_batch_rows": 3.2, "pass_ms": 120.0,
                                            "propose_ms": 15.0}
     assert served_sides(before, before)["mean_batch_rows"] is None  # no pass: nothing to divide
+
+
+def test_validation_fits_the_costs_the_served_sides_showed_in_an_earlier_run():
+    """--fit-served: the pass cost fitted to the served passes, a draft token from the lone
+    client's proposals, and the call overhead that makes the lone client as fast as measured."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from validate_simulator import DRAFT_LENGTH, fitted_to_served
+
+    in_process = {"verify_pass": {"base_ms": 10.0, "row_ms": 2.0, "token_ms": 1.0},
+                  "prefill": {"base_ms": 5.0, "token_ms": 0.1}, "call_ms": 1.0, "draft_token_ms": {"d": 2.0},
+                  "acceptance": {"d": {DOMAIN: {"rounds": [[5, 3]]}}},
+                  "questions": [{"domain": DOMAIN, "prompt_tokens": 20, "output_tokens": 64}]}
+    served = {**in_process, "verify_pass": {"base_ms": 40.0, "row_ms": 12.0, "token_ms": 1.0}, "call_ms": 3.0,
+              "draft_token_ms": {"d": 4.0}}
+
+    def cfg(clients: int) -> SimConfig:
+        return config(clients=clients, draft_length=DRAFT_LENGTH, rate=0.5, requests=6, max_tokens=64)
+
+    def level(clients: int, rows: float) -> dict:
+        return {"clients": clients, "measured_mean_batch_rows": rows,
+                "measured_pass_ms": 40.0 + 12.0 * rows + 1.0 * (1 + DRAFT_LENGTH) * rows,
+                "measured_propose_ms": 4.0 * DRAFT_LENGTH,
+                "measured_tokens_per_s": replicate(costs_from_dict(served), cfg(clients), 3)["tokens_per_s"]}
+
+    earlier = {"command": "earlier", "rows": [level(1, 1.0), level(8, 2.5)]}
+    fitted = fitted_to_served(in_process, earlier, "d", cfg, 3)
+    assert fitted["verify_pass"]["base_ms"] == pytest.approx(40.0)
+    assert fitted["verify_pass"]["row_ms"] == pytest.approx(12.0)
+    assert fitted["draft_token_ms"] == {"d": 4.0}
+    assert fitted["call_ms"] == pytest.approx(3.0, abs=0.1)
+    assert fitted["fitted_to_served"]["call_ms_in_process"] == 1.0
+    with pytest.raises(SystemExit, match="two load levels"):
+        fitted_to_served(in_process, {"command": "x", "rows": [level(1, 1.0)]}, "d", cfg, 3)
