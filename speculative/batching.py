@@ -3,9 +3,11 @@
 Each request owns one row of a shared KV cache. A round writes every row's
 root token and tree after that row's committed tokens, scores them in one
 pass, verifies each row on its own, and keeps only the accepted entries.
-Rows up to the highest one in the batch take part (slicing the cache costs
-nothing, gathering rows would copy it); rows with no work get one dummy token
-that attends only to itself and is rolled back.
+The rows from the lowest to the highest one in the batch take part (slicing
+the cache costs nothing, gathering rows would copy it); rows between them
+with no work get one dummy token that attends only to itself and is rolled
+back. A dummy row still costs attention over the batch's span, so the
+batch starts at its lowest row, not at row 0.
 
 Rows are padded to the widest tree for attention only: the linear layers
 and the head, most of a pass's work, run on the real tokens alone
@@ -43,8 +45,10 @@ def verify_batch(model: Transformer, cache: KVCache, items: list[VerifyItem]) ->
     if len({it.row for it in items}) != len(items):
         raise ValueError("two items in one batch share a cache row")
     device = model.device
-    rows = max(it.row for it in items) + 1
-    by_row = {it.row: it for it in items}
+    first = min(it.row for it in items)
+    rows = max(it.row for it in items) + 1 - first
+    cache = cache.rows_view(first, first + rows)  # the batch's row r is the cache's row first + r
+    by_row = {it.row - first: it for it in items}
     width = max(1 + len(it.tree) for it in items)
     starts = cache.lengths[:rows]
     span = max(starts) + width
@@ -83,4 +87,4 @@ def verify_batch(model: Transformer, cache: KVCache, items: list[VerifyItem]) ->
         cache.keep(starts[r], [0] + [node + 1 for node in path], row=r)
         results.append((r, path, bonus))
     order = {r: i for i, (r, _, _) in enumerate(results)}
-    return [results[order[it.row]][1:] for it in items]
+    return [results[order[it.row - first]][1:] for it in items]

@@ -52,9 +52,16 @@ class KVCache:
 
     def row_view(self, row: int) -> "KVCache":
         """Row `row` as a one-row cache sharing storage and length with this one."""
+        return self.rows_view(row, row + 1)
+
+    def rows_view(self, first: int, stop: int) -> "KVCache":
+        """Rows first..stop-1 as a cache of their own, sharing storage and lengths with this one
+        (slicing copies nothing)."""
+        if not 0 <= first < stop <= self.batch:
+            raise ValueError(f"rows {first}..{stop - 1} are not rows of a cache of {self.batch}")
         view = object.__new__(KVCache)
-        view.k, view.v = self.k[:, row:row + 1], self.v[:, row:row + 1]
-        view.lengths = _RowLengths(self.lengths, row)
+        view.k, view.v = self.k[:, first:stop], self.v[:, first:stop]
+        view.lengths = _RowsLengths(self.lengths, first, stop)
         return view
 
     def rollback(self, length: int, row: int = 0) -> None:
@@ -73,23 +80,30 @@ class KVCache:
         self.lengths[row] = start + len(offsets)
 
 
-class _RowLengths:
-    """The one-element `lengths` list of a row view, backed by the parent's list."""
+class _RowsLengths:
+    """The `lengths` list of a rows view, backed by the parent's list."""
 
-    def __init__(self, parent: list[int], row: int):
-        self.parent, self.row = parent, row
+    def __init__(self, parent: list[int], first: int, stop: int):
+        self.parent, self.first, self.stop = parent, first, stop
+
+    def __len__(self) -> int:
+        return self.stop - self.first
+
+    def __iter__(self):
+        return iter(self.parent[self.first:self.stop])
 
     def __getitem__(self, i):
         if isinstance(i, slice):
-            return [self.parent[self.row]][i]
-        if i != 0:
-            raise IndexError(i)
-        return self.parent[self.row]
+            return self.parent[self.first:self.stop][i]
+        return self.parent[self._index(i)]
 
     def __setitem__(self, i, value):
-        if i != 0:
+        self.parent[self._index(i)] = value
+
+    def _index(self, i: int) -> int:
+        if not 0 <= i < len(self):
             raise IndexError(i)
-        self.parent[self.row] = value
+        return self.first + i
 
 
 def _rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:

@@ -169,7 +169,7 @@ class TensorParallelTarget:
         if not isinstance(cache, MirroredCache) or cache.target is not self:
             raise ValueError("a tensor-parallel forward needs a cache of this target's new_cache")
         lengths = list(cache.whole.lengths)
-        call = ("forward", cache.cache_id, cache.row, lengths, tokens.cpu(), positions.cpu(), mask.cpu(),
+        call = ("forward", cache.cache_id, cache.rows, lengths, tokens.cpu(), positions.cpu(), mask.cpu(),
                 None if layers is None else list(layers), logits_from, None if real is None else list(real))
         self._send(self._drained() + [call])
         return self.model(tokens, positions, cache.local, mask, layers, logits_from, real)
@@ -193,10 +193,10 @@ class MirroredCache(KVCache):
     """Rank 0's KV cache shard, whose operations the other ranks replay on theirs."""
 
     def __init__(self, target: TensorParallelTarget, local: KVCache, cache_id: int | None = None,
-                 row: int | None = None, whole: "MirroredCache | None" = None):
+                 rows: tuple[int, int] | None = None, whole: "MirroredCache | None" = None):
         self.target, self.local = target, local
         self.k, self.v, self.lengths = local.k, local.v, local.lengths
-        self.row, self._whole = row, whole  # a row view keeps its whole cache alive
+        self.rows, self._whole = rows, whole  # a rows view keeps its whole cache alive
         if cache_id is None:
             cache_id = next(target._ids)
             # the other ranks free their shard with the next message once this one is gone
@@ -205,7 +205,7 @@ class MirroredCache(KVCache):
 
     @property
     def whole(self) -> "MirroredCache":
-        """The cache this is a row view of (itself if none)."""
+        """The cache this is a rows view of (itself if none)."""
         return self._whole or self
 
     def grown(self, max_len: int) -> "MirroredCache":
@@ -213,11 +213,13 @@ class MirroredCache(KVCache):
         self.target._ops.append(("grow", self.cache_id, grown.cache_id, max_len))
         return grown
 
-    def row_view(self, row: int) -> "MirroredCache":
-        return MirroredCache(self.target, self.local.row_view(row), self.cache_id, row, self.whole)
+    def rows_view(self, first: int, stop: int) -> "MirroredCache":
+        offset = self.rows[0] if self.rows else 0  # the other ranks view the whole cache's rows
+        return MirroredCache(self.target, self.local.rows_view(first, stop), self.cache_id,
+                             (offset + first, offset + stop), self.whole)
 
     def keep(self, start: int, offsets: Sequence[int], row: int = 0) -> None:
-        whole_row = row if self.row is None else self.row
+        whole_row = row if self.rows is None else self.rows[0] + row
         self.target._ops.append(("keep", self.cache_id, start, list(offsets), whole_row))
         self.local.keep(start, offsets, row)
 
@@ -248,12 +250,12 @@ def serve_rank(model: Transformer, receive: Receive) -> dict[int, KVCache]:
                 raise ValueError(f"unknown tensor-parallel operation {kind!r}")
 
 
-def _replay_forward(model: Transformer, caches: dict[int, KVCache], cache_id: int, row: int | None,
+def _replay_forward(model: Transformer, caches: dict[int, KVCache], cache_id: int, rows: tuple[int, int] | None,
                     lengths: list[int], tokens, positions, mask, layers, logits_from, real) -> None:
     cache = caches[cache_id]
     cache.lengths[:] = lengths
-    if row is not None:
-        cache = cache.row_view(row)
+    if rows is not None:
+        cache = cache.rows_view(*rows)
     device = model.device
     try:
         model(tokens.to(device), positions.to(device), cache, mask.to(device), layers, logits_from, real)

@@ -28,19 +28,28 @@ def fresh_next_logits(model, tokens):
     return model(torch.tensor([tokens]), torch.arange(n)[None], cache, attention_mask(0, causal_ancestors(n)))[0, -1]
 
 
-def test_batched_rows_match_single_requests():
+@pytest.mark.parametrize("first", [0, 2], ids=["from row 0", "from row 2"])
+def test_batched_rows_match_single_requests(first):
+    """Rows first, first+2 and first+3 verified (first+1 idle between them); rows before
+    `first` hold requests that are not in the batch and must be left as they were."""
     model = tiny_model(0)
-    prompts = {0: [1, 2, 3, 4, 5, 6, 7], 2: [3, 1], 3: [5, 5, 6, 1, 2]}  # row 1 idle
-    trees = {0: DraftTree(tokens=[1, 2, 3], parents=[-1, 0, -1]),
-             2: DraftTree.chain([4, 4, 4, 4, 4]),
-             3: DraftTree()}
-    cache = model.new_cache(32, batch=4)
-    prefill_row(model, cache, 1, [7, 7, 7])
+    rows = [first, first + 2, first + 3]
+    prompts = dict(zip(rows, ([1, 2, 3, 4, 5, 6, 7], [3, 1], [5, 5, 6, 1, 2])))
+    trees = dict(zip(rows, (DraftTree(tokens=[1, 2, 3], parents=[-1, 0, -1]), DraftTree.chain([4, 4, 4, 4, 4]),
+                            DraftTree())))
+    cache = model.new_cache(32, batch=first + 4)
+    for row in range(first + 1):
+        if row != first:
+            prefill_row(model, cache, row, [6, 5, 4, 3])
+    prefill_row(model, cache, first + 1, [7, 7, 7])
     for row, p in prompts.items():
         prefill_row(model, cache, row, p[:-1])
+    before = cache.k[:, :first].clone(), cache.v[:, :first].clone()
     items = [VerifyItem(row, prompts[row][-1], trees[row], GREEDY, torch.Generator()) for row in prompts]
     got = verify_batch(model, cache, items)
-    assert cache.lengths[1] == 3, "an idle row's dummy token must be rolled back"
+    assert cache.lengths[first + 1] == 3, "an idle row's dummy token must be rolled back"
+    assert cache.lengths[:first] == [4] * first, "rows below the batch are not part of it"
+    assert torch.equal(cache.k[:, :first], before[0]) and torch.equal(cache.v[:, :first], before[1])
     for (row, p), (path, bonus) in zip(prompts.items(), got):
         single = model.new_cache(32)
         prefill_row(model, single, 0, p[:-1])
@@ -53,6 +62,21 @@ def test_batched_rows_match_single_requests():
         nxt = model(torch.tensor([[bonus]]), torch.tensor([[len(accepted)]]), view,
                     attention_mask(len(accepted), causal_ancestors(1)))[0, -1]
         assert torch.allclose(nxt, fresh_next_logits(model, accepted + [bonus]), atol=1e-5), f"row {row}"
+
+
+def test_a_rows_view_shares_the_rows_and_their_lengths():
+    model = tiny_model(0)
+    cache = model.new_cache(16, batch=5)
+    view = cache.rows_view(2, 4)
+    prefill_row(model, view, 1, [1, 2, 3])
+    assert cache.lengths == [0, 0, 0, 3, 0] and list(view.lengths) == [0, 3] and len(view.lengths) == 2
+    assert torch.equal(view.k[:, 1], cache.k[:, 3]) and cache.k[:, 3, :, :3].abs().sum() > 0
+    view.rollback(1, row=1)
+    assert cache.lengths[3] == 1
+    with pytest.raises(IndexError):
+        view.lengths[2]
+    with pytest.raises(ValueError, match="rows 3..5"):
+        cache.rows_view(3, 6)
 
 
 @pytest.mark.parametrize("wide_rows_share", [1, 1000], ids=["wide rows attend alone", "all rows padded"])
