@@ -30,7 +30,7 @@ class RowLine:
         self._freed = 0  # rows freed here so far: a waiter wakes when it changes
 
     def place(self) -> "Place":
-        """One prefill's place: not in line until it `join`s or finds others waiting."""
+        """One prefill's place: in line once it finds others waiting or waits its turn."""
         return Place(self)
 
     def waiting(self) -> int:

@@ -146,7 +146,8 @@ def main() -> None:
         with_call_overhead(Path(args.costs), costs_path, served)
     if args.fit_served is not None:
         fitted = fitted_to_served(json.loads(costs_path.read_text()), json.loads(Path(args.fit_served).read_text()),
-                                  args.drafter, lambda clients: sim_config(args, 1, clients), args.sim_repeats)
+                                  args.drafter, lambda pools, clients: sim_config(args, pools, clients),
+                                  args.sim_repeats)
         costs_path.write_text(json.dumps(fitted, indent=1))
     costs = load_costs(costs_path)
     rows = []
@@ -257,7 +258,7 @@ def with_call_overhead(given: Path, out: Path, served: list[dict]) -> None:
     out.write_text(json.dumps(costs, indent=1))
 
 
-def fitted_to_served(costs: dict, earlier: dict, drafter: str, config: Callable[[int], SimConfig],
+def fitted_to_served(costs: dict, earlier: dict, drafter: str, config: Callable[[int, int], SimConfig],
                      repeats: int) -> dict:
     """`costs` with the verification pass, the drafting and the call overhead as the served services
     showed them in an `earlier` run (this script's report, same settings). The pass: base and per-row
@@ -265,7 +266,7 @@ def fitted_to_served(costs: dict, earlier: dict, drafter: str, config: Callable[
     chain of DRAFT_LENGTH, so rows and tokens move together). A draft token: the least-loaded level's
     mean proposal over DRAFT_LENGTH (under load, proposals also wait for each other on the pool's
     core, which the simulator models). The call overhead: what makes the simulated least-loaded level
-    as fast as it was measured (`config(clients)` simulates it), as everything else a round costs
+    as fast as it was measured (`config(pools, clients)` simulates it), as everything else a round costs
     outside the two services' own timers (the network, the router, gRPC) is in it."""
     from bench.simulator import costs_from_dict, fit_linear
 
@@ -277,18 +278,18 @@ def fitted_to_served(costs: dict, earlier: dict, drafter: str, config: Callable[
     base, row = fit_linear([([r["measured_mean_batch_rows"]],
                              r["measured_pass_ms"] - v["token_ms"] * per_row_tokens * r["measured_mean_batch_rows"])
                             for r in levels])
-    lone = min(levels, key=lambda r: r["clients"])
+    lone = min(levels, key=lambda r: (r["clients"], r["pools"]))
     fitted = {**costs, "verify_pass": {**v, "base_ms": round(base, 3), "row_ms": round(row, 3)},
               "draft_token_ms": {**costs["draft_token_ms"],
                                  drafter: round(lone["measured_propose_ms"] / DRAFT_LENGTH, 3)}}
     low, high = 0.0, 200.0  # call overhead in ms: the simulated throughput falls as it grows
     for _ in range(12):
         fitted["call_ms"] = (low + high) / 2
-        simulated = replicate(costs_from_dict(fitted), config(lone["clients"]), repeats)["tokens_per_s"]
+        simulated = replicate(costs_from_dict(fitted), config(lone["pools"], lone["clients"]), repeats)["tokens_per_s"]
         low, high = (fitted["call_ms"], high) if simulated > lone["measured_tokens_per_s"] else (low, fitted["call_ms"])
     fitted["call_ms"] = round((low + high) / 2, 3)
     fitted["fitted_to_served"] = {"report": earlier["command"], "call_ms_in_process": costs["call_ms"],
-                                  "levels": [{k: r[k] for k in ("clients", "measured_tokens_per_s",
+                                  "levels": [{k: r[k] for k in ("pools", "clients", "measured_tokens_per_s",
                                                                 "measured_mean_batch_rows", "measured_pass_ms",
                                                                 "measured_propose_ms")} for r in levels]}
     return fitted

@@ -211,14 +211,14 @@ def test_validation_fits_the_costs_the_served_sides_showed_in_an_earlier_run():
     served = {**in_process, "verify_pass": {"base_ms": 40.0, "row_ms": 12.0, "token_ms": 1.0}, "call_ms": 3.0,
               "draft_token_ms": {"d": 4.0}}
 
-    def cfg(clients: int) -> SimConfig:
-        return config(clients=clients, draft_length=DRAFT_LENGTH, rate=0.5, requests=6, max_tokens=64)
+    def cfg(pools: int, clients: int) -> SimConfig:
+        return config(pools=pools, clients=clients, draft_length=DRAFT_LENGTH, rate=0.5, requests=6, max_tokens=64)
 
     def level(clients: int, rows: float) -> dict:
-        return {"clients": clients, "measured_mean_batch_rows": rows,
+        return {"pools": 1, "clients": clients, "measured_mean_batch_rows": rows,
                 "measured_pass_ms": 40.0 + 12.0 * rows + 1.0 * (1 + DRAFT_LENGTH) * rows,
                 "measured_propose_ms": 4.0 * DRAFT_LENGTH,
-                "measured_tokens_per_s": replicate(costs_from_dict(served), cfg(clients), 3)["tokens_per_s"]}
+                "measured_tokens_per_s": replicate(costs_from_dict(served), cfg(1, clients), 3)["tokens_per_s"]}
 
     earlier = {"command": "earlier", "rows": [level(1, 1.0), level(8, 2.5)]}
     fitted = fitted_to_served(in_process, earlier, "d", cfg, 3)
