@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
 import openai
 import pytest
@@ -59,6 +59,10 @@ class ReplicaWatch:
             for name, n in running_replicas().items():
                 self.peak[name] = max(self.peak[name], n)
 
+    def scaled_up(self) -> bool:
+        """Whether every service has run two replicas."""
+        return all(n >= 2 for n in self.peak.values())
+
     def stop(self) -> None:
         self._stop.set()
         self._thread.join()
@@ -84,13 +88,25 @@ def ask(client: openai.OpenAI, i: int) -> list[int]:
     return r.choices[0].token_ids
 
 
+def burst(client: openai.OpenAI, watch: ReplicaWatch, concurrent: int = 8,
+          most: int = 32) -> list[tuple[int, list[int]]]:
+    """Keep `concurrent` requests in flight until every service has run two replicas (or
+    `most` were sent), then let those in flight finish: (prompt index, output) of each."""
+    sent: dict = {}
+    with ThreadPoolExecutor(concurrent) as pool:
+        while len(sent) < most and not watch.scaled_up():
+            while sum(not f.done() for f in sent) < concurrent and len(sent) < most:
+                i = len(sent) % 10
+                sent[pool.submit(ask, client, i)] = i
+            wait([f for f in sent if not f.done()], timeout=0.5, return_when=FIRST_COMPLETED)
+    return [(i, f.result()) for f, i in sent.items()]
+
+
 def test_burst_scales_each_service_up_and_quiet_scales_back(app, hf_oracle):
     assert running_replicas() == dict.fromkeys(SERVICES, 1)
     watch = ReplicaWatch()
-    prompts = [i % 10 for i in range(24)]
     try:
-        with ThreadPoolExecutor(8) as pool:
-            outputs = list(pool.map(lambda i: ask(app, i), prompts))
+        outputs = burst(app, watch)
     finally:
         watch.stop()
     assert all(watch.peak[name] == 2 for name in SERVICES), watch.peak
@@ -107,7 +123,7 @@ def test_burst_scales_each_service_up_and_quiet_scales_back(app, hf_oracle):
         trickled.append((i, ask(app, i)))
         time.sleep(TRICKLE_PAUSE_S)
     assert trickled, "the replicas were back to one before any request was sent during scale-down"
-    for i, ids in zip(prompts, outputs):
+    for i, ids in outputs:
         near_tie_or_equal(hf_oracle, i, ids, "during scale-up")
     for i, ids in trickled:
         near_tie_or_equal(hf_oracle, i, ids, "during scale-down")
