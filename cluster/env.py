@@ -4,6 +4,9 @@ of `speculative/` take their values as parameters.
 - SPECSERVE_PACKED_LINEAR: `0` keeps the linear layers unpacked on the CPU.
 - SPECSERVE_ONE_ROW_LINEAR: the path of one row through packed layers, `auto`
   (the default: whichever this CPU runs faster), `blas` or `packed`.
+- SPECSERVE_SHORT_ROWS_LINEAR: the path of 2-3 rows, `auto` (the default:
+  whichever this CPU runs faster), `blas`, or `padded` to 4 rows through the
+  packed layers.
 - SPECSERVE_CACHE_DIR: the cache of converted models and distillation data
   (unset or empty: ~/.cache/specserve).
 - SPECSERVE_CLUSTER_SECRET: the secret every internal call carries, when the
@@ -15,18 +18,21 @@ from __future__ import annotations
 
 import os
 
-from speculative.cpu_tuning import ONE_ROW_PATHS, CpuTuning
+from speculative.cpu_tuning import ONE_ROW_PATHS, SHORT_ROWS_PATHS, CpuTuning
 
 
 def cpu_tuning_from_env() -> CpuTuning:
-    """SPECSERVE_PACKED_LINEAR and SPECSERVE_ONE_ROW_LINEAR (see module doc); the second
-    is only read when packing is on."""
+    """SPECSERVE_PACKED_LINEAR, SPECSERVE_ONE_ROW_LINEAR and SPECSERVE_SHORT_ROWS_LINEAR (see
+    module doc); the last two are only read when packing is on."""
     if os.environ.get("SPECSERVE_PACKED_LINEAR", "1") == "0":
         return CpuTuning(packed_linear=False)
     one_row = os.environ.get("SPECSERVE_ONE_ROW_LINEAR", "auto")
     if one_row not in ONE_ROW_PATHS:
         raise ValueError(f"SPECSERVE_ONE_ROW_LINEAR must be auto, blas or packed, got {one_row!r}")
-    return CpuTuning(one_row=one_row)
+    short_rows = os.environ.get("SPECSERVE_SHORT_ROWS_LINEAR", "auto")
+    if short_rows not in SHORT_ROWS_PATHS:
+        raise ValueError(f"SPECSERVE_SHORT_ROWS_LINEAR must be auto, blas or padded, got {short_rows!r}")
+    return CpuTuning(one_row=one_row, short_rows=short_rows)
 
 
 def cache_dir_from_env() -> str | None:

@@ -6,9 +6,11 @@ parallelism is applied to a plain one:
 
 - the linear layers are prepacked in oneDNN's blocked layout (`PackedLinear`):
   CPU BLAS multiplies a few rows inefficiently, and a pass of several new tokens
-  (what verifying a draft is) costs much less prepacked. One row takes whichever
-  path this CPU runs faster, measured once per process (`_one_row_blas_wins`);
-- one row of 2-3 new tokens is padded to PAD_ROWS_TO tokens, which cost less;
+  (what verifying a draft is) costs much less prepacked. One row, and 2-3 rows,
+  take whichever path this CPU runs faster, measured once per process
+  (`_blas_wins`);
+- where 2-3 rows are cheaper packed, one row of 2-3 new tokens is padded to
+  PAD_ROWS_TO tokens;
 - each serving thread keeps its own torch thread count (`own_torch_threads`).
 
 What was measured to choose these is in docs/DESIGN-NOTES.md.
@@ -33,6 +35,7 @@ from .model import Transformer
 PAD_ROWS_TO = 4
 
 ONE_ROW_PATHS = ("auto", "blas", "packed")
+SHORT_ROWS_PATHS = ("auto", "blas", "padded")
 
 # oneDNN keeps a primitive, with scratch memory sized by its rows, for every shape it meets
 # (up to 1,024 of them): a server whose passes took every row count up to a prompt's length
@@ -48,22 +51,28 @@ class CpuTuning:
 
     `packed_linear`: prepack the linear layers (float32 models only). `one_row`: the
     path one row takes through them: `blas`, `packed`, or `auto`, whichever this CPU
-    runs faster (measured)."""
+    runs faster (measured). `short_rows`: the path of 2-3 rows: `blas` as they are,
+    `padded` to PAD_ROWS_TO rows through the packed layers (a pass of one row and 2-3
+    new tokens is padded), or `auto`, whichever this CPU runs faster (measured)."""
 
     packed_linear: bool = True
     one_row: str = "auto"
+    short_rows: str = "auto"
 
     def __post_init__(self):
         if self.one_row not in ONE_ROW_PATHS:
             raise ValueError(f"one_row must be auto, blas or packed, got {self.one_row!r}")
+        if self.short_rows not in SHORT_ROWS_PATHS:
+            raise ValueError(f"short_rows must be auto, blas or padded, got {self.short_rows!r}")
 
 
 def apply_cpu_tuning(model: Transformer, tuning: CpuTuning = CpuTuning()) -> bool:
-    """Tune an inference-only model on the CPU: pad one-row passes of 2-3 tokens to
-    PAD_ROWS_TO, and prepack every linear layer of a float32 model (`PackedLinear`).
-    Returns whether the layers were packed: False, leaving them as they are, for another
-    device or dtype, a torch without oneDNN's packed linear, or `tuning.packed_linear`
-    off. The model remembers `tuning` (`tuning_of`). Not for training."""
+    """Tune an inference-only model on the CPU: prepack every linear layer of a float32
+    model (`PackedLinear`), and pad one-row passes of 2-3 tokens to PAD_ROWS_TO unless
+    the packed layers run 2-3 rows by BLAS. Returns whether the layers were packed:
+    False, leaving them as they are (and padding short rows), for another device or
+    dtype, a torch without oneDNN's packed linear, or `tuning.packed_linear` off. The
+    model remembers `tuning` (`tuning_of`). Not for training."""
     model.cpu_tuning = tuning
     if model.device.type == "cpu" and type(model) is Transformer:
         model.__class__ = PaddedShortRows  # the same model, its forward wrapped
@@ -79,9 +88,14 @@ def apply_cpu_tuning(model: Transformer, tuning: CpuTuning = CpuTuning()) -> boo
     if isinstance(model.lm_head, nn.Linear):  # not a tensor-parallel rank's missing head (speculative/tp.py)
         model.lm_head = PackedLinear(model.lm_head)  # a packed copy: the embedding stays for lookups
     packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
-    blas = _one_row_blas_wins(packed) if tuning.one_row == "auto" else tuning.one_row == "blas"
+    one_blas = _blas_wins(packed, 1, 1) if tuning.one_row == "auto" else tuning.one_row == "blas"
+    # 3 rows: of the short ones, the dearer for BLAS
+    short_blas = (_blas_wins(packed, 3, PAD_ROWS_TO) if tuning.short_rows == "auto"
+                  else tuning.short_rows == "blas")
     for m in packed:
-        m.one_row_blas = blas
+        m.one_row_blas, m.short_rows_blas = one_blas, short_blas
+    if isinstance(model, PaddedShortRows):
+        model.pad_short_rows = not short_blas
     return True
 
 
@@ -101,8 +115,9 @@ class PackedLinear(nn.Module):
 
     CPU BLAS multiplies a few rows inefficiently; prepacked, a pass of several new tokens
     costs much less over one of a single token. For one row (plain decoding, a chain
-    drafter's step) the faster path depends on the CPU, so `apply_cpu_tuning` measures
-    which (`one_row_blas`). The results differ from `nn.Linear`'s by float32 rounding only."""
+    drafter's step) and for 2-3 rows (a short draft) the faster path depends on the CPU,
+    so `apply_cpu_tuning` measures which (`one_row_blas`, `short_rows_blas`). The
+    results differ from `nn.Linear`'s by float32 rounding only."""
 
     def __init__(self, linear: nn.Linear, rows: int = 16):
         super().__init__()
@@ -111,9 +126,12 @@ class PackedLinear(nn.Module):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, rows)
         self.bias = None if linear.bias is None else linear.bias.detach()
         self.one_row_blas = True
+        self.short_rows_blas = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.one_row_blas and x.numel() == self.in_features:
+        rows = x.numel() // self.in_features
+        blas = self.one_row_blas if rows == 1 else self.short_rows_blas and rows < PAD_ROWS_TO
+        if blas:
             return F.linear(x, self.weight, self.bias)
         return self._packed(x)
 
@@ -143,22 +161,22 @@ def packed_rows(n: int) -> int:
     return -(-n // step) * step
 
 
-# (out, in, bias, torch threads) -> seconds of one row by (BLAS, packed), measured once a process
-_one_row_seconds: dict[tuple[int, int, bool, int], tuple[float, float]] = {}
+# (out, in, bias, torch threads, rows, packed rows) -> seconds by (BLAS, packed), measured once a process
+_path_seconds: dict[tuple[int, int, bool, int, int, int], tuple[float, float]] = {}
 
 
-def _one_row_blas_wins(layers: Sequence[PackedLinear], repeats: int = 9) -> bool:
-    """Whether one row through all of `layers` costs less by BLAS than by oneDNN's packed
-    path on this CPU: each shape timed once (median of `repeats`), weighed by how many
-    layers have it. One path for every layer: switching between the two inside a
-    forward cost more than either (docs/DESIGN-NOTES.md)."""
+def _blas_wins(layers: Sequence[PackedLinear], rows: int, packed_rows: int, repeats: int = 9) -> bool:
+    """Whether `rows` rows through all of `layers` cost less by BLAS than `packed_rows`
+    rows (what the packed path runs them as) by oneDNN's packed path on this CPU: each
+    shape timed once (median of `repeats`), weighed by how many layers have it. One path
+    for every layer: switching between the two inside a forward cost more than either
+    (docs/DESIGN-NOTES.md)."""
     totals = [0.0, 0.0]
     for layer in layers:
-        key = (layer.out_features, layer.in_features, layer.bias is not None, torch.get_num_threads())
-        if key not in _one_row_seconds:
-            x = torch.randn(1, 1, layer.in_features)
-
-            def median_s(fn) -> float:
+        key = (layer.out_features, layer.in_features, layer.bias is not None, torch.get_num_threads(), rows,
+               packed_rows)
+        if key not in _path_seconds:
+            def median_s(fn, x) -> float:
                 times = []
                 for _ in range(repeats + 2):  # the first two warm up
                     start = time.perf_counter()
@@ -167,24 +185,28 @@ def _one_row_blas_wins(layers: Sequence[PackedLinear], repeats: int = 9) -> bool
                 return statistics.median(times[2:])
 
             with torch.inference_mode():
-                _one_row_seconds[key] = (median_s(lambda v: F.linear(v, layer.weight, layer.bias)),
-                                         median_s(layer._packed))
-        totals = [total + s for total, s in zip(totals, _one_row_seconds[key])]
+                _path_seconds[key] = (
+                    median_s(lambda v: F.linear(v, layer.weight, layer.bias), torch.randn(rows, layer.in_features)),
+                    median_s(layer._packed, torch.randn(packed_rows, layer.in_features)))
+        totals = [total + s for total, s in zip(totals, _path_seconds[key])]
     return totals[0] < totals[1]
 
 
 class PaddedShortRows(Transformer):
     """A `Transformer` whose passes of one row and 2-3 tokens on the CPU run padded to
-    PAD_ROWS_TO tokens; the padding leaves the cache and the logits afterwards.
-    `apply_cpu_tuning` makes a loaded model one (a class of its own rather than a wrapper
-    stored on the model, which would keep the model alive in a reference cycle)."""
+    PAD_ROWS_TO tokens (unless `pad_short_rows` is off: its packed layers run 2-3 rows
+    by BLAS); the padding leaves the cache and the logits afterwards. `apply_cpu_tuning`
+    makes a loaded model one (a class of its own rather than a wrapper stored on the
+    model, which would keep the model alive in a reference cycle)."""
+
+    pad_short_rows = True
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache, mask: torch.Tensor,
                 layers: Sequence[int] | None = None, logits_from: int = 0,
                 real: Sequence[int] | None = None) -> torch.Tensor:
         b, t = tokens.shape
-        short = tokens.device.type == "cpu" and b == 1 and 1 < t < PAD_ROWS_TO
+        short = self.pad_short_rows and tokens.device.type == "cpu" and b == 1 and 1 < t < PAD_ROWS_TO
         if not short or (real is not None and sum(real) != t):  # rows given packed: the model's own path
             return super().forward(tokens, positions, cache, mask, layers, logits_from, real)
         pad = PAD_ROWS_TO - t

@@ -15,7 +15,8 @@ from speculative.loading import cache_root
 def test_cpu_tuning_from_env(monkeypatch):
     monkeypatch.delenv("SPECSERVE_PACKED_LINEAR", raising=False)
     monkeypatch.delenv("SPECSERVE_ONE_ROW_LINEAR", raising=False)
-    assert cpu_tuning_from_env() == CpuTuning(packed_linear=True, one_row="auto")
+    monkeypatch.delenv("SPECSERVE_SHORT_ROWS_LINEAR", raising=False)
+    assert cpu_tuning_from_env() == CpuTuning(packed_linear=True, one_row="auto", short_rows="auto")
     for choice in ("auto", "blas", "packed"):
         monkeypatch.setenv("SPECSERVE_ONE_ROW_LINEAR", choice)
         assert cpu_tuning_from_env() == CpuTuning(one_row=choice)
@@ -27,6 +28,12 @@ def test_cpu_tuning_from_env(monkeypatch):
     monkeypatch.setenv("SPECSERVE_PACKED_LINEAR", "1")
     monkeypatch.setenv("SPECSERVE_ONE_ROW_LINEAR", "blas")
     assert cpu_tuning_from_env() == CpuTuning(one_row="blas")
+    for choice in ("auto", "blas", "padded"):
+        monkeypatch.setenv("SPECSERVE_SHORT_ROWS_LINEAR", choice)
+        assert cpu_tuning_from_env() == CpuTuning(one_row="blas", short_rows=choice)
+    monkeypatch.setenv("SPECSERVE_SHORT_ROWS_LINEAR", "packed")
+    with pytest.raises(ValueError, match="SPECSERVE_SHORT_ROWS_LINEAR must be auto, blas or padded, got 'packed'"):
+        cpu_tuning_from_env()
 
 
 def test_cache_dir_from_env(monkeypatch, tmp_path):

@@ -1,6 +1,6 @@
 """CPU tuning (speculative.cpu_tuning): prepacked linear layers give the same logits as
-the plain model, one path for one row is chosen by what this CPU does faster, and a short
-row runs padded with the plain model's results."""
+the plain model, the paths of one row and of 2-3 rows are chosen by what this CPU does
+faster, and a short row runs padded (or by BLAS, unpadded) with the plain model's results."""
 
 from __future__ import annotations
 
@@ -29,17 +29,60 @@ def logits(model, tokens: list[int]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("one_row_blas", [True, False])
-def test_packed_model_scores_like_the_plain_one(one_row_blas, monkeypatch):
+@pytest.mark.parametrize("short_rows_blas", [True, False])
+def test_packed_model_scores_like_the_plain_one(one_row_blas, short_rows_blas, monkeypatch):
     plain = tiny_model(0)
     packed = copy.deepcopy(plain)
-    monkeypatch.setattr(cpu_tuning, "_one_row_blas_wins", lambda layers: one_row_blas)
+    asked = []
+
+    def measured(layers, rows, packed_rows):
+        asked.append((rows, packed_rows))
+        return one_row_blas if rows == 1 else short_rows_blas
+
+    monkeypatch.setattr(cpu_tuning, "_blas_wins", measured)
     if not apply_cpu_tuning(packed):
         pytest.skip("this torch has no oneDNN packed linear")
+    assert asked == [(1, 1), (3, PAD_ROWS_TO)]  # one row as it is; 3 rows against their padded 4
     layers = [m for m in packed.modules() if isinstance(m, PackedLinear)]
     assert len(layers) == 4 * len(packed.layers) + 1
     assert {m.one_row_blas for m in layers} == {one_row_blas}
+    assert {m.short_rows_blas for m in layers} == {short_rows_blas}
+    assert packed.pad_short_rows is not short_rows_blas
     tokens = [1, 2, 3, 4, 5, 6]
     assert torch.allclose(logits(packed, tokens), logits(plain, tokens), atol=1e-4)
+
+
+@pytest.mark.parametrize("short_rows", ["blas", "padded"])
+@pytest.mark.parametrize("t", [2, 3])
+def test_short_rows_take_the_path_chosen_and_score_like_the_plain_model(short_rows, t, monkeypatch):
+    """Packed, one row of 2-3 new tokens runs through BLAS as it is (`short_rows` blas) or
+    padded to PAD_ROWS_TO through the packed layers; either way with the plain model's
+    logits and cache."""
+    plain = tiny_model(0)
+    tuned = copy.deepcopy(plain)
+    if not apply_cpu_tuning(tuned, CpuTuning(short_rows=short_rows)):
+        pytest.skip("this torch has no oneDNN packed linear")
+    prefix, new = [1, 2, 3], [4, 5, 6][:t]
+    caches = []
+    for model in (plain, tuned):
+        cache = model.new_cache(len(prefix) + PAD_ROWS_TO)
+        model(torch.tensor([prefix]), torch.arange(len(prefix))[None], cache,
+              attention_mask(0, causal_ancestors(len(prefix))))
+        caches.append(cache)
+    rows_seen = []
+    blas = torch.nn.functional.linear
+    monkeypatch.setattr(cpu_tuning.F, "linear", lambda x, *a: rows_seen.append(x.numel() // x.shape[-1]) or blas(x, *a))
+    got = tuned(torch.tensor([new]), torch.arange(len(prefix), len(prefix) + t)[None], caches[1],
+                attention_mask(len(prefix), causal_ancestors(t)))
+    monkeypatch.undo()
+    want = plain(torch.tensor([new]), torch.arange(len(prefix), len(prefix) + t)[None], caches[0],
+                 attention_mask(len(prefix), causal_ancestors(t)))
+    layers = 4 * len(tuned.layers) + 1
+    assert rows_seen == ([t] * layers if short_rows == "blas" else [])
+    assert got.shape == want.shape and torch.allclose(got, want, atol=1e-4)
+    n = len(prefix) + t
+    assert caches[1].lengths == caches[0].lengths == [n]
+    assert torch.allclose(caches[1].k[:, :, :, :n], caches[0].k[:, :, :, :n], atol=1e-5)
 
 
 def test_one_path_for_every_layer_by_the_weighed_total(monkeypatch):
@@ -47,14 +90,14 @@ def test_one_path_for_every_layer_by_the_weighed_total(monkeypatch):
     small shape, packed on the big one, and the count decides."""
     small, big = torch.nn.Linear(4, 4, bias=False), torch.nn.Linear(4, 16, bias=False)
     threads = torch.get_num_threads()
-    monkeypatch.setattr(cpu_tuning, "_one_row_seconds", {(4, 4, False, threads): (1.0, 2.0),
-                                                         (16, 4, False, threads): (5.0, 3.0)})
+    monkeypatch.setattr(cpu_tuning, "_path_seconds", {(4, 4, False, threads, 1, 1): (1.0, 2.0),
+                                                      (16, 4, False, threads, 1, 1): (5.0, 3.0)})
     if not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
         pytest.skip("this torch has no oneDNN packed linear")
     few_big = [PackedLinear(small) for _ in range(3)] + [PackedLinear(big)]  # BLAS 8 s, packed 9 s
     many_big = [PackedLinear(small)] + [PackedLinear(big) for _ in range(2)]  # BLAS 11 s, packed 8 s
-    assert cpu_tuning._one_row_blas_wins(few_big)
-    assert not cpu_tuning._one_row_blas_wins(many_big)
+    assert cpu_tuning._blas_wins(few_big, 1, 1)
+    assert not cpu_tuning._blas_wins(many_big, 1, 1)
 
 
 @pytest.mark.parametrize("t", [2, 3])
