@@ -177,9 +177,10 @@ class PassCostModel:
     `prior_weight` passes' worth of evidence, so a shape the traffic never shows (a
     second row, at one client) keeps its prior. Until `min_passes` passes are in, the
     priors are the costs. Every request of a batch reports the same pass: `observe`
-    counts each (verifier, pass id) once. The model is linear: on CPU a lone row's 2- to
-    3-token draft costs as much as a 4-token one, which the fit averages over what the
-    traffic drafts. Thread-safe: one model serves every request of a router."""
+    counts each (verifier, pass id) once. The model is linear: on a CPU that pads a lone
+    row's 2- to 3-token draft (speculative.cpu_tuning), it costs as much as a 4-token one,
+    which the fit averages over what the traffic drafts. Thread-safe: one model serves
+    every request of a router."""
 
     FEATURES = 4  # intercept, extra rows, extra tokens, padded slots
 

@@ -221,7 +221,7 @@ class VerifierEngine:
         self.idle_timeout_s, self.clock = idle_timeout_s, clock
         self._writer = None if checkpoints is None else _CheckpointWriter(checkpoints, checkpoint_ttl_s)
         # A pass pads every row up to the highest one in the batch to the batch's width (at most
-        # max_batch_tokens; a tuned CPU model pads one row's 2-3 tokens to PAD_ROWS_TO), so rows
+        # max_batch_tokens; a tuned CPU model may pad one row's 2-3 tokens to PAD_ROWS_TO), so rows
         # get spare slots for it.
         self._cache = model.new_cache(self.max_len + max(max_batch_tokens, PAD_ROWS_TO), batch=max_batch)
         self._requests: dict[str, _Request] = {}
