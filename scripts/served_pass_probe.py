@@ -1,8 +1,12 @@
 """Where a served round's time goes: the same prompts decoded plainly (no drafter)
 through a running server and through a verifier engine in this process.
 
+    export SPECSERVE_CLUSTER_SECRET=$(python -c 'import secrets; print(secrets.token_hex(16))')
     specserve serve --config bench/configs/served.toml &
     python scripts/served_pass_probe.py --server 127.0.0.1:50061
+
+(the probe calls the verifier's Stats with the cluster secret, which it reads from
+SPECSERVE_CLUSTER_SECRET as the server does).
 
 Served, per target pass: the client's wall time, the verifier's own time in its
 forward passes (its Stats RPC: busy seconds over passes), and the CPU time of the
@@ -26,6 +30,9 @@ from pathlib import Path
 import grpc
 import psutil
 
+from cluster.env import cluster_secret_from_env
+from protos.server import CLUSTER_SECRET_METADATA
+
 from protos import specserve_pb2 as pb
 from protos import specserve_pb2_grpc as pb_grpc
 
@@ -45,23 +52,36 @@ def cpu_seconds(proc: psutil.Process) -> float:
     return times.user + times.system
 
 
-def verifier_stub() -> tuple[psutil.Process, pb_grpc.VerifierStub]:
-    """The local verifier actor's process and a stub on its gRPC port."""
-    proc = actor_process("VerifierActor")
+class _Stats:
+    """The verifier's Stats call, carrying the cluster secret."""
+
+    def __init__(self, stub: pb_grpc.VerifierStub, secret: str):
+        self.stub, self.metadata = stub, [(CLUSTER_SECRET_METADATA, secret)]
+
+    def Stats(self, request: pb.VerifierStatsRequest, timeout: float | None = None) -> pb.VerifierStatsResponse:
+        return self.stub.Stats(request, timeout=timeout, metadata=self.metadata)
+
+
+def verifier_stub() -> tuple[psutil.Process, _Stats]:
+    """The local verifier replica's process and its Stats call on its gRPC port."""
+    secret = cluster_secret_from_env()
+    if secret is None:
+        raise SystemExit("set SPECSERVE_CLUSTER_SECRET, for the server and this probe alike")
+    proc = actor_process("ServeReplica:specserve:Verifier")
     for port in sorted({c.laddr.port for c in proc.net_connections() if c.status == psutil.CONN_LISTEN}):
-        stub = pb_grpc.VerifierStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+        stub = _Stats(pb_grpc.VerifierStub(grpc.insecure_channel(f"127.0.0.1:{port}")), secret)
         try:
             stub.Stats(pb.VerifierStatsRequest(), timeout=2)
             return proc, stub
         except grpc.RpcError:
-            continue  # Ray's own port
-    raise SystemExit("the verifier actor answers no Stats call")
+            continue  # Ray's own port, or the secret is not the server's
+    raise SystemExit("the verifier answers no Stats call (is SPECSERVE_CLUSTER_SECRET the server's?)")
 
 
 def served(server: str, prompts: list[str], max_tokens: int) -> dict[str, float]:
     from specserve.client import Client
 
-    (proc, stub), router = verifier_stub(), actor_process("RouterActor")
+    (proc, stub), router = verifier_stub(), actor_process("ServeReplica:specserve:Router")
     with Client(server, timeout=300) as client:
         client.generate(messages=[{"role": "user", "content": "warm up"}], max_tokens=8, drafter="none")
         before, started = stub.Stats(pb.VerifierStatsRequest()), time.monotonic()
