@@ -25,16 +25,17 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from functools import partial
 from pathlib import Path
+from typing import Callable
 
 import grpc
 import psutil
 
 from cluster.env import cluster_secret_from_env
-from protos.server import CLUSTER_SECRET_METADATA
-
 from protos import specserve_pb2 as pb
 from protos import specserve_pb2_grpc as pb_grpc
+from protos.server import CLUSTER_SECRET_METADATA
 
 QUESTIONS = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "spec_bench" / "dev.jsonl"
 
@@ -52,27 +53,19 @@ def cpu_seconds(proc: psutil.Process) -> float:
     return times.user + times.system
 
 
-class _Stats:
-    """The verifier's Stats call, carrying the cluster secret."""
-
-    def __init__(self, stub: pb_grpc.VerifierStub, secret: str):
-        self.stub, self.metadata = stub, [(CLUSTER_SECRET_METADATA, secret)]
-
-    def Stats(self, request: pb.VerifierStatsRequest, timeout: float | None = None) -> pb.VerifierStatsResponse:
-        return self.stub.Stats(request, timeout=timeout, metadata=self.metadata)
-
-
-def verifier_stub() -> tuple[psutil.Process, _Stats]:
-    """The local verifier replica's process and its Stats call on its gRPC port."""
+def verifier_stats() -> tuple[psutil.Process, Callable[[], pb.VerifierStatsResponse]]:
+    """The local verifier replica's process and its Stats call (with the cluster secret)."""
     secret = cluster_secret_from_env()
     if secret is None:
         raise SystemExit("set SPECSERVE_CLUSTER_SECRET, for the server and this probe alike")
     proc = actor_process("ServeReplica:specserve:Verifier")
     for port in sorted({c.laddr.port for c in proc.net_connections() if c.status == psutil.CONN_LISTEN}):
-        stub = _Stats(pb_grpc.VerifierStub(grpc.insecure_channel(f"127.0.0.1:{port}")), secret)
+        stub = pb_grpc.VerifierStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+        stats = partial(stub.Stats, pb.VerifierStatsRequest(), timeout=5,
+                        metadata=[(CLUSTER_SECRET_METADATA, secret)])
         try:
-            stub.Stats(pb.VerifierStatsRequest(), timeout=2)
-            return proc, stub
+            stats()
+            return proc, stats
         except grpc.RpcError:
             continue  # Ray's own port, or the secret is not the server's
     raise SystemExit("the verifier answers no Stats call (is SPECSERVE_CLUSTER_SECRET the server's?)")
@@ -81,17 +74,17 @@ def verifier_stub() -> tuple[psutil.Process, _Stats]:
 def served(server: str, prompts: list[str], max_tokens: int) -> dict[str, float]:
     from specserve.client import Client
 
-    (proc, stub), router = verifier_stub(), actor_process("ServeReplica:specserve:Router")
+    (proc, stats), router = verifier_stats(), actor_process("ServeReplica:specserve:Router")
     with Client(server, timeout=300) as client:
         client.generate(messages=[{"role": "user", "content": "warm up"}], max_tokens=8, drafter="none")
-        before, started = stub.Stats(pb.VerifierStatsRequest()), time.monotonic()
+        before, started = stats(), time.monotonic()
         cpu0, router0 = cpu_seconds(proc), cpu_seconds(router)
         passes = 0
         for prompt in prompts:
             out = client.generate(messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
                                   drafter="none")
             passes += out.usage.target_forward_passes
-        wall, after = time.monotonic() - started, stub.Stats(pb.VerifierStatsRequest())
+        wall, after = time.monotonic() - started, stats()
         cpu1, router1 = cpu_seconds(proc), cpu_seconds(router)
     forwards = after.forward_passes - before.forward_passes  # prefills included, as in busy_seconds
     return {"wall_ms": 1000 * wall / passes,
