@@ -137,7 +137,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        x = x * x.pow(2).mean(-1, keepdim=True).add_(self.eps).rsqrt_()  # in place: fewer allocations
         return self.weight * x.to(dtype)
 
 
@@ -153,19 +153,17 @@ class Attention(nn.Module):
         q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv * self.head_dim
         self.qkv = nn.Linear(cfg.hidden_size, q_dim + 2 * kv_dim, bias=cfg.attention_bias)
         self.o = nn.Linear(q_dim, cfg.hidden_size, bias=False)
-        self.split = (q_dim, kv_dim, kv_dim)
 
     def forward(self, x, cos, sin, k_cache, v_cache, starts, mask, packing=None):
         qkv = self.qkv(x)
         if packing is not None:  # real tokens only [N, D]: attention works on the padded rows
             qkv = packing.unpack(qkv)
         b, t, _ = qkv.shape
-        q, k, v = qkv.split(self.split, dim=-1)
-        q = q.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
-        k = k.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
-        v = v.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        heads = qkv.view(b, t, -1, self.head_dim).transpose(1, 2)  # q, k and v heads [B, H, T, D]
+        roped = self.n_heads + self.n_kv
+        qk = heads[:, :roped]  # RoPE on queries and keys at once: half the small ops
+        qk = qk * cos + _rotate_half(qk) * sin
+        q, k, v = qk[:, :self.n_heads], qk[:, self.n_heads:], heads[:, roped:]
         q = q.to(k_cache.dtype)  # attention runs in the cache's dtype (Transformer.attention_dtype)
         for row, start in enumerate(starts):
             k_cache[row, :, start:start + t] = k[row]
@@ -203,7 +201,7 @@ class MLP(nn.Module):
 
     def forward(self, x):
         gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
+        return self.down(F.silu(gate).mul_(up))
 
 
 class Block(nn.Module):
@@ -269,7 +267,7 @@ class Transformer(nn.Module):
         x = self.embed(tokens)
         cos = self.rope_cos[positions].unsqueeze(1).to(x.dtype)
         sin = self.rope_sin[positions].unsqueeze(1).to(x.dtype)
-        return x, cos, sin, starts, mask.unsqueeze(1)
+        return x, cos, sin, starts, additive_mask(mask, cache.k.dtype).unsqueeze(1)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, mask: torch.Tensor,
@@ -334,6 +332,12 @@ class _Packing:
         out = x.new_zeros(self.b * self.t, x.shape[-1])
         out.index_copy_(0, self.index, x)
         return out.view(self.b, self.t, -1)
+
+
+def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask (True = may attend) as the 0 / -inf scores SDPA adds, in `dtype`: what
+    SDPA makes of a boolean mask itself, made once a pass instead of once a layer."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
 
 
 def attention_mask(prefix_len: int, ancestors: torch.Tensor) -> torch.Tensor:

@@ -90,7 +90,6 @@ def shard_model(model: Transformer, rank: int, world: int, all_reduce: AllReduce
             _keep_rows(attn.qkv, qkv_rows)
             _keep_columns(attn.o, q_rows)
             attn.n_heads, attn.n_kv = len(q_heads), len(kv_heads)
-            attn.split = (len(q_rows), len(kv_rows), len(kv_rows))
             _keep_rows(mlp.gate_up, gate_up_rows)
             _keep_columns(mlp.down, mlp_rows)
             # the row-parallel outputs (o, down; neither has a bias) are partial sums

@@ -52,3 +52,20 @@ def test_chain_rollback_matches_fresh_prefill(smollm2):
     got = model(torch.tensor([[66]]), torch.tensor([[n + 2]]), cache, attention_mask(n + 2, causal_ancestors(1)))[0, -1]
     want = next_logits_fresh(model, prompt + draft[:2] + [66])
     assert torch.allclose(got, want, atol=1e-4), f"max diff {(got - want).abs().max():.2e}"
+
+
+def test_additive_mask_attends_exactly_as_the_boolean_one():
+    """The model turns the mask into SDPA's additive scores once a pass (model.additive_mask);
+    attention must come out bit for bit as SDPA computes it from the boolean mask."""
+    import torch.nn.functional as F
+
+    from speculative.model import additive_mask
+
+    torch.manual_seed(0)
+    tree = DraftTree(tokens=[3, 4, 5, 6], parents=[-1, 0, 0, 2])
+    mask = attention_mask(7, tree.ancestors()).unsqueeze(1)  # [1, 1, 5, 12]: a prefix and a tree
+    for dtype in (torch.float32, torch.float64):
+        q, k, v = (torch.randn(1, 6, n, 16, dtype=dtype) for n in (5, 12, 12))
+        want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        got = F.scaled_dot_product_attention(q, k, v, attn_mask=additive_mask(mask, dtype))
+        assert torch.equal(got, want)
