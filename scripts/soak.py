@@ -15,10 +15,14 @@ requests, errors and p50/p99 latency and time to first token.
 While the clients run, the resident memory (RSS) of every actor of the server's Ray
 cluster is sampled (--sample-every): the actors come from the cluster (`ray.init` on
 the server's own cluster, found from the process that listens on the HTTP port; read
-only), their processes from psutil. Per actor: the RSS series and a least-squares slope
-in MB/min over the second half of the run (the first half is warm-up), flagged above
---max-slope MB/min or above --max-growth-pct % of its RSS per 10 minutes. The Ray
-processes of the node (raylet, GCS) and the `specserve serve` driver are sampled too.
+only), their processes from psutil. Per actor: the RSS series, its least-squares slope
+in MB/min over the second half of the run (the first half is warm-up), and the slope of
+its high-water mark (the largest RSS so far) over the same half, which is what is
+flagged: above --max-slope MB/min or above --max-growth-pct % of its RSS per 10 minutes.
+A leak raises the high-water mark as fast as the RSS; a process whose RSS goes up and
+down inside a band (a cache that is rebuilt, buffers that come and go) does not raise it,
+though a least-squares line over a stretch of the band may slope steeply either way. The
+Ray processes of the node (raylet, GCS) and the `specserve serve` driver are sampled too.
 Alongside, the verifier rows held (the ingress's /metrics, which gathers every
 service's) and the state store's checkpoints.
 
@@ -453,18 +457,23 @@ def slope_mb_per_min(t: list[float], y: list[float]) -> float | None:
 
 def memory_report(mem: dict[str, dict[str, Any]], duration: float, max_slope: float,
                   max_growth_pct: float, noise_slope: float = 0.5) -> list[dict[str, Any]]:
-    """Per process: RSS at the start, the half, the end of the load; the slope over the second
-    half, flagged above max_slope MB/min, or above max_growth_pct % of the RSS per 10 minutes
-    unless under noise_slope MB/min (a small process's page-sized steps)."""
+    """Per process: RSS at the start, the half, the end of the load; over the second half the
+    slope of the RSS and of its high-water mark (the largest RSS since the start). Flagged when
+    the high-water mark rises faster than max_slope MB/min, or than max_growth_pct % of the
+    RSS per 10 minutes unless under noise_slope MB/min (a small process's page-sized steps)."""
     rows = []
     for key, m in sorted(mem.items(), key=lambda kv: (kv[1]["class"], kv[0])):
         t, y = m["t"], m["rss_mb"]
         load = [(ti, yi) for ti, yi in zip(t, y) if ti <= duration + 1e-6]
-        half = [(ti, yi) for ti, yi in load if ti >= duration / 2]
+        highs = np.maximum.accumulate([yi for _, yi in load]).tolist() if load else []
+        half = [(ti, yi, hi) for (ti, yi), hi in zip(load, highs) if ti >= duration / 2]
         slope = slope_mb_per_min([p[0] for p in half], [p[1] for p in half])
+        peak_slope = slope_mb_per_min([p[0] for p in half], [p[2] for p in half])
         mid = float(np.mean([p[1] for p in half])) if half else (y[-1] if y else 0.0)
         growth_pct = None if slope is None or mid <= 0 else slope * 10 / mid * 100  # % of RSS per 10 min
-        flagged = slope is not None and (slope > max_slope or (growth_pct > max_growth_pct and slope > noise_slope))
+        peak_pct = None if peak_slope is None or mid <= 0 else peak_slope * 10 / mid * 100
+        flagged = peak_slope is not None and (
+            peak_slope > max_slope or (peak_pct > max_growth_pct and peak_slope > noise_slope))
         rows.append({"key": key, "class": m["class"], "name": m["name"], "pids": m["pids"],
                      "restarted": len(m["pids"]) > 1, "samples": len(y),
                      "samples_second_half": len(half), "rss_start_mb": y[0] if y else None,
@@ -472,6 +481,8 @@ def memory_report(mem: dict[str, dict[str, Any]], duration: float, max_slope: fl
                      "rss_after_mb": y[-1] if y else None,
                      "slope_mb_per_min": None if slope is None else round(slope, 3),
                      "growth_pct_per_10min": None if growth_pct is None else round(growth_pct, 3),
+                     "peak_slope_mb_per_min": None if peak_slope is None else round(peak_slope, 3),
+                     "peak_growth_pct_per_10min": None if peak_pct is None else round(peak_pct, 3),
                      "flagged": flagged, "t": t, "rss_mb": y})
     return rows
 
@@ -519,22 +530,23 @@ def markdown(report: dict[str, Any]) -> str:
         for msg, n in report["error_messages"].items():
             lines.append(f"- {n} x `{msg}`")
     lines.append("")
-    lines.append(f"## Resident memory (sampled every {c['sample_every_s']:g} s; slope: least squares over "
+    lines.append(f"## Resident memory (sampled every {c['sample_every_s']:g} s; slopes: least squares over "
                  f"the second half, {c['duration_s'] / 2:.0f}-{c['duration_s']:.0f} s)")
     lines.append("")
-    lines.append(f"Actors from the {report['actor_source']}. Flagged above {c['max_slope_mb_per_min']:g} MB/min, "
-                 f"or above {c['max_growth_pct']:g} % of RSS per 10 min when over "
-                 f"{c['noise_slope_mb_per_min']:g} MB/min.")
+    lines.append(f"Actors from the {report['actor_source']}. Flagged when the high-water mark (the largest "
+                 f"RSS so far) rises faster than {c['max_slope_mb_per_min']:g} MB/min, or than "
+                 f"{c['max_growth_pct']:g} % of RSS per 10 min when over {c['noise_slope_mb_per_min']:g} MB/min.")
     lines.append("")
     lines.append("| process | pid | samples | start MB | half MB | end MB | after settle MB | slope MB/min | "
-                 "% per 10 min | flag |")
-    lines.append("|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
+                 "% per 10 min | high-water slope MB/min | high-water % per 10 min | flag |")
+    lines.append("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for m in report["memory"]:
         label = m["class"] if m["key"].startswith("process:") or not m["name"] else f"{m['class']}"
         flag = ("GROWS" if m["flagged"] else "flat") + (" (restarted)" if m["restarted"] else "")
         lines.append(f"| {label} | {','.join(map(str, m['pids']))} | {m['samples']} | {_fmt(m['rss_start_mb'], 1)} | "
                      f"{_fmt(m['rss_half_mb'], 1)} | {_fmt(m['rss_end_mb'], 1)} | {_fmt(m['rss_after_mb'], 1)} | "
-                     f"{_fmt(m['slope_mb_per_min'], 3)} | {_fmt(m['growth_pct_per_10min'], 3)} | {flag} |")
+                     f"{_fmt(m['slope_mb_per_min'], 3)} | {_fmt(m['growth_pct_per_10min'], 3)} | "
+                     f"{_fmt(m['peak_slope_mb_per_min'], 3)} | {_fmt(m['peak_growth_pct_per_10min'], 3)} | {flag} |")
     e = report["end"]
     lines.append("")
     lines.append(f"## At the end (after the clients stopped and {e['settled_s']:.1f} s of settling)")
@@ -599,9 +611,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="after the clients stop, wait up to this long for every row to be freed")
     p.add_argument("--ckpt-wait", type=float, default=0.0,
                    help="Redis: if checkpoints are left, wait up to this long for their TTLs")
-    p.add_argument("--max-slope", type=float, default=5.0, help="flag an RSS slope above this (MB/min)")
+    p.add_argument("--max-slope", type=float, default=5.0,
+                   help="flag a high-water mark rising faster than this (MB/min)")
     p.add_argument("--max-growth-pct", type=float, default=1.0,
-                   help="flag RSS growth above this %% per 10 min, when also above --noise-slope")
+                   help="flag high-water growth above this %% of RSS per 10 min, when also above --noise-slope")
     p.add_argument("--noise-slope", type=float, default=0.5,
                    help="MB/min: a slope under this is never flagged by --max-growth-pct")
     p.add_argument("--request-timeout", type=float, default=300.0)

@@ -121,6 +121,18 @@ def test_windows_and_memory_slopes():
     assert not rows["A"]["flagged"] and abs(rows["A"]["slope_mb_per_min"]) < 0.5
     assert rows["B"]["flagged"] and rows["B"]["slope_mb_per_min"] == pytest.approx(6.0, rel=1e-3)
     assert rows["B"]["restarted"] and rows["B"]["samples_second_half"] == 13
+    assert rows["B"]["peak_slope_mb_per_min"] == pytest.approx(6.0, rel=1e-3)  # a leak raises the high-water mark
     small = {"class": "C", "name": "", "pids": [4], "t": t, "rss_mb": [30.0 + ti / 60 * 0.3 for ti in t]}
     row = soak.memory_report({"c": small}, 120.0, 5.0, 1.0)[0]  # 10 % per 10 min, but 0.3 MB/min: noise
     assert row["growth_pct_per_10min"] > 1.0 and not row["flagged"]
+
+    # up and down in a band: 2,310 MB, down to 2,210 at the half, back up to 2,310 at the end; the
+    # second half's least-squares line climbs 100 MB/min, the high-water mark not at all
+    band = {"class": "D", "name": "", "pids": [5], "t": t, "rss_mb": [2210.0 + abs(ti - 60) / 60 * 100 for ti in t]}
+    row = soak.memory_report({"d": band}, 120.0, 5.0, 1.0)[0]
+    assert row["slope_mb_per_min"] == pytest.approx(100.0) and row["peak_slope_mb_per_min"] == 0.0
+    assert not row["flagged"]
+    # the same band, but each peak 30 MB above the last: growth, flagged
+    climbing = dict(band, rss_mb=[y + ti / 60 * 30 for y, ti in zip(band["rss_mb"], t)])
+    row = soak.memory_report({"d": climbing}, 120.0, 5.0, 1.0)[0]
+    assert row["peak_slope_mb_per_min"] > 5.0 and row["flagged"]
