@@ -28,6 +28,9 @@ from speculative.suffix import SuffixIndex, SuffixStream
 from speculative.tree import DraftTree
 
 FIRST_CACHE_SLOTS = 256  # a model drafter's first KV cache: most requests fit, and it doubles as they grow
+# passes of this many tokens or more go to a model drafter's `wide_model` when it has one: the
+# float target's prepacked layers take a prompt faster than int4's kernel (docs/DRAFTERS.md)
+WIDE_ROWS = 64
 
 
 def _one_hot(tokens: Sequence[int], vocab_size: int) -> torch.Tensor:
@@ -130,11 +133,15 @@ class ModelDrafter:
     def __init__(self, model: Transformer, layers: Sequence[int] | None = None, name: str = "model",
                  max_len: int | None = None, draft_top_k: int | None = None,
                  vocab_ids: Sequence[int] | None = None, target_vocab_size: int | None = None,
-                 parallel_layers: int | None = None, layer_runner=run_sequentially):
+                 parallel_layers: int | None = None, layer_runner=run_sequentially,
+                 wide_model: Transformer | None = None):
         if parallel_layers is not None and parallel_layers < 1:
             raise ValueError(f"parallel_layers must be >= 1, got {parallel_layers}")
         self.parallel_layers, self.layer_runner = parallel_layers, layer_runner
         self.model, self.layers, self.name = model, list(layers) if layers is not None else None, name
+        # scores exact passes of WIDE_ROWS tokens or more (a prompt) into this drafter's cache: a
+        # model of the same shapes and cache dtype (self-int4's float target)
+        self.wide_model = wide_model
         # Sampling from the top-k renormalised distribution makes q exactly
         # sparse: k (id, prob) pairs per draft token on the wire, still exact.
         self.draft_top_k = draft_top_k
@@ -184,6 +191,8 @@ class ModelDrafter:
         if self.to_draft is not None:
             ids = self.to_draft[ids]
         forward = self.model if exact else self._draft_forward
+        if exact and self.wide_model is not None and t >= WIDE_ROWS:
+            forward = self.wide_model
         logits = forward(ids.to(device), torch.arange(start, start + t, device=device)[None], self.cache,
                          attention_mask(start, causal_ancestors(t, device)), layers=self.layers,
                          logits_from=t - 1)

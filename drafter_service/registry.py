@@ -8,12 +8,14 @@ re-exported here. This module builds the drafters a name stands for.
 from __future__ import annotations
 
 import threading
+import weakref
 
 from speculative.calibration import Calibration, enabled as calibration_enabled
-from speculative.drafter_kinds import (DRAFTER_NAMES, SHIPPED_DIR, SHIPPED_DRAFTERS,  # noqa: F401
+from speculative.drafter_kinds import (DRAFTER_NAMES, SELF_INT4, SHIPPED_DIR, SHIPPED_DRAFTERS,  # noqa: F401
                                        check_drafter, drafter_domains, drafter_path, is_drafter)
 from speculative.cpu_tuning import apply_cpu_tuning, tuning_of
 from speculative.model import Transformer
+from speculative.quantize import quantized_copy
 from speculative.sampling import InvalidArgument
 from speculative.recycling import RecycledCandidates
 from speculative.suffix import SuffixIndex
@@ -68,6 +70,8 @@ class DrafterMemory:
 _memories: dict[int, Namespaces[DrafterMemory]] = {}
 # Small drafter models, loaded once per process and target, shared by requests.
 _small_models: dict[tuple[str, int], tuple[Transformer, list[int] | None]] = {}
+# Each target's int4 twin (self-int4), made once; it goes with its target.
+_int4_twins: "weakref.WeakKeyDictionary[Transformer, Transformer]" = weakref.WeakKeyDictionary()
 _load_lock = threading.Lock()
 
 
@@ -108,6 +112,9 @@ def make_drafter(name: str, target: Transformer, draft_top_k: int | None = None,
     if name == "layerskip":
         layers = layer_skip_layers(target.config.num_layers, LAYER_SKIP_FIRST, LAYER_SKIP_LAST)
         return ModelDrafter(target, layers, name="layerskip", draft_top_k=draft_top_k, **easyspec)
+    if name == SELF_INT4:
+        return ModelDrafter(_int4_twin(target), name=SELF_INT4, draft_top_k=draft_top_k, wide_model=target,
+                            **easyspec)
     if name == "suffix":
         return SuffixDrafter(memory(target, namespace).suffix_index(), target.config.vocab_size)
     if name == "recycle":
@@ -123,6 +130,19 @@ def calibration(name: str, target: Transformer, namespace: str = DEFAULT_NAMESPA
     if not calibration_enabled():
         return None
     return memory(target, namespace).calibration(name)
+
+
+def _int4_twin(target: Transformer) -> Transformer:
+    """`target` with int4 linear layers (speculative.quantize.quantized_copy), made once."""
+    with _load_lock:
+        if target not in _int4_twins:
+            try:
+                twin = quantized_copy(target, "int4")
+            except ValueError as exc:  # a target quantised already, or layers too narrow for int4's groups
+                raise InvalidArgument("drafter", f"{SELF_INT4!r} cannot quantise this target: {exc}") from exc
+            apply_cpu_tuning(twin, tuning_of(target))
+            _int4_twins[target] = twin
+        return _int4_twins[target]
 
 
 def _small_model(name: str, target: Transformer) -> tuple[Transformer, list[int] | None]:

@@ -1,7 +1,7 @@
 """Drafter names and their checks, without torch or the model stack.
 
 Names: the model-free kinds (`pld`, `suffix`, `recycle`), the target's own layers
-(`layerskip`), the small drafters shipped for the default target
+(`layerskip`), the target itself with int4 weights (`self-int4`), the small drafters shipped for the default target
 (`small-*`, docs/DRAFTERS.md), the path of any drafter directory written
 by `specserve train-drafter`, or several of these joined by `+`, fused into
 one tree per round. The configuration and the router validate names here;
@@ -19,7 +19,8 @@ from .errors import InvalidArgument
 # the shipped checkpoints are package data of drafter_service; only their path is needed here
 SHIPPED_DIR = Path(__file__).resolve().parent.parent / "drafter_service" / "checkpoints"
 SHIPPED_DRAFTERS = ("small-general", "small-math", "small-extraction", "small-language")
-DRAFTER_NAMES = ("none", "pld", "layerskip", "suffix", "recycle") + SHIPPED_DRAFTERS
+SELF_INT4 = "self-int4"  # the target itself, its linear layers in int4
+DRAFTER_NAMES = ("none", "pld", "layerskip", SELF_INT4, "suffix", "recycle") + SHIPPED_DRAFTERS
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,7 @@ _ABILITIES = {
     "suffix": Abilities(learns_from_outputs=True, shares_memory=True),
     "recycle": Abilities(learns_from_target=True, shares_memory=True),
 }
-_MODEL = Abilities(stops_on_confidence=True)  # layerskip, small drafters, trained directories
+_MODEL = Abilities(stops_on_confidence=True)  # layerskip, self-int4, small drafters, trained directories
 
 
 def abilities(name: str) -> Abilities:

@@ -197,3 +197,36 @@ def quantize(model, mode: str, int4_blocks: dict[str, tuple] | None = None):
     model.precision = mode
     model.attention_dtype = torch.float64  # so a verified token rounds as it does alone (model.py)
     return model
+
+
+def quantized_copy(model, mode: str = "int4"):
+    """A weight-only `mode` twin of a float `model`, to draft with (the `self-int4` drafter):
+    its linear layers quantised from `model`'s, whatever wraps them (CPU-prepacked or not);
+    its embedding, norms and rotary tables shared with `model`, which stays as it is.
+
+    It attends in the float dtype: the float64 attention `quantize` sets makes a token
+    verified beside others round as it does alone, which a draft does not need."""
+    from .model import Transformer
+
+    if getattr(model, "precision", None) in MODES:
+        raise ValueError(f"its linear layers are {model.precision} already")
+    with torch.device("meta"):
+        twin = Transformer(model.config)
+    tensors = {}
+    for name, module in twin.named_modules():
+        if mode == "int4" and isinstance(module, nn.Linear) and name != "lm_head" and module.in_features % INT4_GROUP:
+            raise ValueError(f"{name} takes {module.in_features} inputs, not a multiple of int4's group of "
+                             f"{INT4_GROUP}")
+        if isinstance(module, nn.Linear):
+            source = model.get_submodule(name)
+            tensors[f"{name}.weight"] = source.weight
+            if module.bias is not None:
+                tensors[f"{name}.bias"] = source.bias
+    for name, _ in twin.named_parameters():  # the embedding and the norms
+        owner, _, attr = name.rpartition(".")
+        tensors.setdefault(name, getattr(model.get_submodule(owner), attr))
+    twin.load_state_dict(tensors, assign=True)
+    twin.rope_cos, twin.rope_sin = model.rope_cos, model.rope_sin
+    quantize(twin, mode)
+    twin.attention_dtype = None
+    return twin.requires_grad_(False).eval()
