@@ -1,10 +1,10 @@
 """Drafter names and their checks, without torch or the model stack.
 
 Names: the model-free kinds (`pld`, `suffix`, `recycle`), the target's own layers
-(`layerskip`), the target itself with int4 weights (`self-int4`), the small drafters shipped for the default target
-(`small-*`, docs/DRAFTERS.md), the path of any drafter directory written
-by `specserve train-drafter`, or several of these joined by `+`, fused into
-one tree per round. The configuration and the router validate names here;
+(`layerskip`), the target itself with int4 weights (`self-int4`), the small
+drafters shipped for the default target (`small-*`, docs/DRAFTERS.md), the
+path of any drafter directory written by `specserve train-drafter`, or several
+of these joined by `+`, fused into one tree per round. The configuration and the router validate names here;
 `drafter_service.registry` builds the drafters.
 """
 

@@ -26,6 +26,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .model import Transformer
+
 MODES = ("int8", "int4")  # weight-only quantised
 BF16_EXACT_ROWS = 32  # CPU bfloat16 linear: the most rows whose results match one row's (measured)
 LINEAR_PARTS = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")  # a layer's linear layers
@@ -206,22 +208,21 @@ def quantized_copy(model, mode: str = "int4"):
 
     It attends in the float dtype: the float64 attention `quantize` sets makes a token
     verified beside others round as it does alone, which a draft does not need."""
-    from .model import Transformer
-
     if getattr(model, "precision", None) in MODES:
         raise ValueError(f"its linear layers are {model.precision} already")
     with torch.device("meta"):
         twin = Transformer(model.config)
-    tensors = {}
-    for name, module in twin.named_modules():
-        if mode == "int4" and isinstance(module, nn.Linear) and name != "lm_head" and module.in_features % INT4_GROUP:
-            raise ValueError(f"{name} takes {module.in_features} inputs, not a multiple of int4's group of "
+    linears = [(name, m) for name, m in twin.named_modules() if isinstance(m, nn.Linear)]
+    for name, linear in linears:
+        if mode == "int4" and name != "lm_head" and linear.in_features % INT4_GROUP:  # the head goes int8
+            raise ValueError(f"{name} takes {linear.in_features} inputs, not a multiple of int4's group of "
                              f"{INT4_GROUP}")
-        if isinstance(module, nn.Linear):
-            source = model.get_submodule(name)
-            tensors[f"{name}.weight"] = source.weight
-            if module.bias is not None:
-                tensors[f"{name}.bias"] = source.bias
+    tensors = {}
+    for name, linear in linears:
+        source = model.get_submodule(name)
+        tensors[f"{name}.weight"] = source.weight
+        if linear.bias is not None:
+            tensors[f"{name}.bias"] = source.bias
     for name, _ in twin.named_parameters():  # the embedding and the norms
         owner, _, attr = name.rpartition(".")
         tensors.setdefault(name, getattr(model.get_submodule(owner), attr))
