@@ -1,4 +1,5 @@
 import json
+import os
 import sys
 from itertools import cycle
 from pathlib import Path
@@ -8,6 +9,11 @@ import torch
 
 # test helpers (tiny.py, ...) import as plain modules
 sys.path.insert(0, str(Path(__file__).parent))
+
+# Ray gives a starting GCS 30 s to come up; on a busy 2-core machine, right after another
+# test's cluster went down, it once took longer. The tests' clusters (and the servers they
+# start, which inherit this) wait up to 120 s, as Ray does for its RocksDB store.
+os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "120")
 
 DEV_QUESTIONS = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "dev.jsonl"
 

@@ -20,10 +20,11 @@ from oracle import MAX_TOKENS, PROMPTS, near_tie_or_equal
 DRAFT_LENGTH = {"layerskip": 2}
 # one prompt of each dev category for each kind of drafter (PROMPTS takes the categories
 # round-robin, so its first prompts are one per category); the specialised small drafters
-# (the same kind as small-general, which has them all) on the first four; the slow
-# layer-skip drafter (the model drafter's code, on the target's own layers) on six
+# (the same kind as small-general, which has them all) and self-int4 (the same model
+# drafter's code, on the target's int4 twin) on the first four; the slow layer-skip drafter
+# (that code on the target's own layers) on six
 EVERY_CATEGORY = len({category for category, _ in PROMPTS})
-PROMPT_COUNT = {name: 4 for name in SHIPPED_DRAFTERS if name != "small-general"} | {"layerskip": 6}
+PROMPT_COUNT = {name: 4 for name in SHIPPED_DRAFTERS if name != "small-general"} | {"layerskip": 6, "self-int4": 4}
 
 
 # token trees wider than a chain (--tree-budget): a small drafter's own tree, and fused trees
