@@ -227,7 +227,8 @@ class VerifierHost(_ServiceHost):
             model, _ = load_on_one_thread(cfg)
         store = connect_store(redis_url)
         self.engine = VerifierEngine(model, max_batch=v.max_batch, max_len=v.max_len,
-                                     max_batch_tokens=v.max_batch_tokens, checkpoints=store, threads=threads)
+                                     max_batch_tokens=v.max_batch_tokens, checkpoints=store, threads=threads,
+                                     checkpoint_interval_s=v.checkpoint_interval_s)
         host = internal_host(cfg)
         self.server, port = serve(self.engine, host=host, port=0, secret=cluster_secret(cfg, store))
         self.cfg, self.store = cfg, store

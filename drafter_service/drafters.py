@@ -21,22 +21,16 @@ from speculative.easyspec import fuzzy_forward, run_sequentially
 from speculative.drafter_kinds import Abilities, abilities as kind_abilities
 from speculative.cpu_tuning import PAD_ROWS_TO
 from speculative.fusion import fuse
-from speculative.ngram import lookup_continuation
+from speculative.ngram import lookup_draft
 from speculative.recycling import RecycledCandidates
 from speculative.sampling import SamplingParams, choice_scores, probabilities, sample
 from speculative.suffix import SuffixIndex, SuffixStream
-from speculative.tree import DraftTree
+from speculative.tree import DraftTree, one_hot
 
 FIRST_CACHE_SLOTS = 256  # a model drafter's first KV cache: most requests fit, and it doubles as they grow
 # passes of this many tokens or more go to a model drafter's `wide_model` when it has one: the
 # float target's prepacked layers take a prompt faster than int4's kernel (docs/DRAFTERS.md)
 WIDE_ROWS = 64
-
-
-def _one_hot(tokens: Sequence[int], vocab_size: int) -> torch.Tensor:
-    q = torch.zeros(len(tokens), vocab_size)
-    q[torch.arange(len(tokens)), torch.tensor(list(tokens), dtype=torch.long)] = 1.0
-    return q
 
 
 def _top_k_renormalised(q: torch.Tensor, k: int) -> torch.Tensor:
@@ -57,8 +51,8 @@ class PromptLookupDrafter:
         self.vocab_size, self.max_ngram, self.min_ngram = vocab_size, max_ngram, min_ngram
 
     def propose(self, request: DraftRequest) -> DraftTree:
-        tokens = lookup_continuation(request.context, request.depth, self.max_ngram, self.min_ngram)
-        return DraftTree.chain(tokens, None if request.params.deterministic else _one_hot(tokens, self.vocab_size))
+        return lookup_draft(request.context, request.depth, self.vocab_size, request.params.deterministic,
+                            self.max_ngram, self.min_ngram)
 
 
 class SuffixDrafter:
@@ -84,7 +78,7 @@ class SuffixDrafter:
         self.fed = known
         tree = self.index.propose(request.context, request.nodes, max_depth=request.depth)
         if not request.params.deterministic and len(tree):
-            tree.draw_q = _one_hot([tree.tokens[node] for node in tree.draw_nodes], self.vocab_size)
+            tree.draw_q = one_hot([tree.tokens[node] for node in tree.draw_nodes], self.vocab_size)
         return tree
 
 
@@ -106,7 +100,7 @@ class RecyclingDrafter:
     def propose(self, request: DraftRequest) -> DraftTree:
         tree = self.table.propose(request.context[-1], request.nodes, request.depth)
         if not request.params.deterministic and len(tree):
-            tree.draw_q = _one_hot([tree.tokens[node] for node in tree.draw_nodes], self.table.vocab_size)
+            tree.draw_q = one_hot([tree.tokens[node] for node in tree.draw_nodes], self.table.vocab_size)
         return tree
 
 

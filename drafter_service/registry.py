@@ -15,6 +15,7 @@ from speculative.drafter_kinds import (DRAFTER_NAMES, SELF_INT4, SHIPPED_DIR, SH
                                        check_drafter, drafter_domains, drafter_path, is_drafter)
 from speculative.cpu_tuning import apply_cpu_tuning, tuning_of
 from speculative.model import Transformer
+from speculative.ngram import PLD_MAX_NGRAM, PLD_MIN_NGRAM
 from speculative.quantize import quantized_copy
 from speculative.sampling import InvalidArgument
 from speculative.recycling import RecycledCandidates
@@ -32,9 +33,6 @@ from .layer_threads import make_runner
 # Untrained early exit is weak on a model this small.
 LAYER_SKIP_FIRST, LAYER_SKIP_LAST = 10, 10
 
-# Prompt lookup matches 2- to 4-grams: single-token matches propose more than
-# they win when a 5-token verify costs 1.5x a 1-token step (tuned on 12 dev prompts).
-PLD_MAX_NGRAM, PLD_MIN_NGRAM = 4, 2
 
 
 class DrafterMemory:

@@ -231,7 +231,7 @@ class VerifyRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., tree: _Optional[_Union[DraftTree, _Mapping]] = ..., context_length: _Optional[int] = ..., candidates: _Optional[int] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("accepted", "bonus", "state_lost", "batch_size", "queued", "active_requests", "candidate_ids", "candidate_probs", "pass_id", "pass_seconds", "pass_tokens", "pass_width")
+    __slots__ = ("accepted", "bonus", "state_lost", "batch_size", "queued", "active_requests", "candidate_ids", "candidate_probs", "pass_id", "pass_seconds", "pass_tokens", "pass_width", "drafted")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     BONUS_FIELD_NUMBER: _ClassVar[int]
     STATE_LOST_FIELD_NUMBER: _ClassVar[int]
@@ -244,6 +244,7 @@ class VerifyResponse(_message.Message):
     PASS_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PASS_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PASS_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    DRAFTED_FIELD_NUMBER: _ClassVar[int]
     accepted: _containers.RepeatedScalarFieldContainer[int]
     bonus: int
     state_lost: bool
@@ -256,7 +257,26 @@ class VerifyResponse(_message.Message):
     pass_seconds: float
     pass_tokens: int
     pass_width: int
-    def __init__(self, accepted: _Optional[_Iterable[int]] = ..., bonus: _Optional[int] = ..., state_lost: _Optional[bool] = ..., batch_size: _Optional[int] = ..., queued: _Optional[int] = ..., active_requests: _Optional[int] = ..., candidate_ids: _Optional[_Iterable[int]] = ..., candidate_probs: _Optional[_Iterable[float]] = ..., pass_id: _Optional[int] = ..., pass_seconds: _Optional[float] = ..., pass_tokens: _Optional[int] = ..., pass_width: _Optional[int] = ...) -> None: ...
+    drafted: int
+    def __init__(self, accepted: _Optional[_Iterable[int]] = ..., bonus: _Optional[int] = ..., state_lost: _Optional[bool] = ..., batch_size: _Optional[int] = ..., queued: _Optional[int] = ..., active_requests: _Optional[int] = ..., candidate_ids: _Optional[_Iterable[int]] = ..., candidate_probs: _Optional[_Iterable[float]] = ..., pass_id: _Optional[int] = ..., pass_seconds: _Optional[float] = ..., pass_tokens: _Optional[int] = ..., pass_width: _Optional[int] = ..., drafted: _Optional[int] = ...) -> None: ...
+
+class DecodeRequest(_message.Message):
+    __slots__ = ("request_id", "token_ids", "drafter", "draft_length", "max_tokens", "eos_token_ids", "max_rounds")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    drafter: str
+    draft_length: int
+    max_tokens: int
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    max_rounds: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., drafter: _Optional[str] = ..., draft_length: _Optional[int] = ..., max_tokens: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_rounds: _Optional[int] = ...) -> None: ...
 
 class VerifierStatsRequest(_message.Message):
     __slots__ = ()

@@ -317,6 +317,11 @@ class VerifierStub:
                 request_serializer=protos_dot_specserve__pb2.VerifyRequest.SerializeToString,
                 response_deserializer=protos_dot_specserve__pb2.VerifyResponse.FromString,
                 _registered_method=True)
+        self.Decode = channel.unary_stream(
+                '/specserve.v1.Verifier/Decode',
+                request_serializer=protos_dot_specserve__pb2.DecodeRequest.SerializeToString,
+                response_deserializer=protos_dot_specserve__pb2.VerifyResponse.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/specserve.v1.Verifier/Release',
                 request_serializer=protos_dot_specserve__pb2.ReleaseRequest.SerializeToString,
@@ -339,6 +344,12 @@ class VerifierServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Verify(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Decode(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -367,6 +378,11 @@ def add_VerifierServicer_to_server(servicer, server):
             'Verify': grpc.unary_unary_rpc_method_handler(
                     servicer.Verify,
                     request_deserializer=protos_dot_specserve__pb2.VerifyRequest.FromString,
+                    response_serializer=protos_dot_specserve__pb2.VerifyResponse.SerializeToString,
+            ),
+            'Decode': grpc.unary_stream_rpc_method_handler(
+                    servicer.Decode,
+                    request_deserializer=protos_dot_specserve__pb2.DecodeRequest.FromString,
                     response_serializer=protos_dot_specserve__pb2.VerifyResponse.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
@@ -433,6 +449,33 @@ class Verifier:
             target,
             '/specserve.v1.Verifier/Verify',
             protos_dot_specserve__pb2.VerifyRequest.SerializeToString,
+            protos_dot_specserve__pb2.VerifyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Decode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/specserve.v1.Verifier/Decode',
+            protos_dot_specserve__pb2.DecodeRequest.SerializeToString,
             protos_dot_specserve__pb2.VerifyResponse.FromString,
             options,
             channel_credentials,

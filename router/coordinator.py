@@ -10,6 +10,12 @@ resume) or drafts, verifies and learns, each a step of the request's
 `_Request`; `speculative.stopping.clip` ends the output where the in-process
 loop would.
 
+A request drafted by prompt lookup alone, or decoded plainly, can run its
+rounds on the verifier itself (`Job.verifier_drafting`, the Decode call): the
+verifier drafts from the request's text, which is all prompt lookup reads, and
+streams each round's verdict back, with no hop to a pool or back to the router
+between rounds; the router clips, counts and forwards the rounds as they come.
+
 A request has one drafter or several. One drafter's tree goes to the
 verifier as it is. Several drafters are all asked each round (at the same
 time, from a small thread pool), and their trees are fused into one
@@ -44,6 +50,7 @@ random stream (`resumed`; docs/DESIGN-NOTES.md, invariant 5).
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -81,6 +88,9 @@ log = logging.getLogger(__name__)
 SPARE_SLOTS = 4
 # how often a request waiting for a verifier looks at the registry again
 SERVICE_POLL_S = 0.2
+VERIFIER_DRAFTERS = ("pld", "none")  # what a verifier drafts with itself (Decode)
+# rounds of one Decode call: then the router chooses the draft length again, for the load then
+DECODE_ROUNDS = 16
 MAX_OBSERVED = 4096  # positions kept for a drafter not asked to draft for a while (newest kept)
 # tries of one Propose (another pool after a failure, a prefill after lost state); then the
 # round goes undrafted rather than wait on failing pools
@@ -187,6 +197,8 @@ class Job:
     speculation: SpeculationControl | None = None  # adaptive draft length; None: always draft_length
     stop_confidence: float = 0.0  # model drafters stop after a token drafted with less confidence
     namespace: str = DEFAULT_NAMESPACE  # the memory its drafters learn in (speculative.namespaces)
+    # prompt lookup alone, or no drafter: the verifier may run the rounds itself (Decode)
+    verifier_drafting: bool = False
     # the request's key at the verifiers, pools and checkpoints: unique, whatever id clients send
     service_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
@@ -257,18 +269,13 @@ class Coordinator:
                 if job.is_cancelled():
                     raise Cancelled()
                 req.rnd += 1
-                context = job.prompt_ids + req.verified
-                if not req.verified or req.verifier.stub is None:
-                    new = req.prefill(context)  # the first round, or the verifier lost the request
-                else:
-                    draft = req.draft(context)
-                    verdict = req.verify(context, draft)
-                    if verdict is None:
-                        continue  # the verifier lost the request: the next round prefills it again
-                    new = req.learn(context, draft, verdict)
-                new, finish = clip(new, len(req.verified), job.params.max_tokens, job.eos_token_ids)
-                req.verified.extend(new)
-                yield new
+                with contextlib.closing(req.rounds(job.prompt_ids + req.verified)) as rounds:
+                    for new in rounds:
+                        new, finish = clip(new, len(req.verified), job.params.max_tokens, job.eos_token_ids)
+                        req.verified.extend(new)
+                        yield new
+                        if finish is not None or job.is_cancelled():
+                            break  # closing `rounds` cancels a Decode call still running
             req.drafting.give_output(job.prompt_ids + req.verified)
         finally:
             stats.finish()
@@ -303,6 +310,22 @@ class _Request:
         self.ready: list[DraftTree] | None = None  # each drafter's tree for this round, drafted ahead
         self.candidates = CANDIDATES if any(coord.learns_from_target(kind) for kind, _ in job.drafters) else 0
         self.rnd, self.load = 0, 1  # round; requests sharing the verifier
+        # rounds the verifier drafts itself: they need nothing but the request's own text
+        self.own_rounds = (job.verifier_drafting and not job.pipelined and not self.candidates
+                           and len(job.drafters) == 1 and job.drafters[0][0] in VERIFIER_DRAFTERS)
+
+    def rounds(self, context: list[int]) -> Iterator[list[int]]:
+        """The next round's new tokens, or the verifier's own rounds' one by one; none when the
+        verifier lost the request (the next round prefills it again)."""
+        if not self.verified or self.verifier.stub is None:
+            yield self.prefill(context)  # the first round, or the verifier lost the request
+        elif self.own_rounds:
+            yield from self.decode(context)
+        else:
+            draft = self.draft(context)
+            verdict = self.verify(context, draft)
+            if verdict is not None:
+                yield self.learn(context, draft, verdict)
 
     def prefill(self, context: list[int]) -> list[int]:
         """Prefill every verified token; the answer is the next token, exactly as a round
@@ -315,6 +338,26 @@ class _Request:
             self.drafting.observe(context[len(context) - seeded:], prefilled)
         self.stats.record_prefill()
         return [prefilled.next_token]
+
+    def decode(self, context: list[int]) -> Iterator[list[int]]:
+        """Rounds the verifier runs on its own (Decode), up to DECODE_ROUNDS, each round's new
+        tokens as it ends, at the draft length the control chooses at the start. Stops early
+        when the verifier loses the request: the next round prefills it again."""
+        kind, job = self.job.drafters[0][0], self.job
+        length = job.draft_length if self.controls is None else self.controls[0].length(self.load)
+        length = 0 if kind == "none" else length
+        started = time.monotonic()
+        for resp in self.verifier.decode(context, kind, length, job.params.max_tokens - len(self.verified)):
+            self.stats.record_span("verify", self.rnd, started, started := time.monotonic())
+            self.stats.record_draft_length(length)
+            self.stats.record_round(resp.drafted, len(resp.accepted), resp.batch_size)
+            if kind != "none":
+                self.stats.record_drafter(kind, resp.drafted, len(resp.accepted))
+            for c in self.controls or ():
+                c.record(resp.drafted, len(resp.accepted))
+            self.load = max(1, resp.batch_size + resp.queued, resp.active_requests)
+            self.rnd += 1
+            yield [*resp.accepted, resp.bonus]
 
     def draft(self, context: list[int]) -> _Draft:
         """Each drafter's tree for this round (those drafted ahead, if the last verdict kept
@@ -509,6 +552,28 @@ class _VerifySide(_Side):
         thread: a `future` call would start a gRPC polling thread every round."""
         req, timeout = self._request(tree, context_length, candidates), self.coord.timeout(self.job)
         return self._verdict(lambda: self.stub.Verify(req, timeout=timeout))
+
+    def decode(self, tokens: list[int], drafter: str, draft_length: int, max_tokens: int
+               ) -> Iterator[pb.VerifyResponse]:
+        """The verdicts of up to DECODE_ROUNDS of the verifier's own rounds after `tokens`
+        (Decode), as they come; they end early, the request to be prefilled again, when the
+        verifier loses it or fails."""
+        req = pb.DecodeRequest(request_id=self.request_id, token_ids=tokens, drafter=drafter,
+                               draft_length=draft_length, max_tokens=max_tokens,
+                               eos_token_ids=self.job.eos_token_ids, max_rounds=DECODE_ROUNDS)
+        call = self.stub.Decode(req, timeout=self.coord.timeout(self.job))
+        try:
+            for resp in call:
+                verdict = self._verdict(lambda: resp)
+                if verdict is None:
+                    return
+                yield verdict
+        except grpc.RpcError as e:
+            if e.code() not in RETRYABLE or e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise
+            self._fail(self.address, e)
+        finally:
+            call.cancel()
 
     def verify_async(self, tree: DraftTree, context_length: int, candidates: int = 0) -> "_Call":
         """Send the tree from one of the coordinator's threads; `result` waits for the verdict

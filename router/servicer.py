@@ -155,7 +155,8 @@ class RouterServicer(pb_grpc.SpecserveServicer):
                    drafters=drafters, draft_length=cfg.draft_length, tree_budget=cfg.tree_budget,
                    vocab_size=cfg.vocab_size, eos_token_ids=cfg.eos_token_ids, domain=domain,
                    deadline=call.deadline, is_cancelled=lambda: not call.is_active(), pipelined=pipelined,
-                   speculation=speculation, stop_confidence=cfg.stop_confidence, namespace=namespace)
+                   speculation=speculation, stop_confidence=cfg.stop_confidence, namespace=namespace,
+                   verifier_drafting=cfg.verifier_drafting)
 
     def close(self) -> None:
         """Write every namespace's routing outcomes not yet in the state store."""

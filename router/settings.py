@@ -23,6 +23,9 @@ class RouterSettings(BaseModel):
                                                           "drafter's (greedy model drafters branch to fill it)")
     pipelined: bool = Field(False, description="draft each next round while the verifier checks this one "
                                                "(PEARL post-verify); a request may override it")
+    verifier_drafting: bool = Field(True, description="a request drafted by prompt lookup alone, or decoded "
+                                                      "plainly, runs its rounds on the verifier (Decode): no hop "
+                                                      "to a pool or back to the router a round")
     adaptive: bool = Field(True, description="draft length per request (its acceptance) and per verifier "
                                              "load (goodput); off: always draft_length")
     stop_confidence: float = Field(0.3, ge=0, le=1, description="a model drafter ends its draft after a token "

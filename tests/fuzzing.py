@@ -131,11 +131,12 @@ def hints(vocab_size: int, request_ids: tuple[str, ...], kinds: tuple[str, ...]
     tokens = (st.integers(0, v - 1), st.sampled_from([-1, v, v + 1, -2**31, 2**31 - 1]))
     return {
         **{name: tokens for name in ("token_ids", "tokens", "new_tokens", "speculative_tokens", "observed_tokens",
-                                     "observed_ids", "ids", "candidate_ids")},
+                                     "observed_ids", "ids", "candidate_ids", "eos_token_ids")},
         "draw_nodes": (st.integers(0, 8), st.sampled_from([-1, 9, 2**31 - 1])),
         "parents": (st.integers(-1, 7), st.sampled_from([-2, 8, 2**31 - 1])),
         "request_id": (st.sampled_from(request_ids), None),
         "max_tokens": (st.integers(1, 12), st.sampled_from([0, -1, 2**31 - 1])),
+        "draft_length": (st.integers(0, 8), st.sampled_from([-1, 64, 2**31 - 1])),
         "max_len": (st.integers(0, 64), st.sampled_from([-1, 65, 2**31 - 1])),
         "context_length": (st.integers(0, 40), st.sampled_from([-1, 64, 2**31 - 1])),
         "candidates": (st.integers(0, 8), st.sampled_from([-1, 64, 65])),
@@ -273,8 +274,16 @@ def _observed_rows(msg: pb.ProposeRequest, choice: int, off: str | None) -> pb.P
 
 # per message type: made to pass the checks that tie its fields together, as
 # fixup(message, a random number, the field left off or None)
+def _verifier_drafter(msg: pb.DecodeRequest, choice: int, off: str | None) -> pb.DecodeRequest:
+    """A drafter the verifier drafts with itself (the pools' kinds are mostly others)."""
+    if off != "drafter":
+        msg.drafter = ("pld", "none")[choice % 2]
+    return msg
+
+
 FIXUPS: dict[str, Callable] = {"specserve.v1.GenerateRequest": _one_input,
-                               "specserve.v1.ProposeRequest": _observed_rows}
+                               "specserve.v1.ProposeRequest": _observed_rows,
+                               "specserve.v1.DecodeRequest": _verifier_drafter}
 
 
 def make(cls: type, values: dict) -> object:

@@ -42,7 +42,7 @@ def calls_of(name: str, status: str | None = None) -> int:
 def test_every_rpc_of_every_service_has_a_strategy():
     assert {r.name for r in rpcs()} == {
         "Specserve.Generate", "Specserve.GenerateStream", "Verifier.Prefill", "Verifier.Verify",
-        "Verifier.Release", "Verifier.Stats", "Drafter.Prefill", "Drafter.Propose", "Drafter.Release"}
+        "Verifier.Decode", "Verifier.Release", "Verifier.Stats", "Drafter.Prefill", "Drafter.Propose", "Drafter.Release"}
     for rpc in rpcs():
         @settings(FUZZ, max_examples=5)
         @given(STRATEGIES.request(rpc))
@@ -63,7 +63,7 @@ def test_fuzzed_calls_never_crash_and_leave_nothing_held(target, service):
     # every RPC of the service was called, and the stateful ones got past validation too
     for rpc in rpcs(service):
         assert calls_of(rpc.name) >= 10, (rpc.name, TALLY.counts)
-        if rpc.method in ("Generate", "Prefill", "Verify", "Propose"):
+        if rpc.method in ("Generate", "Prefill", "Verify", "Decode", "Propose"):
             assert calls_of(rpc.name, "OK") >= 3, (rpc.name, TALLY.counts)
         assert calls_of(rpc.name) > calls_of(rpc.name, "OK") or rpc.method in ("Release", "Stats"), rpc.name
 

@@ -78,6 +78,9 @@ def verifier_calls(request_id: str):
             metadata=md, timeout=10)),
         ("Verify", lambda stub, md: stub.Verify(pb.VerifyRequest(request_id=request_id, tree=tree_to_pb(DraftTree())),
                                                 metadata=md, timeout=10)),
+        ("Decode", lambda stub, md: list(stub.Decode(pb.DecodeRequest(
+            request_id=request_id, token_ids=PROMPT, drafter="pld", draft_length=2, max_tokens=1),
+            metadata=md, timeout=10))),
         ("Stats", lambda stub, md: stub.Stats(pb.VerifierStatsRequest(), metadata=md, timeout=10)),
         ("Release", lambda stub, md: stub.Release(pb.ReleaseRequest(request_id=request_id), metadata=md, timeout=10)),
     ]
@@ -122,9 +125,10 @@ def test_a_caller_with_the_secret_is_served(services):
     verifier, drafters, engine, pool = services
     with grpc.insecure_channel(verifier) as v, grpc.insecure_channel(drafters) as d:
         vstub, dstub, md = pb_grpc.VerifierStub(v), pb_grpc.DrafterStub(d), metadata(SECRET)
-        (_, prefill), (_, verify), (_, stats), (_, release) = verifier_calls("member")
+        (_, prefill), (_, verify), (_, decode), (_, stats), (_, release) = verifier_calls("member")
         assert prefill(vstub, md).next_token in range(TINY.vocab_size)
         assert not verify(vstub, md).state_lost
+        assert [r.state_lost for r in decode(vstub, md)] == [True]  # it holds a token more than PROMPT now
         assert stats(vstub, md).active_requests == 1
         assert release(vstub, md).released
         (_, dprefill), (_, propose), (_, drelease) = drafter_calls("member")

@@ -85,12 +85,14 @@ def exact_pair(target, i: int, j: int) -> torch.Tensor:
     return joint
 
 
-def sampled_pairs(coordinator, drafter: str, draft_length: int, i: int, j: int) -> torch.Tensor:
+def sampled_pairs(coordinator, drafter: str, draft_length: int, i: int, j: int,
+                  verifier_drafting: bool = False) -> torch.Tensor:
     counts = torch.zeros(V, V)
     for seed in range(RUNS):
         # one token past j: a round drafts only where a whole draft and its bonus fit
         params = SamplingParams(max_tokens=j + 2, temperature=PARAMS.temperature, seed=seed)
-        job = Job(f"r{seed}", PROMPT, params, ((drafter, 1.0),), draft_length, draft_length, V, eos_token_ids=())
+        job = Job(f"r{seed}", PROMPT, params, ((drafter, 1.0),), draft_length, draft_length, V, eos_token_ids=(),
+                  verifier_drafting=verifier_drafting)
         tokens = [t for new in coordinator.run(job, RoundStats()) for t in new]
         counts[tokens[i], tokens[j]] += 1
     return counts
@@ -105,10 +107,12 @@ def assert_matches(counts: torch.Tensor, exact: torch.Tensor) -> None:
     assert p_value > ALPHA, f"sampled pairs differ from the target's (p = {p_value:.2e})"
 
 
-def test_verifier_prefilled_again_every_round_keeps_the_distribution(target):
-    # plain decoding: token 0 comes from the first prefill, token 1 from the second
+@pytest.mark.parametrize("verifier_drafting", [False, True], ids=["verify-calls", "decode-call"])
+def test_verifier_prefilled_again_every_round_keeps_the_distribution(target, verifier_drafting):
+    # plain decoding: token 0 comes from the first prefill, token 1 from the second (a Decode
+    # call finds the request gone, and the router prefills it again)
     with loopback(DrafterPool(target, kinds=["pld"]), ForgetfulEngine(target, max_batch=2, max_len=32)) as coord:
-        counts = sampled_pairs(coord, "none", 0, 0, 1)
+        counts = sampled_pairs(coord, "none", 0, 0, 1, verifier_drafting)
     assert_matches(counts, exact_pair(target, 0, 1))
 
 

@@ -192,6 +192,87 @@ def test_seeded_sampling_over_grpc_equals_the_single_process_loop(tiny):
             assert remote.accepted_drafts > 0
 
 
+def decoded(stub: pb_grpc.VerifierStub, request_id: str, prompt_ids: Sequence[int], params: SamplingParams,
+            eos: Sequence[int] = (), drafter: str = "pld") -> tuple[list[int], list[pb.VerifyResponse]]:
+    """A request prefilled, then every round run by the verifier itself (Decode) in one call:
+    its tokens, clipped as the router clips them, and each round's verdict."""
+    first = stub.Prefill(pb.VerifierPrefillRequest(
+        request_id=request_id, token_ids=list(prompt_ids), sampling=params_to_pb(params),
+        max_len=len(prompt_ids) + params.max_tokens + DRAFT_LENGTH + 1)).next_token
+    tokens, rounds = [first], []
+    if first not in eos and params.max_tokens > 1:
+        rounds = list(stub.Decode(pb.DecodeRequest(
+            request_id=request_id, token_ids=[*prompt_ids, first], drafter=drafter, draft_length=DRAFT_LENGTH,
+            max_tokens=params.max_tokens - 1, eos_token_ids=eos)))
+    for resp in rounds:
+        assert not resp.state_lost
+        tokens += [*resp.accepted, resp.bonus]
+    ends = [i for i, t in enumerate(tokens) if t in eos]
+    return tokens[:ends[0] + 1] if ends else tokens, rounds
+
+
+def test_decode_on_the_verifier_gives_the_single_process_loop(tiny):
+    """The verifier's own rounds (Decode) draft prompt lookup's chains from the request's
+    text: seeded sampling draws exactly what the single-process loop with the same drafter
+    draws, greedy and plain decoding give its tokens, and the call ends at an end token."""
+    greedy = SamplingParams(max_tokens=30)
+    with served(VerifierEngine(tiny, max_len=64)) as stub:
+        for seed in (11, 12):
+            params = replace(SAMPLED, seed=seed)
+            tokens, rounds = decoded(stub, f"s{seed}", prompt(seed), params)
+            assert tokens == single_run(tiny, prompt(seed), params), f"seed {seed}"
+            assert len(tokens) == params.max_tokens
+            assert sum(len(r.accepted) for r in rounds) > 0 and all(r.drafted <= DRAFT_LENGTH for r in rounds)
+        want = single_run(tiny, prompt(4), greedy)
+        assert decoded(stub, "g", prompt(4), greedy)[0] == want
+        plain, rounds = decoded(stub, "n", prompt(4), greedy, drafter="none")
+        assert plain == want and {r.drafted for r in rounds} == {0} and len(rounds) == greedy.max_tokens - 1
+        eos = [want[12]]
+        tokens, rounds = decoded(stub, "e", prompt(4), greedy, eos)
+        assert tokens == single_run(tiny, prompt(4), greedy, eos) and eos[0] in [*rounds[-1].accepted, rounds[-1].bonus]
+        for request_id in ("s11", "s12", "g", "n", "e"):  # Decode leaves the request held, for more rounds
+            assert stub.Release(pb.ReleaseRequest(request_id=request_id)).released
+
+
+def test_greedy_decode_on_the_verifier_equals_the_single_process_loop(smollm2):
+    model, tok = smollm2
+    eos = tok.eos_token_ids or model.config.eos_token_ids
+    params = SamplingParams(max_tokens=32)
+    ids = tok.encode_chat([{"role": "user", "content": "Repeat this line twice: the quick brown fox jumps over "
+                                                        "the lazy dog."}])
+    with served(VerifierEngine(model, max_batch=1, max_len=512)) as stub:
+        tokens, rounds = decoded(stub, "r", ids, params, eos)
+    assert tokens == single_run(model, ids, params, eos)
+    assert len(rounds) < len(tokens) - 1, "no round accepted a draft: the chains were not exercised"
+
+
+def test_after_decode_the_request_goes_on_and_a_cancelled_decode_stops(tiny):
+    params = SamplingParams(max_tokens=40)
+    want = single_run(tiny, prompt(3), params)
+    with served(VerifierEngine(tiny, max_len=64)) as stub:
+        first = stub.Prefill(pb.VerifierPrefillRequest(request_id="r", token_ids=prompt(3),
+                                                       sampling=params_to_pb(params), max_len=64)).next_token
+        tokens = [first]
+        for resp in stub.Decode(pb.DecodeRequest(request_id="r", token_ids=[*prompt(3), first], drafter="pld",
+                                                 draft_length=DRAFT_LENGTH, max_tokens=3)):
+            tokens += [*resp.accepted, resp.bonus]
+        assert 2 <= len(tokens) <= 4  # it stopped after 3 new tokens at most
+        rounds = list(stub.Decode(pb.DecodeRequest(request_id="r", token_ids=[*prompt(3), *tokens], drafter="pld",
+                                                   draft_length=DRAFT_LENGTH, max_tokens=30, max_rounds=2)))
+        assert len(rounds) == 2  # ... and after 2 rounds
+        tokens += [t for r in rounds for t in [*r.accepted, r.bonus]]
+        while len(tokens) < 20:  # Verify takes the request over where Decode left it
+            resp = stub.Verify(pb.VerifyRequest(request_id="r", context_length=len(prompt(3)) + len(tokens)))
+            assert not resp.state_lost
+            tokens += [*resp.accepted, resp.bonus]
+        call = stub.Decode(pb.DecodeRequest(request_id="r", token_ids=[*prompt(3), *tokens], drafter="pld",
+                                            draft_length=DRAFT_LENGTH, max_tokens=10**6))
+        resp = next(call)
+        call.cancel()
+        assert tokens + [*resp.accepted, resp.bonus] == want[:len(tokens) + len(resp.accepted) + 1]
+        assert stub.Release(pb.ReleaseRequest(request_id="r")).released
+
+
 def invalid(call, request, field: str) -> str:
     """The details of the INVALID_ARGUMENT error `call(request)` must raise; they name `field`."""
     with pytest.raises(grpc.RpcError) as info:
@@ -240,6 +321,21 @@ def test_bad_input_is_invalid_argument_naming_the_field(tiny):
             stub.Prefill(prefill("c", [1]))
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
 
+        def decode(**fields) -> pb.DecodeRequest:
+            return pb.DecodeRequest(**{"request_id": "ok", "token_ids": [1, 2, 3, first], "drafter": "pld",
+                                       "draft_length": 4, "max_tokens": 2, **fields})
+
+        stream = lambda request: list(stub.Decode(request))  # noqa: E731
+        assert "pld" in invalid(stream, decode(drafter="suffix"), "drafter")
+        invalid(stream, decode(draft_length=-1), "draft_length")
+        invalid(stream, decode(draft_length=16), "draft_length")
+        invalid(stream, decode(max_tokens=0), "max_tokens")
+        invalid(stream, decode(max_rounds=-1), "max_rounds")
+        invalid(stream, decode(token_ids=[]), "token_ids")
+        invalid(stream, decode(token_ids=[1, 8]), "token_ids")
+        assert [r.state_lost for r in stream(decode(request_id="nobody"))] == [True]
+        assert [r.state_lost for r in stream(decode(token_ids=[1, 2, first]))] == [True]  # not what it holds
+
         # none of that disturbed the request that was going on
         resp = stub.Verify(verify(pb.DraftTree()))
         assert not resp.state_lost
@@ -266,6 +362,34 @@ def test_new_verifier_resumes_from_the_checkpoint(tiny):
             time.sleep(0.01)
         assert store.load_checkpoint("r") is None
         assert stub.Verify(pb.VerifyRequest(request_id="r")).state_lost
+
+
+class CountingStore(EmbeddedStateStore):
+    """Counts checkpoint writes."""
+
+    saves = 0
+
+    def save_checkpoint(self, *args, **kwargs) -> None:
+        self.saves += 1
+        super().save_checkpoint(*args, **kwargs)
+
+
+def test_checkpoints_are_written_once_an_interval_and_the_latest_goes_with_the_verifier(tiny):
+    """Rounds within one interval coalesce into one write; a verifier that goes away writes
+    what is pending, so a new one resumes at the last round, exactly."""
+    want = single_run(tiny, prompt(5), SAMPLED)
+    store = CountingStore()
+    with served(VerifierEngine(tiny, max_len=64, checkpoints=store, checkpoint_interval_s=30.0)) as stub:
+        remote = Remote(stub, "r", prompt(5), SAMPLED, tiny)
+        for _ in range(6):
+            remote.step()
+        assert not remote.done
+        time.sleep(0.2)
+        assert store.saves == 1  # the prefill's: the writer waits out its interval
+    assert store.saves == 2  # the engine's close wrote the latest
+    with served(VerifierEngine(tiny, max_len=64, checkpoints=store)) as stub:
+        remote.stub = stub
+        assert remote.run() == want  # no state lost: the checkpoint held the sixth round
 
 
 def test_failed_pass_fails_its_requests_which_resume_from_checkpoints(tiny, monkeypatch):

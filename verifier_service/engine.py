@@ -45,17 +45,20 @@ _SETTINGS = VerifierSettings()  # the engine's defaults are the served verifier'
 
 
 class _CheckpointWriter:
-    """Writes checkpoints off the verification path, coalescing to the latest per request.
+    """Writes checkpoints off the verification path, coalescing to the latest per request,
+    and waiting `interval_s` after each batch of writes: each write costs the state store
+    and this process CPU that the passes on the same cores would use.
 
     A checkpoint a round behind is harmless: a resumed request then holds fewer
     tokens than the caller's context_length, answers state_lost and is prefilled
     again with every verified token, so the output is still the target's.
     """
 
-    def __init__(self, store: "CheckpointStore", ttl_s: float):
-        self.store, self.ttl_s = store, ttl_s
+    def __init__(self, store: "CheckpointStore", ttl_s: float, interval_s: float = 0.0):
+        self.store, self.ttl_s, self.interval_s = store, ttl_s, interval_s
         self._pending: dict[str, dict | None] = {}  # request id -> checkpoint, or None to delete
         self._busy = False
+        self._flushing = 0  # callers waiting in flush: the writer does not wait out its interval
         self._cond = threading.Condition()
         threading.Thread(target=self._run, name="checkpoint-writer", daemon=True).start()
 
@@ -72,7 +75,12 @@ class _CheckpointWriter:
     def flush(self) -> None:
         """Return once everything handed over so far is written."""
         with self._cond:
-            self._cond.wait_for(lambda: not self._pending and not self._busy)
+            self._flushing += 1
+            self._cond.notify_all()
+            try:
+                self._cond.wait_for(lambda: not self._pending and not self._busy)
+            finally:
+                self._flushing -= 1
 
     def _run(self) -> None:
         while True:
@@ -84,6 +92,9 @@ class _CheckpointWriter:
             with self._cond:
                 self._busy = False
                 self._cond.notify_all()
+                # what comes meanwhile coalesces to each request's latest
+                self._cond.wait_for(lambda: self._flushing, timeout=self.interval_s)
+
 
     def _write(self, request_id: str, data: dict | None) -> None:
         try:
@@ -100,6 +111,18 @@ class _CheckpointWriter:
                     self.store.delete_checkpoint(request_id)
                 except Exception:
                     pass
+
+
+def check_token_ids(token_ids: Sequence[int], vocab_size: int) -> list[int]:
+    """The tokens as a list; an InvalidArgument naming `token_ids` if there are none or one is
+    outside the vocabulary."""
+    tokens = list(token_ids)
+    if not tokens:
+        raise InvalidArgument("token_ids", "must not be empty")
+    bad = next((t for t in tokens if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidArgument("token_ids", f"token {bad} is outside the vocabulary of {vocab_size}")
+    return tokens
 
 
 class UnknownRequest(KeyError):
@@ -205,6 +228,7 @@ class VerifierEngine:
     def __init__(self, model: Transformer, max_batch: int = _SETTINGS.max_batch, max_len: int = _SETTINGS.max_len,
                  max_batch_tokens: int = _SETTINGS.max_batch_tokens, batch_wait_s: float = 0.002,
                  checkpoints: CheckpointStore | None = None, checkpoint_ttl_s: float = 600.0,
+                 checkpoint_interval_s: float = _SETTINGS.checkpoint_interval_s,
                  idle_timeout_s: float = 300.0, clock: Callable[[], float] = time.monotonic,
                  threads: int | None = None, metrics: VerifierMetrics | None = None):
         """`threads`: torch threads of the worker thread, which runs every forward pass
@@ -219,7 +243,8 @@ class VerifierEngine:
         self.checkpoints, self.checkpoint_ttl_s = checkpoints, checkpoint_ttl_s
         # a request whose router went away would hold its row for ever: drop it when idle
         self.idle_timeout_s, self.clock = idle_timeout_s, clock
-        self._writer = None if checkpoints is None else _CheckpointWriter(checkpoints, checkpoint_ttl_s)
+        self._writer = (None if checkpoints is None
+                        else _CheckpointWriter(checkpoints, checkpoint_ttl_s, checkpoint_interval_s))
         # A pass pads every row up to the highest one in the batch to the batch's width (at most
         # max_batch_tokens; a tuned CPU model may pad one row's 2-3 tokens to PAD_ROWS_TO), so rows
         # get spare slots for it.
@@ -254,16 +279,11 @@ class VerifierEngine:
         `reserve` more KV slots must fit after the tokens. Prefilling a request
         this engine holds starts it over. Raises ResourceExhausted when no row is free.
         """
-        tokens = list(token_ids)
         if not 0 <= candidates <= MAX_CANDIDATES:
             raise InvalidArgument("candidates", f"must be in [0, {MAX_CANDIDATES}], got {candidates}")
         if not request_id:
             raise InvalidArgument("request_id", "must not be empty")
-        if not tokens:
-            raise InvalidArgument("token_ids", "must not be empty")
-        bad = next((t for t in tokens if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise InvalidArgument("token_ids", f"token {bad} is outside the vocabulary of {self.vocab_size}")
+        tokens = check_token_ids(token_ids, self.vocab_size)
         params.validate()
         if resumed < 0:
             raise InvalidArgument("resumed", f"must be >= 0, got {resumed}")
@@ -295,6 +315,11 @@ class VerifierEngine:
     def release(self, request_id: str) -> bool:
         """Free the request's row and delete its checkpoint; False if no row held it."""
         return self._submit(_Release(request_id))
+
+    def sampling(self, request_id: str) -> SamplingParams | None:
+        """The sampling parameters of a request holding a row here (None: none holds one)."""
+        state = self._requests.get(request_id)
+        return None if state is None else state.params
 
     def active_requests(self) -> int:
         """Requests holding a row now."""

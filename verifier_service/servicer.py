@@ -3,7 +3,8 @@ health checking and server reflection so generic tools can probe it."""
 
 from __future__ import annotations
 
-from typing import Callable, TypeVar
+import itertools
+from typing import Callable, Iterator, TypeVar
 
 import grpc
 
@@ -12,12 +13,16 @@ from protos import specserve_pb2_grpc as pb_grpc
 from protos.server import call_deadline, start_server
 from protos.convert import params_from_pb, tree_from_pb
 from speculative.cpu_tuning import own_torch_threads
+from speculative.ngram import PLD_MAX_NGRAM, PLD_MIN_NGRAM, lookup_draft
 from speculative.sampling import InvalidArgument
 from speculative.tree import DraftTree
 
-from .engine import PrefillOutcome, ResourceExhausted, UnknownRequest, VerifierEngine
+from .engine import (PrefillOutcome, ResourceExhausted, UnknownRequest, VerifierEngine, VerifyOutcome,
+                     check_token_ids)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Verifier"].full_name
+# what Decode drafts with: drafters that need nothing but the request's own text
+DECODE_DRAFTERS = ("pld", "none")
 
 T = TypeVar("T")
 
@@ -70,12 +75,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                                          request.context_length or None, call_deadline(context), request.candidates)
             except UnknownRequest:
                 return pb.VerifyResponse(state_lost=True)
-            resp = pb.VerifyResponse(accepted=out.accepted, bonus=out.bonus, batch_size=out.batch_size,
-                                     queued=out.queued, active_requests=out.active)
-            if out.pass_shape is not None:
-                shape = out.pass_shape
-                resp.pass_id, resp.pass_seconds = shape.pass_id, shape.seconds
-                resp.pass_tokens, resp.pass_width = shape.tokens, shape.width
+            resp = _verdict(out)
             if out.candidate_ids is not None:
                 resp.candidate_ids.extend(out.candidate_ids.flatten().tolist())
                 resp.candidate_probs.extend(out.candidate_probs.flatten().tolist())
@@ -83,11 +83,62 @@ class VerifierServicer(pb_grpc.VerifierServicer):
 
         return _checked(context, verify)
 
+    def Decode(self, request: pb.DecodeRequest, context: grpc.ServicerContext) -> Iterator[pb.VerifyResponse]:
+        """Round after round on this verifier, each drafted here from the request's text: no
+        hop to a pool or back to the router between them. A round's tokens go out while the
+        next is verified."""
+        tokens = _checked(context, lambda: self._decode_tokens(request))
+        left, deadline = request.max_tokens, call_deadline(context)
+        rounds = itertools.count(1)
+        while left > 0 and context.is_active() and (not request.max_rounds or next(rounds) <= request.max_rounds):
+            params = self.engine.sampling(request.request_id)  # None until the engine restores a checkpoint
+            depth = min(request.draft_length, left - 1) if request.drafter == "pld" and params else 0
+            tree = lookup_draft(tokens, depth, self.engine.vocab_size, params is None or params.deterministic,
+                                PLD_MAX_NGRAM, PLD_MIN_NGRAM)
+            try:
+                out = _checked(context, lambda: self.engine.verify(request.request_id, tree, len(tokens), deadline))
+            except UnknownRequest:
+                yield pb.VerifyResponse(state_lost=True)
+                return
+            resp = _verdict(out)
+            resp.drafted = len(tree)
+            yield resp
+            new = [*out.accepted, out.bonus]
+            tokens.extend(new)
+            left -= len(new)
+            if any(t in request.eos_token_ids for t in new):
+                return
+
+    def _decode_tokens(self, request: pb.DecodeRequest) -> list[int]:
+        """Decode's fields checked; its token_ids, to draft from."""
+        if request.drafter not in DECODE_DRAFTERS:
+            raise InvalidArgument("drafter", f"Decode drafts with {' or '.join(DECODE_DRAFTERS)}, "
+                                  f"not {request.drafter!r}")
+        if not 0 <= request.draft_length < self.engine.max_batch_tokens:
+            raise InvalidArgument("draft_length", f"must be in [0, {self.engine.max_batch_tokens - 1}], "
+                                  f"got {request.draft_length}")
+        if request.max_tokens < 1:
+            raise InvalidArgument("max_tokens", f"must be positive, got {request.max_tokens}")
+        if request.max_rounds < 0:
+            raise InvalidArgument("max_rounds", f"must be >= 0 (0: no limit), got {request.max_rounds}")
+        return check_token_ids(request.token_ids, self.engine.vocab_size)
+
     def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseResponse:
         return pb.ReleaseResponse(released=self.engine.release(request.request_id))
 
     def Stats(self, request: pb.VerifierStatsRequest, context: grpc.ServicerContext) -> pb.VerifierStatsResponse:
         return pb.VerifierStatsResponse(**self.engine.stats())
+
+
+def _verdict(out: VerifyOutcome) -> pb.VerifyResponse:
+    """A verify outcome on the wire, with the pass it went into; candidates apart."""
+    resp = pb.VerifyResponse(accepted=out.accepted, bonus=out.bonus, batch_size=out.batch_size,
+                             queued=out.queued, active_requests=out.active)
+    if out.pass_shape is not None:
+        shape = out.pass_shape
+        resp.pass_id, resp.pass_seconds = shape.pass_id, shape.seconds
+        resp.pass_tokens, resp.pass_width = shape.tokens, shape.width
+    return resp
 
 
 def serve(engine: VerifierEngine, host: str = "127.0.0.1", port: int = 0,

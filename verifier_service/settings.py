@@ -17,6 +17,8 @@ class VerifierSettings(BaseModel):
     max_batch: int = Field(8, ge=1, description="requests one verifier holds and batches")
     max_len: int = Field(4096, ge=16, description="KV slots per request in a verifier")
     max_batch_tokens: int = Field(256, ge=1, description="most tokens in one batched verification")
+    checkpoint_interval_s: float = Field(0.2, ge=0, description="a verifier writes its requests' checkpoints at "
+                                         "most this often (each the request's latest); 0: after every round")
     threads: int | None = Field(None, ge=1, description="torch threads of a verifier's engine (default: all cores, "
                                                        "shared out among its tensor-parallel ranks)")
     cores: list[NonNegativeInt] | None = Field(None, min_length=1, description="CPU core ids every verifier process runs "

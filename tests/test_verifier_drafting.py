@@ -1,0 +1,124 @@
+"""Rounds the verifier drafts itself (the Decode call), driven by the router's coordinator.
+
+A request with prompt lookup alone, or no drafter, runs its rounds on the verifier:
+the pool is never asked, the output is the target's (greedy; seeded sampling gives
+what the same request gives round by round through the router, which the pool's
+prompt lookup drafts), the stats count each round, and a verifier that goes away
+mid-call (its gRPC server stopped, as a dying process's is) leaves the request to
+another verifier with the same output. Real gRPC servers on loopback, tiny models.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from drafter_service.pool import DrafterPool
+from drafter_service.registry import make_drafter
+from loopback import loopback
+from router.coordinator import Channels, Coordinator, Job
+from router.stats import RoundStats
+from speculative.decoding import generate
+from speculative.sampling import SamplingParams
+from tiny import TINY, tiny_model
+from verifier_service.engine import VerifierEngine
+from verifier_service.servicer import serve as serve_verifier
+
+V = TINY.vocab_size
+DRAFT_LENGTH = 4
+PROMPTS = [[1, 2, 3, 1, 2], [5, 6, 7, 5], [0, 3, 3, 3, 3]]
+GREEDY = SamplingParams(max_tokens=30)
+
+
+class CountingPool(DrafterPool):
+    """A pool that counts the Propose calls it answers."""
+
+    proposals = 0
+
+    def propose(self, *args, **kwargs):
+        self.proposals += 1
+        return super().propose(*args, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def target():
+    torch.set_num_threads(1)
+    return tiny_model(0)
+
+
+def job(prompt: list[int], params: SamplingParams, drafter: str, verifier_drafting: bool) -> Job:
+    return Job(request_id="r", prompt_ids=prompt, params=params, drafters=((drafter, 1.0),),
+               draft_length=DRAFT_LENGTH, tree_budget=DRAFT_LENGTH, vocab_size=V, eos_token_ids=(),
+               verifier_drafting=verifier_drafting)
+
+
+def served(coordinator: Coordinator, j: Job) -> tuple[list[int], RoundStats]:
+    stats = RoundStats()
+    return [t for new in coordinator.run(j, stats) for t in new], stats
+
+
+@pytest.mark.parametrize("drafter", ["pld", "none"])
+def test_verifier_drafted_rounds_give_the_targets_tokens_without_the_pool(target, drafter):
+    pool = CountingPool(target, kinds=["pld"])
+    with loopback(pool, VerifierEngine(target, max_batch=2, max_len=64)) as coordinator:
+        for prompt in PROMPTS:
+            tokens, stats = served(coordinator, job(prompt, GREEDY, drafter, verifier_drafting=True))
+            want = generate(target, prompt, GREEDY, make_drafter("pld", target), DRAFT_LENGTH, ()).token_ids
+            assert tokens == want, prompt
+            assert stats.target_forward_passes == 1 + len(stats.batch_sizes)  # the prefill, then a pass a round
+            assert sum(stats.batch_sizes) == len(stats.batch_sizes)  # each a pass of its own
+            if drafter == "pld":
+                assert stats.per_drafter["pld"].accepted == stats.accepted_draft_tokens
+                assert stats.draft_tokens >= stats.accepted_draft_tokens > 0
+            else:
+                assert stats.draft_tokens == 0 and stats.target_forward_passes == GREEDY.max_tokens
+    assert pool.proposals == 0 and pool.active_requests() == 0
+
+
+def test_seeded_sampling_is_what_the_round_by_round_path_draws(target):
+    """The verifier's chains are the pool's (the same lookup, n-gram sizes and lengths), so a
+    seeded request draws the same tokens either way."""
+    pool = CountingPool(target, kinds=["pld"])
+    with loopback(pool, VerifierEngine(target, max_batch=2, max_len=64)) as coordinator:
+        for seed, prompt in enumerate(PROMPTS):
+            params = SamplingParams(max_tokens=30, temperature=1.0, top_k=6, seed=seed)
+            by_rounds, _ = served(coordinator, job(prompt, params, "pld", verifier_drafting=False))
+            proposals = pool.proposals
+            on_verifier, stats = served(coordinator, job(prompt, params, "pld", verifier_drafting=True))
+            assert on_verifier == by_rounds and len(on_verifier) == params.max_tokens
+            assert pool.proposals == proposals and stats.accepted_draft_tokens > 0
+
+
+def test_a_verifier_gone_mid_call_leaves_the_request_to_another(target):
+    """The first verifier's server stops (every call on it ends UNAVAILABLE or CANCELLED) in
+    its fourth round; the router prefills the request on the second with every token verified
+    so far and goes on there: the output is the target's."""
+    stopped = threading.Event()
+
+    class Dying(VerifierEngine):
+        rounds = 0
+
+        def verify(self, *args, **kwargs):
+            self.rounds += 1
+            if self.rounds == 4:
+                first_server.stop(None)
+                stopped.set()
+            return super().verify(*args, **kwargs)
+
+    dying, healthy = Dying(target, max_batch=2, max_len=64), VerifierEngine(target, max_batch=2, max_len=64)
+    (first_server, first), (second_server, second) = serve_verifier(dying), serve_verifier(healthy)
+    coordinator = Coordinator(verifiers=lambda: [f"127.0.0.1:{first}", f"127.0.0.1:{second}"],
+                              drafters=lambda: [], channels=Channels())
+    try:
+        tokens, stats = served(coordinator, job(PROMPTS[0], GREEDY, "pld", verifier_drafting=True))
+    finally:
+        coordinator.channels.close()
+        second_server.stop(None)
+        for engine in (dying, healthy):
+            engine.close()
+    assert stopped.is_set()
+    assert tokens == generate(target, PROMPTS[0], GREEDY, make_drafter("pld", target), DRAFT_LENGTH, ()).token_ids
+    assert stats.target_forward_passes > dying.rounds  # the second verifier's prefill and rounds
+    assert healthy.stats()["forward_passes"] >= 2 and healthy.active_requests() == 0
