@@ -6,7 +6,10 @@ prompt's own text as the verified ones (so the pool learns from real text, as wh
 serving), for `--rounds` rounds, and released. The dev prompts are cycled as the soak
 cycles them. The process's resident memory is printed every `--every` requests, and
 tracemalloc compares Python's allocations after `--warmup` requests with those at the
-end, the top growths by traceback (docs/RELIABILITY.md, Soak: the drafter pool).
+end, the top growths by traceback (docs/RELIABILITY.md, Soak: the drafter pool). With
+`--trim`, each report also asks glibc to hand its free memory back (`malloc_trim`) and
+prints the resident size after: growth that a trim takes back was free memory the
+allocator kept, not memory in use.
 
     python scripts/pool_memory_probe.py --requests 1200
 """
@@ -14,6 +17,7 @@ end, the top growths by traceback (docs/RELIABILITY.md, Soak: the drafter pool).
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import itertools
 import json
@@ -44,7 +48,9 @@ def main() -> None:
     parser.add_argument("--kinds", nargs="+", default=list(ServeConfig().drafter_pools.kinds))
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--questions", type=Path, default=QUESTIONS)
+    parser.add_argument("--trim", action="store_true", help="malloc_trim at each report, and print the size after")
     args = parser.parse_args()
+    libc = ctypes.CDLL("libc.so.6") if args.trim else None
     cfg = ServeConfig()
     model, tokenizer = load_on_one_thread(cfg)
     pool = DrafterPool(model, kinds=tuple(args.kinds))
@@ -75,7 +81,11 @@ def main() -> None:
         with lock:
             done[0] += 1
             if done[0] % args.every == 0:
-                print(f"{done[0]} requests: {proc.memory_info().rss / 1e6:.0f} MB resident", flush=True)
+                line = f"{done[0]} requests: {proc.memory_info().rss / 1e6:.0f} MB resident"
+                if libc is not None:
+                    libc.malloc_trim(0)
+                    line += f", {proc.memory_info().rss / 1e6:.0f} MB after malloc_trim"
+                print(line, flush=True)
 
     def run(first: int, n: int) -> None:
         with ThreadPoolExecutor(args.clients) as clients:
