@@ -310,9 +310,11 @@ class _Request:
         self.ready: list[DraftTree] | None = None  # each drafter's tree for this round, drafted ahead
         self.candidates = CANDIDATES if any(coord.learns_from_target(kind) for kind, _ in job.drafters) else 0
         self.rnd, self.load = 0, 1  # round; requests sharing the verifier
-        # rounds the verifier drafts itself: they need nothing but the request's own text
-        self.own_rounds = (job.verifier_drafting and not job.pipelined and not self.candidates
-                           and len(job.drafters) == 1 and job.drafters[0][0] in VERIFIER_DRAFTERS)
+        # rounds the verifier runs itself (Decode): plain ones whenever no drafter is asked to
+        # draft (the load makes none pay), and every one when the only drafter is one it can run
+        self.plain_on_verifier = job.verifier_drafting and not job.pipelined and not self.candidates
+        self.own_rounds = (self.plain_on_verifier and len(job.drafters) == 1
+                           and job.drafters[0][0] in VERIFIER_DRAFTERS)
 
     def rounds(self, context: list[int]) -> Iterator[list[int]]:
         """The next round's new tokens, or the verifier's own rounds' one by one; none when the
@@ -323,6 +325,9 @@ class _Request:
             yield from self.decode(context)
         else:
             draft = self.draft(context)
+            if self.plain_on_verifier and not any(draft.budgets):
+                yield from self.decode(context, "none")  # drafting does not pay now: plain rounds
+                return
             verdict = self.verify(context, draft)
             if verdict is not None:
                 yield self.learn(context, draft, verdict)
@@ -339,13 +344,17 @@ class _Request:
         self.stats.record_prefill()
         return [prefilled.next_token]
 
-    def decode(self, context: list[int]) -> Iterator[list[int]]:
+    def decode(self, context: list[int], kind: str | None = None) -> Iterator[list[int]]:
         """Rounds the verifier runs on its own (Decode), up to DECODE_ROUNDS, each round's new
-        tokens as it ends, at the draft length the control chooses at the start. Stops early
-        when the verifier loses the request: the next round prefills it again."""
-        kind, job = self.job.drafters[0][0], self.job
-        length = job.draft_length if self.controls is None else self.controls[0].length(self.load)
-        length = 0 if kind == "none" else length
+        tokens as it ends, drafted by `kind` (default: the request's one drafter) at the length
+        the control chooses at the start. Stops early when the verifier loses the request: the
+        next round prefills it again."""
+        job = self.job
+        kind = kind or job.drafters[0][0]
+        if kind == "none":
+            length = 0
+        else:
+            length = job.draft_length if self.controls is None else self.controls[0].length(self.load)
         started = time.monotonic()
         for resp in self.verifier.decode(context, kind, length, job.params.max_tokens - len(self.verified)):
             self.stats.record_span("verify", self.rnd, started, started := time.monotonic())

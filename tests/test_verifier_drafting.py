@@ -10,6 +10,7 @@ another verifier with the same output. Real gRPC servers on loopback, tiny model
 
 from __future__ import annotations
 
+import math
 import threading
 
 import pytest
@@ -18,12 +19,13 @@ import torch
 from drafter_service.pool import DrafterPool
 from drafter_service.registry import make_drafter
 from loopback import loopback
-from router.coordinator import Channels, Coordinator, Job
+from router.coordinator import DECODE_ROUNDS, Channels, Coordinator, Job
 from router.stats import RoundStats
 from speculative.decoding import generate
 from speculative.sampling import SamplingParams
 from tiny import TINY, tiny_model
 from verifier_service.engine import VerifierEngine
+from verifier_service.servicer import VerifierServicer
 from verifier_service.servicer import serve as serve_verifier
 
 V = TINY.vocab_size
@@ -75,6 +77,28 @@ def test_verifier_drafted_rounds_give_the_targets_tokens_without_the_pool(target
             else:
                 assert stats.draft_tokens == 0 and stats.target_forward_passes == GREEDY.max_tokens
     assert pool.proposals == 0 and pool.active_requests() == 0
+
+
+def test_rounds_no_drafter_is_asked_to_draft_are_plain_rounds_on_the_verifier(target, monkeypatch):
+    """A fused request whose drafters all get length 0 (what adaptive lengths choose when the
+    load makes no draft pay) decodes plainly on the verifier, not a router call a round."""
+    calls = []
+
+    def counted(self, request, context):
+        calls.append(request.drafter)
+        yield from decode(self, request, context)
+
+    decode = VerifierServicer.Decode
+    monkeypatch.setattr(VerifierServicer, "Decode", counted)
+    pool = CountingPool(target, kinds=["pld", "layerskip"])
+    with loopback(pool, VerifierEngine(target, max_batch=2, max_len=64)) as coordinator:
+        fused = Job(request_id="r", prompt_ids=PROMPTS[0], params=GREEDY, drafters=(("pld", 0.5), ("layerskip", 0.5)),
+                    draft_length=0, tree_budget=DRAFT_LENGTH, vocab_size=V, eos_token_ids=(), verifier_drafting=True)
+        tokens, stats = served(coordinator, fused)
+    assert tokens == generate(target, PROMPTS[0], GREEDY, make_drafter("pld", target), DRAFT_LENGTH, ()).token_ids
+    assert pool.proposals == 0 and stats.target_forward_passes == GREEDY.max_tokens
+    # after the prefill, one Decode call per DECODE_ROUNDS rounds: not a Verify call a round
+    assert calls == ["none"] * math.ceil((GREEDY.max_tokens - 1) / DECODE_ROUNDS)
 
 
 def test_seeded_sampling_is_what_the_round_by_round_path_draws(target):
