@@ -387,9 +387,16 @@ def test_checkpoints_are_written_once_an_interval_and_the_latest_goes_with_the_v
         time.sleep(0.2)
         assert store.saves == 1  # the prefill's: the writer waits out its interval
     assert store.saves == 2  # the engine's close wrote the latest
-    with served(VerifierEngine(tiny, max_len=64, checkpoints=store)) as stub:
+    engine = VerifierEngine(tiny, max_len=64, checkpoints=store, checkpoint_interval_s=30.0)
+    with served(engine) as stub:
         remote.stub = stub
         assert remote.run() == want  # no state lost: the checkpoint held the sixth round
+        # a released request's checkpoint goes at once, interval or not
+        assert stub.Release(pb.ReleaseRequest(request_id="r")).released
+        deadline = time.monotonic() + 5
+        while store.load_checkpoint("r") is not None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert store.load_checkpoint("r") is None and time.monotonic() < deadline - 4
 
 
 def test_failed_pass_fails_its_requests_which_resume_from_checkpoints(tiny, monkeypatch):

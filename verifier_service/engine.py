@@ -46,8 +46,8 @@ _SETTINGS = VerifierSettings()  # the engine's defaults are the served verifier'
 
 class _CheckpointWriter:
     """Writes checkpoints off the verification path, coalescing to the latest per request,
-    and waiting `interval_s` after each batch of writes: each write costs the state store
-    and this process CPU that the passes on the same cores would use.
+    and waiting `interval_s` after each batch of writes unless a delete comes: each write
+    costs the state store and this process CPU that the passes on the same cores would use.
 
     A checkpoint a round behind is harmless: a resumed request then holds fewer
     tokens than the caller's context_length, answers state_lost and is prefilled
@@ -92,8 +92,10 @@ class _CheckpointWriter:
             with self._cond:
                 self._busy = False
                 self._cond.notify_all()
-                # what comes meanwhile coalesces to each request's latest
-                self._cond.wait_for(lambda: self._flushing, timeout=self.interval_s)
+                # saves that come meanwhile coalesce to each request's latest; a delete (a request
+                # released) or a flush does not wait
+                self._cond.wait_for(lambda: self._flushing or None in self._pending.values(),
+                                    timeout=self.interval_s)
 
 
     def _write(self, request_id: str, data: dict | None) -> None:
