@@ -34,7 +34,6 @@ from .layer_threads import make_runner
 LAYER_SKIP_FIRST, LAYER_SKIP_LAST = 10, 10
 
 
-
 class DrafterMemory:
     """What the drafters of one memory namespace learn across its requests, for one
     target: a suffix index of every output, a Token Recycling table, and each drafter

@@ -282,6 +282,12 @@ class Coordinator:
             req.release()
 
 
+def _load(resp: pb.VerifyResponse) -> int:
+    """Requests sharing the verifier, from a verdict: those of its pass and queued, and those it
+    holds between rounds (drafting, on the wire), which the next passes will carry too."""
+    return max(1, resp.batch_size + resp.queued, resp.active_requests)
+
+
 @dataclass
 class _Draft:
     """One round's draft, as the steps after drafting need it."""
@@ -364,7 +370,7 @@ class _Request:
                 self.stats.record_drafter(kind, resp.drafted, len(resp.accepted))
             for c in self.controls or ():
                 c.record(resp.drafted, len(resp.accepted))
-            self.load = max(1, resp.batch_size + resp.queued, resp.active_requests)
+            self.load = _load(resp)
             self.rnd += 1
             yield [*resp.accepted, resp.bonus]
 
@@ -432,9 +438,7 @@ class _Request:
         self.drafting.learn(draft.proposals, new)
         self.stats.record_round(len(draft.tree), len(resp.accepted), resp.batch_size)
         self.drafting.count(draft.proposals, resp.accepted, self.stats)
-        # requests sharing the verifier: those of this pass and queued, and those it holds
-        # between rounds (drafting, on the wire), which the next passes will carry too
-        self.load = max(1, resp.batch_size + resp.queued, resp.active_requests)
+        self.load = _load(resp)
         self._adapt(draft, resp.accepted)
         return new
 

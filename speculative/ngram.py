@@ -31,7 +31,7 @@ def lookup_continuation(tokens: Sequence[int], max_tokens: int, max_ngram: int =
 
 
 def lookup_draft(tokens: Sequence[int], depth: int, vocab_size: int, deterministic: bool,
-                 max_ngram: int = 3, min_ngram: int = 1) -> DraftTree:
+                 max_ngram: int = PLD_MAX_NGRAM, min_ngram: int = PLD_MIN_NGRAM) -> DraftTree:
     """Prompt lookup's draft to verify: a chain of up to `depth` tokens; a sampled request's
     draws carry their q, one-hot, since the lookup is deterministic."""
     follow = lookup_continuation(tokens, depth, max_ngram, min_ngram)

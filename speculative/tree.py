@@ -30,12 +30,12 @@ def nodes_for_depth(depth: int, draft_length: int, tree_budget: int) -> int:
     return max(depth, -(-tree_budget * depth // draft_length))
 
 
-
 def one_hot(tokens: Sequence[int], vocab_size: int) -> torch.Tensor:
     """The q of deterministic draws (model-free drafters): all of each draw's mass on its token."""
     q = torch.zeros(len(tokens), vocab_size)
     q[torch.arange(len(tokens)), torch.tensor(list(tokens), dtype=torch.long)] = 1.0
     return q
+
 
 @dataclass
 class DraftTree:

@@ -13,7 +13,7 @@ from protos import specserve_pb2_grpc as pb_grpc
 from protos.server import call_deadline, start_server
 from protos.convert import params_from_pb, tree_from_pb
 from speculative.cpu_tuning import own_torch_threads
-from speculative.ngram import PLD_MAX_NGRAM, PLD_MIN_NGRAM, lookup_draft
+from speculative.ngram import lookup_draft
 from speculative.sampling import InvalidArgument
 from speculative.tree import DraftTree
 
@@ -88,13 +88,12 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         hop to a pool or back to the router between them. A round's tokens go out while the
         next is verified."""
         tokens = _checked(context, lambda: self._decode_tokens(request))
-        left, deadline = request.max_tokens, call_deadline(context)
+        left, deadline, eos = request.max_tokens, call_deadline(context), set(request.eos_token_ids)
         rounds = itertools.count(1)
         while left > 0 and context.is_active() and (not request.max_rounds or next(rounds) <= request.max_rounds):
             params = self.engine.sampling(request.request_id)  # None until the engine restores a checkpoint
             depth = min(request.draft_length, left - 1) if request.drafter == "pld" and params else 0
-            tree = lookup_draft(tokens, depth, self.engine.vocab_size, params is None or params.deterministic,
-                                PLD_MAX_NGRAM, PLD_MIN_NGRAM)
+            tree = lookup_draft(tokens, depth, self.engine.vocab_size, params is None or params.deterministic)
             try:
                 out = _checked(context, lambda: self.engine.verify(request.request_id, tree, len(tokens), deadline))
             except UnknownRequest:
@@ -106,7 +105,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             new = [*out.accepted, out.bonus]
             tokens.extend(new)
             left -= len(new)
-            if any(t in request.eos_token_ids for t in new):
+            if eos.intersection(new):
                 return
 
     def _decode_tokens(self, request: pb.DecodeRequest) -> list[int]:
