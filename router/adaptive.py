@@ -21,8 +21,13 @@ Each draft level also costs the drafter's time, `draft_token_cost` of a
 pass, and asking the drafters at all costs `draft_round_cost` (the calls'
 round trips, threads and trees on the wire: what a one-token draft pays
 as much as a five-token one, and on shared cores what it takes from the
-verifier), both measured as the request goes; pipelined, only when the round
-could not use the draft made ahead during the last verification (`reused`).
+verifier), both measured as the request goes against a one-row, one-token
+pass (`pass_units` turns the pass a verdict reports into those); pipelined,
+only when the round could not use the draft made ahead during the last
+verification (`reused`). Where a round with no draft runs on the verifier
+itself (Decode, no hop at all), a drafted round's cost also holds its verify
+call's hop: the round trip and the wait for the pass in flight, which under
+load is most of a pass.
 
     control = SpeculationControl(max_length=5, prior=0.6)
     k = control.length(batch=3)          # before a round
@@ -152,14 +157,26 @@ class SpeculationControl:
         if nodes > 0 and depth > 0:
             self.width = _running_mean(self.width, nodes / depth)
 
+    def pass_units(self, rows: int, tokens: int, width: int) -> float:
+        """A verification pass of `rows` rows, `tokens` scored tokens in all and `width` in the
+        widest row, in one-row, one-token passes (the goodput model's unit of time)."""
+        row_cost, token_cost, pad_cost = (self.pass_costs.costs() if self.pass_costs is not None else
+                                          (self.verify_row_cost, self.verify_token_cost, self.verify_pad_cost))
+        rows = max(rows, 1)
+        tokens = max(tokens, rows)
+        return (1.0 + row_cost * (rows - 1) + token_cost * (tokens - rows)
+                + pad_cost * max(0, rows * max(width, 1) - tokens))
+
     def observe(self, draft_seconds_per_token: float, pass_seconds: float) -> None:
-        """Learn the drafter's cost relative to a target pass (a running mean)."""
+        """Learn the drafter's cost relative to a one-row, one-token target pass of
+        `pass_seconds` (a running mean)."""
         if draft_seconds_per_token > 0 and pass_seconds > 0:
             ratio = draft_seconds_per_token / pass_seconds
             self.draft_token_cost = ratio if self.draft_token_cost == 0 else _running_mean(self.draft_token_cost, ratio)
 
     def observe_round(self, overhead_seconds: float, pass_seconds: float) -> None:
-        """Learn what asking the drafters costs beyond their drafting (a running mean)."""
+        """Learn what a drafted round costs beyond the drafting and the pass, relative to a
+        one-row, one-token pass of `pass_seconds` (a running mean)."""
         if overhead_seconds >= 0 and pass_seconds > 0:
             ratio = overhead_seconds / pass_seconds
             self.draft_round_cost = _running_mean(self.draft_round_cost, ratio)

@@ -439,20 +439,26 @@ class _Request:
         self.stats.record_round(len(draft.tree), len(resp.accepted), resp.batch_size)
         self.drafting.count(draft.proposals, resp.accepted, self.stats)
         self.load = _load(resp)
-        self._adapt(draft, resp.accepted)
+        self._adapt(draft, resp)
         return new
 
-    def _adapt(self, draft: _Draft, accepted: Sequence[int]) -> None:
-        """Each drafter's control learns its acceptance and what drafting and verifying cost."""
+    def _adapt(self, draft: _Draft, resp: pb.VerifyResponse) -> None:
+        """Each drafter's control learns its acceptance and what drafting and verifying cost,
+        against a one-row, one-token pass (from the pass the verdict reports). When a round
+        with no draft would run on the verifier (Decode), a drafted round also pays its verify
+        call's hop: the round trip and the wait for the pass in flight."""
+        hop = max(0.0, draft.verify_seconds - resp.pass_seconds) if self.plain_on_verifier else 0.0
         for i, (c, own) in enumerate(zip(self.controls or (), draft.proposals)):
             if len(own):  # how deep the accepted path went in the drafter's own tree
                 depth = max(own.depths)
-                c.record(depth, own.path_prefix(accepted))
+                c.record(depth, own.path_prefix(resp.accepted))
                 c.observe_tree(len(own), depth)
+            unit = (resp.pass_seconds / c.pass_units(resp.batch_size, resp.pass_tokens, resp.pass_width)
+                    if resp.pass_seconds > 0 else draft.verify_seconds)
             if draft.costs and draft.costs[i]:
-                c.observe(draft.costs[i], draft.verify_seconds)
+                c.observe(draft.costs[i], unit)
             if draft.round_cost is not None and draft.budgets[i] > 0:
-                c.observe_round(draft.round_cost, draft.verify_seconds)
+                c.observe_round(draft.round_cost + hop, unit)
 
     def release(self) -> None:
         self.drafting.release()

@@ -240,3 +240,17 @@ def test_a_served_router_learns_from_each_verification_pass_once_and_exports_the
     exported = generate_latest(servicer.metrics.registry).decode()
     assert f"specserve_verify_cost_passes {float(verification_passes)}" in exported
     assert f'specserve_verify_cost{{term="token"}} {model.costs()[1]!r}' in exported
+
+
+def test_a_reported_pass_is_counted_in_one_row_one_token_passes():
+    """Drafting costs are learned against a one-row, one-token pass: a verdict's batched pass
+    is turned into those by the verify costs (the settings', or the learned ones)."""
+    control = SpeculationControl(5, verify_row_cost=0.1, verify_token_cost=0.05, verify_pad_cost=0.01)
+    assert control.pass_units(1, 1, 1) == 1.0
+    # 4 rows, 10 scored tokens, the widest row 4: 3 more rows, 6 more tokens, 16 - 10 padded slots
+    assert control.pass_units(4, 10, 4) == pytest.approx(1 + 0.3 + 0.3 + 0.06)
+    model = PassCostModel(row_cost=0.1, token_cost=0.05, pad_cost=0.01)
+    for i in range(400):  # passes whose every extra row costs half a one-token pass
+        model.observe(("v", i), 1 + i % 4, 1 + i % 4, 1, 0.02 * (1 + 0.5 * (i % 4)))
+    learned = SpeculationControl(5, pass_costs=model)
+    assert learned.pass_units(3, 3, 1) == pytest.approx(2.0, rel=0.1)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 
 import pytest
 import torch
@@ -19,11 +20,13 @@ import torch
 from drafter_service.pool import DrafterPool
 from drafter_service.registry import make_drafter
 from loopback import loopback
+from router.adaptive import SpeculationControl
 from router.coordinator import DECODE_ROUNDS, Channels, Coordinator, Job
 from router.stats import RoundStats
 from speculative.decoding import generate
 from speculative.sampling import SamplingParams
 from tiny import TINY, tiny_model
+import verifier_service.engine as engine_module
 from verifier_service.engine import VerifierEngine
 from verifier_service.servicer import VerifierServicer
 from verifier_service.servicer import serve as serve_verifier
@@ -99,6 +102,45 @@ def test_rounds_no_drafter_is_asked_to_draft_are_plain_rounds_on_the_verifier(ta
     assert pool.proposals == 0 and stats.target_forward_passes == GREEDY.max_tokens
     # after the prefill, one Decode call per DECODE_ROUNDS rounds: not a Verify call a round
     assert calls == ["none"] * math.ceil((GREEDY.max_tokens - 1) / DECODE_ROUNDS)
+
+
+@pytest.mark.parametrize("verifier_drafting", [True, False])
+def test_a_drafted_rounds_verify_hop_counts_only_against_plain_rounds_on_the_verifier(
+        target, monkeypatch, verifier_drafting):
+    """Each pass takes 10 ms and each Verify call waits 200 ms more before it reaches the
+    engine (a slow hop, as the wait for a busy verifier's pass in flight is). Rounds with no
+    draft run on the verifier with no hop: the adaptive lengths learn the hop and stop
+    drafting, the rounds going plainly on the verifier. Without rounds on the verifier a
+    round with no draft pays the same hop, so drafting still pays. The output is the
+    target's either way."""
+    real_pass, real_verify = engine_module.verify_batch, VerifierServicer.Verify
+
+    def slow_pass(*args, **kwargs):
+        time.sleep(0.01)
+        return real_pass(*args, **kwargs)
+
+    hops = []
+
+    def slow_hop(self, request, context):
+        hops.append(len(request.tree.tokens))
+        time.sleep(0.2)
+        return real_verify(self, request, context)
+
+    monkeypatch.setattr(engine_module, "verify_batch", slow_pass)
+    monkeypatch.setattr(VerifierServicer, "Verify", slow_hop)
+    pool = CountingPool(target, kinds=["pld", "suffix"])
+    prompt = [1, 2, 3, 4] * 4
+    with loopback(pool, VerifierEngine(target, max_batch=2, max_len=64)) as coordinator:
+        fused = Job(request_id="r", prompt_ids=prompt, params=GREEDY, drafters=(("pld", 0.9), ("suffix", 0.9)),
+                    draft_length=DRAFT_LENGTH, tree_budget=DRAFT_LENGTH, vocab_size=V, eos_token_ids=(),
+                    speculation=SpeculationControl(DRAFT_LENGTH, prior=0.9), verifier_drafting=verifier_drafting)
+        tokens, stats = served(coordinator, fused)
+    assert tokens == generate(target, prompt, GREEDY, None, 0, ()).token_ids
+    if verifier_drafting:  # the first round that asks the drafters teaches the hop: plain rounds since
+        assert len(hops) == 1
+        assert stats.target_forward_passes >= GREEDY.max_tokens - DRAFT_LENGTH
+    else:
+        assert len(hops) > 2 and sum(hops) > 0 and stats.accepted_draft_tokens > 0
 
 
 def test_seeded_sampling_is_what_the_round_by_round_path_draws(target):
