@@ -261,7 +261,7 @@ class VerifyResponse(_message.Message):
     def __init__(self, accepted: _Optional[_Iterable[int]] = ..., bonus: _Optional[int] = ..., state_lost: _Optional[bool] = ..., batch_size: _Optional[int] = ..., queued: _Optional[int] = ..., active_requests: _Optional[int] = ..., candidate_ids: _Optional[_Iterable[int]] = ..., candidate_probs: _Optional[_Iterable[float]] = ..., pass_id: _Optional[int] = ..., pass_seconds: _Optional[float] = ..., pass_tokens: _Optional[int] = ..., pass_width: _Optional[int] = ..., drafted: _Optional[int] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "drafter", "draft_length", "max_tokens", "eos_token_ids", "max_rounds")
+    __slots__ = ("request_id", "token_ids", "drafter", "draft_length", "max_tokens", "eos_token_ids", "max_rounds", "candidates")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
@@ -269,6 +269,7 @@ class DecodeRequest(_message.Message):
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     drafter: str
@@ -276,7 +277,8 @@ class DecodeRequest(_message.Message):
     max_tokens: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     max_rounds: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., drafter: _Optional[str] = ..., draft_length: _Optional[int] = ..., max_tokens: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_rounds: _Optional[int] = ...) -> None: ...
+    candidates: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., drafter: _Optional[str] = ..., draft_length: _Optional[int] = ..., max_tokens: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_rounds: _Optional[int] = ..., candidates: _Optional[int] = ...) -> None: ...
 
 class VerifierStatsRequest(_message.Message):
     __slots__ = ()

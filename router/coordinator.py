@@ -15,6 +15,9 @@ rounds on the verifier itself (`Job.verifier_drafting`, the Decode call): the
 verifier drafts from the request's text, which is all prompt lookup reads, and
 streams each round's verdict back, with no hop to a pool or back to the router
 between rounds; the router clips, counts and forwards the rounds as they come.
+Any other request that is not pipelined decodes plainly on the verifier the same
+way while adaptive lengths give none of its drafters a draft (the target's
+candidates come back each round for a drafter that learns from them).
 
 A request has one drafter or several. One drafter's tree goes to the
 verifier as it is. Several drafters are all asked each round (at the same
@@ -317,9 +320,10 @@ class _Request:
         self.candidates = CANDIDATES if any(coord.learns_from_target(kind) for kind, _ in job.drafters) else 0
         self.rnd, self.load = 0, 1  # round; requests sharing the verifier
         # rounds the verifier runs itself (Decode): plain ones whenever no drafter is asked to
-        # draft (the load makes none pay), and every one when the only drafter is one it can run
-        self.plain_on_verifier = job.verifier_drafting and not job.pipelined and not self.candidates
-        self.own_rounds = (self.plain_on_verifier and len(job.drafters) == 1
+        # draft (the load makes none pay; they bring back the target's candidates for the
+        # drafters that learn from them), and every one when the only drafter is one it can run
+        self.plain_on_verifier = job.verifier_drafting and not job.pipelined
+        self.own_rounds = (self.plain_on_verifier and not self.candidates and len(job.drafters) == 1
                            and job.drafters[0][0] in VERIFIER_DRAFTERS)
 
     def rounds(self, context: list[int]) -> Iterator[list[int]]:
@@ -353,17 +357,22 @@ class _Request:
     def decode(self, context: list[int], kind: str | None = None) -> Iterator[list[int]]:
         """Rounds the verifier runs on its own (Decode), up to DECODE_ROUNDS, each round's new
         tokens as it ends, drafted by `kind` (default: the request's one drafter) at the length
-        the control chooses at the start. Stops early when the verifier loses the request: the
-        next round prefills it again."""
+        the control chooses at the start. Plain rounds bring back the target's candidates at
+        each round's token, for the drafters that learn from them. Stops early when the verifier
+        loses the request: the next round prefills it again."""
         job = self.job
         kind = kind or job.drafters[0][0]
         if kind == "none":
-            length = 0
+            length, candidates = 0, self.candidates
         else:
-            length = job.draft_length if self.controls is None else self.controls[0].length(self.load)
-        started = time.monotonic()
-        for resp in self.verifier.decode(context, kind, length, job.params.max_tokens - len(self.verified)):
+            length, candidates = job.draft_length if self.controls is None else self.controls[0].length(self.load), 0
+        started, root = time.monotonic(), context[-1]
+        for resp in self.verifier.decode(context, kind, length, job.params.max_tokens - len(self.verified),
+                                         candidates):
             self.stats.record_span("verify", self.rnd, started, started := time.monotonic())
+            if candidates:
+                self.drafting.observe([root], resp)
+                root = resp.bonus
             self.stats.record_draft_length(length)
             self.stats.record_round(resp.drafted, len(resp.accepted), resp.batch_size)
             if kind != "none":
@@ -572,14 +581,15 @@ class _VerifySide(_Side):
         req, timeout = self._request(tree, context_length, candidates), self.coord.timeout(self.job)
         return self._verdict(lambda: self.stub.Verify(req, timeout=timeout))
 
-    def decode(self, tokens: list[int], drafter: str, draft_length: int, max_tokens: int
+    def decode(self, tokens: list[int], drafter: str, draft_length: int, max_tokens: int, candidates: int = 0
                ) -> Iterator[pb.VerifyResponse]:
         """The verdicts of up to DECODE_ROUNDS of the verifier's own rounds after `tokens`
         (Decode), as they come; they end early, the request to be prefilled again, when the
         verifier loses it or fails."""
         req = pb.DecodeRequest(request_id=self.request_id, token_ids=tokens, drafter=drafter,
                                draft_length=draft_length, max_tokens=max_tokens,
-                               eos_token_ids=self.job.eos_token_ids, max_rounds=DECODE_ROUNDS)
+                               eos_token_ids=self.job.eos_token_ids, max_rounds=DECODE_ROUNDS,
+                               candidates=candidates)
         call = self.stub.Decode(req, timeout=self.coord.timeout(self.job))
         try:
             for resp in call:

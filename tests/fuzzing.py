@@ -275,9 +275,12 @@ def _observed_rows(msg: pb.ProposeRequest, choice: int, off: str | None) -> pb.P
 # per message type: made to pass the checks that tie its fields together, as
 # fixup(message, a random number, the field left off or None)
 def _verifier_drafter(msg: pb.DecodeRequest, choice: int, off: str | None) -> pb.DecodeRequest:
-    """A drafter the verifier drafts with itself (the pools' kinds are mostly others)."""
+    """A drafter the verifier drafts with itself (the pools' kinds are mostly others), and
+    candidates only with "none" (unless one of them is the field left off)."""
     if off != "drafter":
         msg.drafter = ("pld", "none")[choice % 2]
+    if off not in ("drafter", "candidates") and msg.drafter != "none":
+        msg.candidates = 0
     return msg
 
 

@@ -1,8 +1,9 @@
 """`self-int4`: the target drafting for itself with int4 weights (speculative.quantize.quantized_copy).
 
-Its losslessness is the greedy oracle test's (tests/test_oracle_greedy.py runs every drafter
+Its greedy losslessness is the oracle test's (tests/test_oracle_greedy.py runs every drafter
 kind); here: the twin leaves the target as it was, the pool serves it, a target it cannot
-quantise gets a clear error, and it drafts what the float32 target says.
+quantise gets a clear error, it drafts what the float32 target says, and speculative sampling
+with it keeps the float32 target's distribution.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from speculative.decoding import generate
 from speculative.model import Transformer, attention_mask, causal_ancestors
 from speculative.quantize import LINEAR_PARTS, Int4Linear, Int8Linear, quantize, quantized_copy
 from speculative.sampling import InvalidArgument, SamplingParams
-from tiny import TINY
+from test_sampling_distribution import PROMPT, chi_square_p, exact_drafted_joint
+from tiny import TINY, tiny_model
 
 
 def scores(model, tokens: list[int]) -> torch.Tensor:
@@ -81,3 +83,24 @@ def test_self_int4_drafts_what_the_float32_target_says(smollm2):
         accepted += result.accepted_draft_tokens
     # int4 weights change few greedy choices: 98.7% of next tokens agree on dev prompts (docs/DRAFTERS.md)
     assert drafted and accepted / drafted >= 0.85, f"{accepted} of {drafted} draft tokens accepted"
+
+
+SAMPLES = 3000
+
+
+def test_sampling_with_the_int4_twin_keeps_the_float32_targets_distribution():
+    """Seeded runs at temperature 1, the int4 twin drafting 2 tokens for a float32 tiny target:
+    the second and third tokens (the first a draft covers) follow the target's own joint
+    distribution (chi-square, as tests/test_sampling_distribution.py), though the twin's
+    distribution differs from the target's."""
+    target = tiny_model(0, 0.5)
+    params = SamplingParams(temperature=1.0)
+    counts, drafted, rejected = torch.zeros(TINY.vocab_size, TINY.vocab_size), 0, 0
+    for seed in range(SAMPLES):
+        p = SamplingParams(max_tokens=4, temperature=1.0, seed=seed)
+        result = generate(target, PROMPT, p, make_drafter("self-int4", target), 2)
+        counts[result.token_ids[1], result.token_ids[2]] += 1
+        drafted += result.draft_tokens
+        rejected += result.draft_tokens - result.accepted_draft_tokens
+    assert drafted > SAMPLES and rejected > 0  # the twin drafted, and not always what the target drew
+    assert chi_square_p(counts, exact_drafted_joint(target, params)) > 1e-3

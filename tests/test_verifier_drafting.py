@@ -21,6 +21,7 @@ from drafter_service.pool import DrafterPool
 from drafter_service.registry import make_drafter
 from loopback import loopback
 from router.adaptive import SpeculationControl
+import router.coordinator as coordinator_module
 from router.coordinator import DECODE_ROUNDS, Channels, Coordinator, Job
 from router.stats import RoundStats
 from speculative.decoding import generate
@@ -82,26 +83,45 @@ def test_verifier_drafted_rounds_give_the_targets_tokens_without_the_pool(target
     assert pool.proposals == 0 and pool.active_requests() == 0
 
 
-def test_rounds_no_drafter_is_asked_to_draft_are_plain_rounds_on_the_verifier(target, monkeypatch):
+@pytest.mark.parametrize("second", ["layerskip", "recycle"])
+def test_rounds_no_drafter_is_asked_to_draft_are_plain_rounds_on_the_verifier(target, monkeypatch, second):
     """A fused request whose drafters all get length 0 (what adaptive lengths choose when the
-    load makes no draft pay) decodes plainly on the verifier, not a router call a round."""
+    load makes no draft pay) decodes plainly on the verifier, not a router call a round; with
+    a drafter that learns from the target's scores (recycle), those come back each round and
+    are kept for it until it next drafts."""
     calls = []
 
     def counted(self, request, context):
-        calls.append(request.drafter)
+        calls.append((request.drafter, request.candidates))
         yield from decode(self, request, context)
 
     decode = VerifierServicer.Decode
     monkeypatch.setattr(VerifierServicer, "Decode", counted)
-    pool = CountingPool(target, kinds=["pld", "layerskip"])
+    observed = []
+    keep = coordinator_module._DraftSide.observe
+
+    def kept(self, tokens, ids, probs):
+        observed.append((self.drafter, len(tokens), len(ids)))
+        keep(self, tokens, ids, probs)
+
+    monkeypatch.setattr(coordinator_module._DraftSide, "observe", kept)
+    pool = CountingPool(target, kinds=["pld", second])
     with loopback(pool, VerifierEngine(target, max_batch=2, max_len=64)) as coordinator:
-        fused = Job(request_id="r", prompt_ids=PROMPTS[0], params=GREEDY, drafters=(("pld", 0.5), ("layerskip", 0.5)),
+        fused = Job(request_id="r", prompt_ids=PROMPTS[0], params=GREEDY, drafters=(("pld", 0.5), (second, 0.5)),
                     draft_length=0, tree_budget=DRAFT_LENGTH, vocab_size=V, eos_token_ids=(), verifier_drafting=True)
         tokens, stats = served(coordinator, fused)
     assert tokens == generate(target, PROMPTS[0], GREEDY, make_drafter("pld", target), DRAFT_LENGTH, ()).token_ids
-    assert pool.proposals == 0 and stats.target_forward_passes == GREEDY.max_tokens
+    assert stats.target_forward_passes == GREEDY.max_tokens
     # after the prefill, one Decode call per DECODE_ROUNDS rounds: not a Verify call a round
-    assert calls == ["none"] * math.ceil((GREEDY.max_tokens - 1) / DECODE_ROUNDS)
+    learns = second == "recycle"
+    assert [drafter for drafter, _ in calls] == ["none"] * math.ceil((GREEDY.max_tokens - 1) / DECODE_ROUNDS)
+    assert all((candidates > 0) == learns for _, candidates in calls)
+    assert pool.proposals == 0
+    # recycle keeps the target's candidates at each round's token (and the prompt's last
+    # tokens, from the prefill) until it next drafts
+    rounds = [o for o in observed if o[1] == 1]
+    assert len(rounds) == (GREEDY.max_tokens - 1 if learns else 0)
+    assert all(drafter == "recycle" and ids > 0 for drafter, _, ids in observed)
 
 
 @pytest.mark.parametrize("verifier_drafting", [True, False])

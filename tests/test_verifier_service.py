@@ -246,6 +246,28 @@ def test_greedy_decode_on_the_verifier_equals_the_single_process_loop(smollm2):
     assert len(rounds) < len(tokens) - 1, "no round accepted a draft: the chains were not exercised"
 
 
+def test_plain_decode_brings_back_the_candidates_verify_would(tiny):
+    """Plain rounds on the verifier (Decode, drafter none) with `candidates` k: each verdict
+    holds the target's k likeliest next tokens at its round's one scored position, what
+    Verify gives the same request round by round."""
+    params = SamplingParams(max_tokens=8)
+    with served(VerifierEngine(tiny, max_len=64)) as stub:
+        def prefill(request_id: str) -> int:
+            return stub.Prefill(pb.VerifierPrefillRequest(request_id=request_id, token_ids=prompt(5),
+                                                          sampling=params_to_pb(params), max_len=64)).next_token
+
+        first = prefill("decoded")
+        assert prefill("verified") == first
+        rounds = list(stub.Decode(pb.DecodeRequest(request_id="decoded", token_ids=[*prompt(5), first],
+                                                   drafter="none", max_tokens=6, candidates=3)))
+        assert len(rounds) == 6
+        for resp in rounds:
+            want = stub.Verify(pb.VerifyRequest(request_id="verified", candidates=3))
+            assert resp.bonus == want.bonus and len(resp.candidate_ids) == 3
+            assert list(resp.candidate_ids) == list(want.candidate_ids)
+            assert list(resp.candidate_probs) == pytest.approx(list(want.candidate_probs))
+
+
 def test_after_decode_the_request_goes_on_and_a_cancelled_decode_stops(tiny):
     params = SamplingParams(max_tokens=40)
     want = single_run(tiny, prompt(3), params)
@@ -333,6 +355,8 @@ def test_bad_input_is_invalid_argument_naming_the_field(tiny):
         invalid(stream, decode(max_rounds=-1), "max_rounds")
         invalid(stream, decode(token_ids=[]), "token_ids")
         invalid(stream, decode(token_ids=[1, 8]), "token_ids")
+        invalid(stream, decode(candidates=4), "candidates")  # a pld round's tree is unknown to the caller
+        invalid(stream, decode(drafter="none", candidates=-1), "candidates")
         assert [r.state_lost for r in stream(decode(request_id="nobody"))] == [True]
         assert [r.state_lost for r in stream(decode(token_ids=[1, 2, first]))] == [True]  # not what it holds
 

@@ -75,11 +75,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                                          request.context_length or None, call_deadline(context), request.candidates)
             except UnknownRequest:
                 return pb.VerifyResponse(state_lost=True)
-            resp = _verdict(out)
-            if out.candidate_ids is not None:
-                resp.candidate_ids.extend(out.candidate_ids.flatten().tolist())
-                resp.candidate_probs.extend(out.candidate_probs.flatten().tolist())
-            return resp
+            return _verdict(out)
 
         return _checked(context, verify)
 
@@ -95,7 +91,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             depth = min(request.draft_length, left - 1) if request.drafter == "pld" and params else 0
             tree = lookup_draft(tokens, depth, self.engine.vocab_size, params is None or params.deterministic)
             try:
-                out = _checked(context, lambda: self.engine.verify(request.request_id, tree, len(tokens), deadline))
+                out = _checked(context, lambda: self.engine.verify(request.request_id, tree, len(tokens), deadline,
+                                                                   request.candidates))
             except UnknownRequest:
                 yield pb.VerifyResponse(state_lost=True)
                 return
@@ -120,6 +117,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             raise InvalidArgument("max_tokens", f"must be positive, got {request.max_tokens}")
         if request.max_rounds < 0:
             raise InvalidArgument("max_rounds", f"must be >= 0 (0: no limit), got {request.max_rounds}")
+        if request.candidates and request.drafter != "none":
+            raise InvalidArgument("candidates", "only with drafter 'none': the caller knows no other round's tree")
         return check_token_ids(request.token_ids, self.engine.vocab_size)
 
     def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseResponse:
@@ -130,13 +129,16 @@ class VerifierServicer(pb_grpc.VerifierServicer):
 
 
 def _verdict(out: VerifyOutcome) -> pb.VerifyResponse:
-    """A verify outcome on the wire, with the pass it went into; candidates apart."""
+    """A verify outcome on the wire, with the pass it went into and the candidates, if asked."""
     resp = pb.VerifyResponse(accepted=out.accepted, bonus=out.bonus, batch_size=out.batch_size,
                              queued=out.queued, active_requests=out.active)
     if out.pass_shape is not None:
         shape = out.pass_shape
         resp.pass_id, resp.pass_seconds = shape.pass_id, shape.seconds
         resp.pass_tokens, resp.pass_width = shape.tokens, shape.width
+    if out.candidate_ids is not None:
+        resp.candidate_ids.extend(out.candidate_ids.flatten().tolist())
+        resp.candidate_probs.extend(out.candidate_probs.flatten().tolist())
     return resp
 
 
