@@ -182,6 +182,31 @@ class SpeculationControl:
             self.draft_round_cost = _running_mean(self.draft_round_cost, ratio)
 
 
+class DraftCostMemory:
+    """What drafting has cost lately, per drafter kind and load (requests sharing the
+    verifier), across the requests of a router: a new request's controls start from the
+    latest a request measured at its load rather than from nothing. Under load a drafted
+    round's verify hop is most of a pass; without the memory each request would pay it in its
+    first rounds to learn what the last one already knew. Keyed by load, so costs learned
+    in a burst do not stop drafting once the verifier is quiet. Thread-safe."""
+
+    def __init__(self):
+        self._costs: dict[tuple[str, int], tuple[float, float]] = {}
+        self._lock = threading.Lock()
+
+    def start(self, control: SpeculationControl, kind: str, load: int) -> None:
+        """Give a control that has measured nothing yet the latest costs of `kind` at `load`."""
+        with self._lock:
+            costs = self._costs.get((kind, load))
+        if costs is not None and control.draft_token_cost == 0 and control.draft_round_cost == 0:
+            control.draft_token_cost, control.draft_round_cost = costs
+
+    def remember(self, control: SpeculationControl, kind: str, load: int) -> None:
+        """A control's costs after a round `kind` drafted at `load`."""
+        with self._lock:
+            self._costs[(kind, load)] = (control.draft_token_cost, control.draft_round_cost)
+
+
 class PassCostModel:
     """The verifier's pass time, learned online from the passes it reports, as the three
     relative costs the goodput model uses (`SpeculationControl`).

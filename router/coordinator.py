@@ -79,7 +79,7 @@ from speculative.sampling import SamplingParams
 from speculative.stopping import clip
 from speculative.tree import DraftTree, nodes_for_depth
 
-from .adaptive import PassCostModel, SpeculationControl
+from .adaptive import DraftCostMemory, PassCostModel, SpeculationControl
 from .row_line import Place, RowLine
 from .stats import RoundStats
 
@@ -231,6 +231,9 @@ class Coordinator:
         self.channels = channels or Channels()
         # what verification passes cost, learned from every verdict here (adaptive lengths read it)
         self.pass_costs = pass_costs
+        # what drafting cost lately at each load: requests whose plain rounds run on the
+        # verifier start from it (`_Request.prefill`)
+        self.draft_costs = DraftCostMemory()
         # each namespace's confidence calibration of each drafter kind (greedy fusion), learned
         # from every request of that namespace here
         self._calibrations: Namespaces[dict[str, Calibration]] = Namespaces(lambda _: {})
@@ -309,7 +312,7 @@ class _Request:
     they carry from one round to the next."""
 
     def __init__(self, coord: Coordinator, job: Job, stats: RoundStats):
-        self.job, self.stats = job, stats
+        self.coord, self.job, self.stats = coord, job, stats
         self.verified: list[int] = []  # generated tokens; the last one is pending at the verifier
         self.verifier, self.drafting = _VerifySide(coord, job), _Drafting(coord, job)
         # adaptive speculation: one control per drafter, each learning its own acceptance
@@ -348,6 +351,10 @@ class _Request:
         with self.stats.span("prefill", self.rnd):
             prefilled = self.verifier.prefill(context, self.candidates)
         self.ready, self.load = None, max(1, self.verifier.active_requests)
+        if not self.verified and self.plain_on_verifier:
+            # what drafting costs at this load, where a drafted round pays a hop plain rounds do not
+            for c, (kind, _) in zip(self.controls or (), self.job.drafters):
+                self.coord.draft_costs.start(c, kind, self.load)
         seeded = len(prefilled.candidate_ids) // self.candidates if self.candidates else 0
         if seeded:  # the target's predictions after the prompt's last tokens
             self.drafting.observe(context[len(context) - seeded:], prefilled)
@@ -447,8 +454,8 @@ class _Request:
         self.drafting.learn(draft.proposals, new)
         self.stats.record_round(len(draft.tree), len(resp.accepted), resp.batch_size)
         self.drafting.count(draft.proposals, resp.accepted, self.stats)
-        self.load = _load(resp)
         self._adapt(draft, resp)
+        self.load = _load(resp)
         return new
 
     def _adapt(self, draft: _Draft, resp: pb.VerifyResponse) -> None:
@@ -468,6 +475,8 @@ class _Request:
                 c.observe(draft.costs[i], unit)
             if draft.round_cost is not None and draft.budgets[i] > 0:
                 c.observe_round(draft.round_cost + hop, unit)
+                if self.plain_on_verifier:  # at the load its length was chosen for
+                    self.coord.draft_costs.remember(c, self.job.drafters[i][0], self.load)
 
     def release(self) -> None:
         self.drafting.release()

@@ -10,6 +10,7 @@ another verifier with the same output. Real gRPC servers on loopback, tiny model
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 import time
@@ -131,8 +132,8 @@ def test_a_drafted_rounds_verify_hop_counts_only_against_plain_rounds_on_the_ver
     engine (a slow hop, as the wait for a busy verifier's pass in flight is). Rounds with no
     draft run on the verifier with no hop: the adaptive lengths learn the hop and stop
     drafting, the rounds going plainly on the verifier. Without rounds on the verifier a
-    round with no draft pays the same hop, so drafting still pays. The output is the
-    target's either way."""
+    round with no draft pays the same hop, so drafting still pays. The next request at that
+    load starts from the costs the first learned. The output is the target's either way."""
     real_pass, real_verify = engine_module.verify_batch, VerifierServicer.Verify
 
     def slow_pass(*args, **kwargs):
@@ -155,12 +156,16 @@ def test_a_drafted_rounds_verify_hop_counts_only_against_plain_rounds_on_the_ver
                     draft_length=DRAFT_LENGTH, tree_budget=DRAFT_LENGTH, vocab_size=V, eos_token_ids=(),
                     speculation=SpeculationControl(DRAFT_LENGTH, prior=0.9), verifier_drafting=verifier_drafting)
         tokens, stats = served(coordinator, fused)
-    assert tokens == generate(target, prompt, GREEDY, None, 0, ()).token_ids
+        first = len(hops)
+        # the next request at the same load starts from the costs the first learned
+        again, _ = served(coordinator, dataclasses.replace(
+            fused, speculation=SpeculationControl(DRAFT_LENGTH, prior=0.9), service_id="next"))
+    assert tokens == again == generate(target, prompt, GREEDY, None, 0, ()).token_ids
     if verifier_drafting:  # the first round that asks the drafters teaches the hop: plain rounds since
-        assert len(hops) == 1
+        assert first == len(hops) == 1
         assert stats.target_forward_passes >= GREEDY.max_tokens - DRAFT_LENGTH
     else:
-        assert len(hops) > 2 and sum(hops) > 0 and stats.accepted_draft_tokens > 0
+        assert first > 2 and len(hops) > first + 2 and sum(hops) > 0 and stats.accepted_draft_tokens > 0
 
 
 def test_seeded_sampling_is_what_the_round_by_round_path_draws(target):

@@ -454,7 +454,7 @@ class VerifierEngine:
                  for work, state in ready]
         try:
             started = time.monotonic()
-            results = verify_batch(self.model, self._cache, items)
+            results = self._pass(items)
             seconds = time.monotonic() - started
             self._busy_s += seconds
         except Exception as exc:
@@ -477,6 +477,10 @@ class VerifierEngine:
             ids, probs = work.top or (None, None)
             work.future.set_result(VerifyOutcome(accepted, bonus, len(ready), self._waiting, len(self._requests),
                                                  ids, probs, shape))
+
+    def _pass(self, items: list[VerifyItem]) -> list:
+        """One verification pass over a batch's rows: what `PassShape.seconds` times."""
+        return verify_batch(self.model, self._cache, items)
 
     def _check_tree(self, tree: DraftTree, state: _Request) -> None:
         """What a well-formed tree still needs: room in the row, and when sampling, its draws' q."""
