@@ -114,11 +114,15 @@ class SpeculationControl:
         total = self._accepted + self._rejections
         return self._accepted / total if total else self.prior
 
-    def length(self, batch: int = 1) -> int:
-        """Draft tokens for the next round when `batch` requests share the verifier."""
+    def length(self, batch: int = 1, drafted_by_verifier: bool = False) -> int:
+        """Draft tokens for the next round when `batch` requests share the verifier; drafted by
+        the verifier itself (prompt lookup in a Decode call), the drafting costs nothing and
+        asks nothing: only the pass weighs."""
         self._rounds += 1
         a = self.acceptance
         batch, draft_cost, round_cost, width = max(batch, 1), self.draft_token_cost, self.draft_round_cost, self.width
+        if drafted_by_verifier:
+            draft_cost = round_cost = 0.0
         if self.pipelined:
             draft_cost *= 1.0 - self._reuse
             round_cost *= 1.0 - self._reuse

@@ -15,9 +15,11 @@ rounds on the verifier itself (`Job.verifier_drafting`, the Decode call): the
 verifier drafts from the request's text, which is all prompt lookup reads, and
 streams each round's verdict back, with no hop to a pool or back to the router
 between rounds; the router clips, counts and forwards the rounds as they come.
-Any other request that is not pipelined decodes plainly on the verifier the same
-way while adaptive lengths give none of its drafters a draft (the target's
-candidates come back each round for a drafter that learns from them).
+Any other request that is not pipelined runs its rounds on the verifier the same
+way while adaptive lengths give none of its drafters a draft through the pools:
+drafted there by prompt lookup if it is one of the request's drafters (at the
+length its control chooses for a draft that asks no pool), else plain (the
+target's candidates come back each round for a drafter that learns from them).
 
 A request has one drafter or several. One drafter's tree goes to the
 verifier as it is. Several drafters are all asked each round (at the same
@@ -339,7 +341,9 @@ class _Request:
         else:
             draft = self.draft(context)
             if self.plain_on_verifier and not any(draft.budgets):
-                yield from self.decode(context, "none")  # drafting does not pay now: plain rounds
+                # drafting through the pools does not pay now: rounds on the verifier, drafted
+                # there by prompt lookup (no pool, no hop) if the request has it, else plain
+                yield from self.decode(context, "pld" if any(k == "pld" for k, _ in self.job.drafters) else "none")
                 return
             verdict = self.verify(context, draft)
             if verdict is not None:
@@ -364,15 +368,19 @@ class _Request:
     def decode(self, context: list[int], kind: str | None = None) -> Iterator[list[int]]:
         """Rounds the verifier runs on its own (Decode), up to DECODE_ROUNDS, each round's new
         tokens as it ends, drafted by `kind` (default: the request's one drafter) at the length
-        the control chooses at the start. Plain rounds bring back the target's candidates at
-        each round's token, for the drafters that learn from them. Stops early when the verifier
-        loses the request: the next round prefills it again."""
+        its control chooses at the start (plain if that is 0). Plain rounds bring back the
+        target's candidates at each round's token, for the drafters that learn from them. Stops
+        early when the verifier loses the request: the next round prefills it again."""
         job = self.job
         kind = kind or job.drafters[0][0]
-        if kind == "none":
-            length, candidates = 0, self.candidates
-        else:
-            length, candidates = job.draft_length if self.controls is None else self.controls[0].length(self.load), 0
+        control, length = None, 0
+        if kind != "none":
+            i = [k for k, _ in job.drafters].index(kind)
+            control = self.controls[i] if self.controls else None
+            length = job.draft_length if control is None else control.length(self.load, drafted_by_verifier=True)
+        if length == 0:
+            kind, control = "none", None
+        candidates = self.candidates if kind == "none" else 0  # the caller knows no drafted round's tree
         started, root = time.monotonic(), context[-1]
         for resp in self.verifier.decode(context, kind, length, job.params.max_tokens - len(self.verified),
                                          candidates):
@@ -384,8 +392,8 @@ class _Request:
             self.stats.record_round(resp.drafted, len(resp.accepted), resp.batch_size)
             if kind != "none":
                 self.stats.record_drafter(kind, resp.drafted, len(resp.accepted))
-            for c in self.controls or ():
-                c.record(resp.drafted, len(resp.accepted))
+            if control is not None:
+                control.record(resp.drafted, len(resp.accepted))
             self.load = _load(resp)
             self.rnd += 1
             yield [*resp.accepted, resp.bonus]
