@@ -29,7 +29,9 @@ What is modelled, after the real services:
   which holds the request's drafter).
 
 Not modelled: prefilling the drafters, adaptive draft lengths, fused drafters,
-CPU shared between services on one machine, network beyond a fixed call cost.
+rounds the verifier runs itself (`Decode`: every round here goes through the
+router), CPU shared between services on one machine, network beyond a fixed
+call cost.
 
 Times are seconds throughout; the costs file gives milliseconds.
 """
