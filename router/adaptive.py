@@ -126,9 +126,7 @@ class SpeculationControl:
         if self.pipelined:
             draft_cost *= 1.0 - self._reuse
             round_cost *= 1.0 - self._reuse
-        row_cost, token_cost, pad_cost = (self.verify_row_cost, self.verify_token_cost, self.verify_pad_cost)
-        if self.pass_costs is not None:
-            row_cost, token_cost, pad_cost = self.pass_costs.costs()
+        row_cost, token_cost, pad_cost = self.verify_costs()
 
         def goodput(k: int, a: float) -> float:  # the batch's tokens per one-token pass of time (see above)
             nodes = width * k
@@ -161,11 +159,16 @@ class SpeculationControl:
         if nodes > 0 and depth > 0:
             self.width = _running_mean(self.width, nodes / depth)
 
+    def verify_costs(self) -> tuple[float, float, float]:
+        """(row, token, pad) costs of a verification pass: the learned ones, else the settings'."""
+        if self.pass_costs is not None:
+            return self.pass_costs.costs()
+        return self.verify_row_cost, self.verify_token_cost, self.verify_pad_cost
+
     def pass_units(self, rows: int, tokens: int, width: int) -> float:
         """A verification pass of `rows` rows, `tokens` scored tokens in all and `width` in the
         widest row, in one-row, one-token passes (the goodput model's unit of time)."""
-        row_cost, token_cost, pad_cost = (self.pass_costs.costs() if self.pass_costs is not None else
-                                          (self.verify_row_cost, self.verify_token_cost, self.verify_pad_cost))
+        row_cost, token_cost, pad_cost = self.verify_costs()
         rows = max(rows, 1)
         tokens = max(tokens, rows)
         return (1.0 + row_cost * (rows - 1) + token_cost * (tokens - rows)

@@ -471,14 +471,17 @@ class _Request:
         against a one-row, one-token pass (from the pass the verdict reports). When a round
         with no draft would run on the verifier (Decode), a drafted round also pays its verify
         call's hop: the round trip and the wait for the pass in flight."""
+        if not self.controls:
+            return
         hop = max(0.0, draft.verify_seconds - resp.pass_seconds) if self.plain_on_verifier else 0.0
-        for i, (c, own) in enumerate(zip(self.controls or (), draft.proposals)):
+        # a one-row, one-token pass's seconds (every control has the same verify costs)
+        unit = (resp.pass_seconds / self.controls[0].pass_units(resp.batch_size, resp.pass_tokens, resp.pass_width)
+                if resp.pass_seconds > 0 else draft.verify_seconds)
+        for i, (c, own) in enumerate(zip(self.controls, draft.proposals)):
             if len(own):  # how deep the accepted path went in the drafter's own tree
                 depth = max(own.depths)
                 c.record(depth, own.path_prefix(resp.accepted))
                 c.observe_tree(len(own), depth)
-            unit = (resp.pass_seconds / c.pass_units(resp.batch_size, resp.pass_tokens, resp.pass_width)
-                    if resp.pass_seconds > 0 else draft.verify_seconds)
             if draft.costs and draft.costs[i]:
                 c.observe(draft.costs[i], unit)
             if draft.round_cost is not None and draft.budgets[i] > 0:
