@@ -21,6 +21,7 @@ import torch
 from drafter_service.pool import DrafterPool
 from drafter_service.registry import make_drafter
 from loopback import loopback
+from oracle import MAX_TOKENS, PROMPTS as ORACLE_PROMPTS, near_tie_or_equal
 from router.adaptive import SpeculationControl
 import router.coordinator as coordinator_module
 from router.coordinator import DECODE_ROUNDS, Channels, Coordinator, Job
@@ -167,6 +168,43 @@ def test_a_drafted_rounds_verify_hop_counts_only_against_plain_rounds_on_the_ver
         assert stats.per_drafter["pld"].accepted > 0  # ... drafted there by prompt lookup
     else:
         assert first > 2 and len(hops) > first + 2 and sum(hops) > 0 and stats.accepted_draft_tokens > 0
+
+
+def test_fused_rounds_on_the_verifier_give_hugging_faces_tokens(smollm2, hf_oracle, monkeypatch):
+    """The default model on loopback; a fused prompt-lookup + suffix request whose Verify calls
+    each wait 200 ms (a slow hop): once the adaptive lengths have learned it they stop drafting
+    through the pools, and its rounds go on on the verifier, drafted there by prompt lookup.
+    The tokens are Hugging Face's (the external oracle), near-ties aside."""
+    model, tok = smollm2
+    real_verify = VerifierServicer.Verify
+    hops = []
+
+    def slow_hop(self, request, context):
+        hops.append(request.request_id)
+        time.sleep(0.2)
+        return real_verify(self, request, context)
+
+    real_decode, decoded = VerifierServicer.Decode, []
+
+    def counted(self, request, context):
+        for resp in real_decode(self, request, context):
+            decoded.append((request.drafter, resp.drafted))
+            yield resp
+
+    monkeypatch.setattr(VerifierServicer, "Verify", slow_hop)
+    monkeypatch.setattr(VerifierServicer, "Decode", counted)
+    pool = DrafterPool(model, kinds=["pld", "suffix"])
+    eos = tok.eos_token_ids or model.config.eos_token_ids
+    ids = tok.encode_chat([{"role": "user", "content": ORACLE_PROMPTS[0][1]}])
+    with loopback(pool, VerifierEngine(model, max_batch=2, max_len=512)) as coordinator:
+        fused = Job(request_id="r", prompt_ids=ids, params=SamplingParams(max_tokens=MAX_TOKENS),
+                    drafters=(("pld", 0.9), ("suffix", 0.9)), draft_length=5, tree_budget=8,
+                    vocab_size=model.config.vocab_size, eos_token_ids=eos,
+                    speculation=SpeculationControl(5, prior=0.9), verifier_drafting=True)
+        tokens, stats = served(coordinator, fused)
+    near_tie_or_equal(hf_oracle, 0, tokens, "fused, rounds on the verifier")
+    assert len(hops) + len(decoded) == len(stats.batch_sizes)  # every round one or the other
+    assert hops and sum(drafted for drafter, drafted in decoded if drafter == "pld") > 0
 
 
 def test_seeded_sampling_is_what_the_round_by_round_path_draws(target):
