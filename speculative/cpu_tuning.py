@@ -161,35 +161,47 @@ def packed_rows(n: int) -> int:
     return -(-n // step) * step
 
 
-# (out, in, bias, torch threads, rows, packed rows) -> seconds by (BLAS, packed), measured once a process
-_path_seconds: dict[tuple[int, int, bool, int, int, int], tuple[float, float]] = {}
+# (the layers' (out, in, bias), torch threads, rows, packed rows) -> seconds of a sweep by
+# (BLAS, packed), measured once a process
+_path_seconds: dict[tuple, tuple[float, float]] = {}
 
 
-def _blas_wins(layers: Sequence[PackedLinear], rows: int, packed_rows: int, repeats: int = 9) -> bool:
+def _blas_wins(layers: Sequence[PackedLinear], rows: int, packed_rows: int, repeats: int = 5) -> bool:
     """Whether `rows` rows through all of `layers` cost less by BLAS than `packed_rows`
-    rows (what the packed path runs them as) by oneDNN's packed path on this CPU: each
-    shape timed once (median of `repeats`), weighed by how many layers have it. One path
-    for every layer: switching between the two inside a forward cost more than either
-    (docs/DESIGN-NOTES.md)."""
-    totals = [0.0, 0.0]
-    for layer in layers:
-        key = (layer.out_features, layer.in_features, layer.bias is not None, torch.get_num_threads(), rows,
-               packed_rows)
-        if key not in _path_seconds:
-            def median_s(fn, x) -> float:
-                times = []
-                for _ in range(repeats + 2):  # the first two warm up
-                    start = time.perf_counter()
-                    fn(x)
-                    times.append(time.perf_counter() - start)
-                return statistics.median(times[2:])
+    rows (what the packed path runs them as) by oneDNN's packed path on this CPU.
 
-            with torch.inference_mode():
-                _path_seconds[key] = (
-                    median_s(lambda v: F.linear(v, layer.weight, layer.bias), torch.randn(rows, layer.in_features)),
-                    median_s(layer._packed, torch.randn(packed_rows, layer.in_features)))
-        totals = [total + s for total, s in zip(totals, _path_seconds[key])]
-    return totals[0] < totals[1]
+    Timed as a forward meets the layers: a sweep calls every layer once, in order, by
+    one path, so each weight comes from memory as it does in a pass. (A layer called
+    again and again alone runs from the CPU's cache, which a model's weights do not
+    fit: timed so, BLAS looked faster for one row on a CPU where the packed path ran the
+    forward faster, docs/DESIGN-NOTES.md.) The two paths' sweeps alternate; the median
+    of `repeats` each. One path for every layer: switching between the two inside a
+    forward cost more than either."""
+    key = (tuple((m.out_features, m.in_features, m.bias is not None) for m in layers), torch.get_num_threads(),
+           rows, packed_rows)
+    if key not in _path_seconds:
+        blas_in = {m.in_features: torch.randn(rows, m.in_features) for m in layers}
+        packed_in = {m.in_features: torch.randn(packed_rows, m.in_features) for m in layers}
+
+        def by_blas() -> None:
+            for m in layers:
+                F.linear(blas_in[m.in_features], m.weight, m.bias)
+
+        def packed() -> None:
+            for m in layers:
+                m._packed(packed_in[m.in_features])
+
+        times: tuple[list[float], list[float]] = ([], [])
+        with torch.inference_mode():
+            for i in range(repeats + 1):  # the first round warms up
+                for path, sweep in enumerate((by_blas, packed)):
+                    start = time.perf_counter()
+                    sweep()
+                    if i:
+                        times[path].append(time.perf_counter() - start)
+        _path_seconds[key] = (statistics.median(times[0]), statistics.median(times[1]))
+    blas, packed_s = _path_seconds[key]
+    return blas < packed_s
 
 
 class PaddedShortRows(Transformer):

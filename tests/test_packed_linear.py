@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import time
 import weakref
 
 import pytest
@@ -85,19 +86,33 @@ def test_short_rows_take_the_path_chosen_and_score_like_the_plain_model(short_ro
     assert torch.allclose(caches[1].k[:, :, :, :n], caches[0].k[:, :, :, :n], atol=1e-5)
 
 
-def test_one_path_for_every_layer_by_the_weighed_total(monkeypatch):
-    """Per-shape timings weighed by how many layers have each shape: BLAS wins on the
-    small shape, packed on the big one, and the count decides."""
-    small, big = torch.nn.Linear(4, 4, bias=False), torch.nn.Linear(4, 16, bias=False)
-    threads = torch.get_num_threads()
-    monkeypatch.setattr(cpu_tuning, "_path_seconds", {(4, 4, False, threads, 1, 1): (1.0, 2.0),
-                                                      (16, 4, False, threads, 1, 1): (5.0, 3.0)})
+@pytest.mark.parametrize("blas_wins", [True, False])
+def test_the_paths_are_timed_as_a_forward_meets_the_layers(blas_wins, monkeypatch):
+    """Each sweep runs every layer once, in order, by one path, the two paths' sweeps
+    alternating (a layer timed alone runs from the CPU's cache); the cheaper sweep
+    decides for every layer, and is measured once."""
     if not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
         pytest.skip("this torch has no oneDNN packed linear")
-    few_big = [PackedLinear(small) for _ in range(3)] + [PackedLinear(big)]  # BLAS 8 s, packed 9 s
-    many_big = [PackedLinear(small)] + [PackedLinear(big) for _ in range(2)]  # BLAS 11 s, packed 8 s
-    assert cpu_tuning._blas_wins(few_big, 1, 1)
-    assert not cpu_tuning._blas_wins(many_big, 1, 1)
+    layers = [PackedLinear(torch.nn.Linear(4, n, bias=False)) for n in (4, 8, 16)]
+    calls = []
+    slow = 0.002
+
+    def timed(path, fn):
+        def run(x, *args):
+            calls.append((path, x.shape[0]))
+            time.sleep(slow if (path == "blas") != blas_wins else 0)
+            return fn(x, *args)
+        return run
+
+    monkeypatch.setattr(cpu_tuning, "_path_seconds", {})
+    monkeypatch.setattr(cpu_tuning.F, "linear", timed("blas", torch.nn.functional.linear))
+    for m in layers:
+        monkeypatch.setattr(m, "_packed", timed("packed", m._packed))
+    assert cpu_tuning._blas_wins(layers, 3, PAD_ROWS_TO, repeats=2) is blas_wins
+    sweep = [("blas", 3)] * len(layers) + [("packed", PAD_ROWS_TO)] * len(layers)
+    assert calls == sweep * 3  # a warm-up round, then 2 timed
+    assert cpu_tuning._blas_wins(layers, 3, PAD_ROWS_TO, repeats=2) is blas_wins
+    assert len(calls) == len(sweep) * 3
 
 
 @pytest.mark.parametrize("t", [2, 3])
