@@ -3,11 +3,11 @@
 Loads the default target as the bench does (float32, CPU tuning on, every core), then
 alternates, `--rounds` times: one forward of one new token after `--context` cached
 tokens, and every linear layer of the model (the LM head included) multiplying one
-row by BLAS, one after another, the fastest way this CPU reads a float32 weight
-matrix once. Prints the median of each, the weight bytes, and the rate each reads
-them at: the linear layers alone are the floor a one-token pass cannot go under
-while it reads float32 weights; the rest of the pass is attention, norms and the
-other small operations.
+row, one after another, by BLAS and by the prepacked path (which is faster depends
+on the CPU). Prints the median of each, the weight bytes, and the rate each reads
+them at: the faster of the two is the floor a one-token pass cannot go under while
+it reads float32 weights; the rest of the pass is attention, norms and the other
+small operations.
 
     python scripts/weight_read_probe.py
 """
@@ -34,7 +34,8 @@ def main() -> None:
     args = parser.parse_args()
     set_cpu_threads()
     model, _ = loading.load()
-    weights = [m.weight for m in model.modules() if isinstance(m, (PackedLinear, torch.nn.Linear))]
+    layers = [m for m in model.modules() if isinstance(m, (PackedLinear, torch.nn.Linear))]
+    weights = [m.weight for m in layers]
     mb = sum(w.numel() * w.element_size() for w in weights) / 1e6
     cache = model.new_cache(args.context + 8)
     ctx = args.context
@@ -48,19 +49,26 @@ def main() -> None:
             model(token, position, cache, mask)
             cache.lengths[0] = ctx
 
-        def linears() -> None:
+        def by_blas() -> None:
             for w in weights:
                 F.linear(rows[w.shape[1]], w)
 
-        times: dict[str, list[float]] = {"forward": [], "linears": []}
+        def packed() -> None:
+            for m in layers:
+                m._packed(rows[m.in_features])
+
+        paths = [("forward", "one-token forward", forward), ("blas", "linear layers alone, one row by BLAS", by_blas)]
+        if all(isinstance(m, PackedLinear) for m in layers):
+            paths.append(("packed", "linear layers alone, one row packed", packed))
+        times: dict[str, list[float]] = {name: [] for name, _, _ in paths}
         for i in range(args.rounds + 2):  # the first two warm up
-            for name, fn in (("forward", forward), ("linears", linears)):
+            for name, _, fn in paths:
                 start = time.perf_counter()
                 fn()
                 if i >= 2:
                     times[name].append(time.perf_counter() - start)
     print(f"{len(weights)} linear layers, {mb:.0f} MB of weights, {torch.get_num_threads()} torch threads")
-    for name, label in (("forward", "one-token forward"), ("linears", "linear layers alone, one row by BLAS")):
+    for name, label, _ in paths:
         ms = statistics.median(times[name]) * 1000
         print(f"{label}: {ms:.1f} ms, {mb / ms:.1f} GB/s of weights")
 
