@@ -176,6 +176,9 @@ def quantize(model, mode: str, int4_blocks: dict[str, tuple] | None = None):
                     owner = layer.get_submodule(owner_name)
                     setattr(owner, attr, RowSlicedLinear(getattr(owner, attr)))
             model.lm_head = RowSlicedLinear(model.lm_head)
+            # bfloat16 attention over several queries rounds unlike one query on some CPUs
+            # (AVX2 without AVX-512): attend in float64, as the int modes do
+            model.attention_dtype = torch.float64
         return model
     if mode not in MODES:
         raise ValueError(f"quantize: mode must be one of bfloat16, {', '.join(MODES)}, got {mode!r}")

@@ -168,6 +168,27 @@ def test_kv_rollback_is_exact(precision):
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
+def test_a_pass_of_several_tokens_scores_each_as_decoding_it_alone(models, precision):
+    """What greedy losslessness rests on, on the default model: the logits of a token
+    verified among others in one pass are exactly those of decoding it alone, linear
+    layers and attention alike (attention over several queries rounds unlike one query
+    on some CPUs, so the low precisions attend in float64)."""
+    model = models[precision]
+    prefix, new = list(range(1000, 1020)), [7, 300, 41, 9, 1200, 5]
+    n = len(prefix)
+    with torch.inference_mode():
+        cache = model.new_cache(n + len(new) + 4)
+        model(torch.tensor([prefix]), torch.arange(n)[None], cache, attention_mask(0, causal_ancestors(n)))
+        together = model(torch.tensor([new]), torch.arange(n, n + len(new))[None], cache,
+                         attention_mask(n, causal_ancestors(len(new))))[0]
+        cache.rollback(n)
+        for i, token in enumerate(new):
+            alone = model(torch.tensor([[token]]), torch.tensor([[n + i]]), cache,
+                          attention_mask(n + i, causal_ancestors(1)))[0, 0]
+            assert torch.equal(alone, together[i]), f"{precision}: token {i} of the pass"
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
 def test_batched_rows_score_as_they_would_alone(precision):
     """Two requests in one pass, one padded (what the verifier's batches are), give each
     row the logits it gets alone (within the precision's attention rounding)."""
