@@ -69,7 +69,11 @@ def test_layer_groups():
 
 
 def test_threads_compute_what_the_sequential_runner_does(deep):
-    threads = LayerThreads(2, cores=2)
+    threads = LayerThreads(2, cores=2)  # one torch thread a worker
+    # the caller with as many: float32 kernels may round otherwise with another thread count
+    # (some CPUs' do), which is not what the threads are checked for
+    caller_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     try:
         for parallel in (2, 3):
             want, want_cache = _prefill(deep, PROMPT, lambda *a, **kw: fuzzy_forward(deep, *a, parallel=parallel, **kw))
@@ -77,6 +81,7 @@ def test_threads_compute_what_the_sequential_runner_does(deep):
                 deep, *a, parallel=parallel, run=threads, **kw))
             assert torch.equal(got, want) and torch.equal(got_cache.k, want_cache.k)
     finally:
+        torch.set_num_threads(caller_threads)
         threads.close()
 
 
@@ -120,8 +125,9 @@ def test_calibration_makes_the_cache_a_sequential_prefill_of_the_accepted_tokens
     assert drafter.cached == context and drafter.exact == len(context) == drafter.cache.lengths[0]
     _, prefill = _prefill(deep, context, deep)
     m = len(context)
-    torch.testing.assert_close(drafter.cache.k[:, :, :, :m], prefill.k[:, :, :, :m], rtol=0, atol=1e-5)
-    torch.testing.assert_close(drafter.cache.v[:, :, :, :m], prefill.v[:, :, :, :m], rtol=0, atol=1e-5)
+    # float32 rounding of passes of other widths only: a tenth of the fuzzy entries' error above
+    torch.testing.assert_close(drafter.cache.k[:, :, :, :m], prefill.k[:, :, :, :m], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(drafter.cache.v[:, :, :, :m], prefill.v[:, :, :, :m], rtol=1e-4, atol=1e-5)
 
 
 def test_sampled_drafts_report_the_fuzzy_q_they_were_drawn_from(deep):
