@@ -21,8 +21,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from cluster.local import set_cpu_threads
-from speculative.cpu_tuning import PackedLinear
 from speculative import loading
+from speculative.cpu_tuning import PackedLinear
 from speculative.model import attention_mask, causal_ancestors
 
 PROFILED = 10
