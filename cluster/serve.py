@@ -17,6 +17,7 @@ import ray
 
 from .actors import NAMESPACE, STATE_ACTOR, DrafterPoolActor, RouterActor, StateStoreActor, VerifierActor
 from .config import ServeConfig, open_access_warning
+from .ray_start import start_local_ray
 from .state import REDIS_URL_ENV
 
 APP_NAME = "specserve"
@@ -47,7 +48,7 @@ def init_ray(cfg: ServeConfig) -> None:
         most = max(part.count, part.max_count or 0)  # room for every replica autoscaling may start
         for name, amount in part.resources.items():
             resources[name] = resources.get(name, 0) + amount * most
-    ray.init(namespace=NAMESPACE, resources=resources, include_dashboard=False, log_to_driver=False)
+    start_local_ray(namespace=NAMESPACE, resources=resources, include_dashboard=False, log_to_driver=False)
 
 
 def deploy(cfg: ServeConfig, redis_url: str | None = None) -> Deployment:

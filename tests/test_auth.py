@@ -25,6 +25,7 @@ from ray import serve
 
 from certs import self_signed
 from cluster.config import ServeConfig
+from cluster.ray_start import start_local_ray
 from cluster.serve import start_app
 from cluster.state import EmbeddedStateStore, RedisStateStore
 from drafter_service.pool import DrafterPool
@@ -183,8 +184,8 @@ def http_app(redis_url, tls_files):
         "security": {"require_api_keys": True, "tls_cert_file": str(cert), "tls_key_file": str(key)},
         "routers": {"count": 2}, "verifiers": {"max_len": 512, "threads": 1},
         "drafter_pools": {"kinds": ["pld"]}, "registry": {"heartbeat_s": 0.5, "service_ttl_s": 3.0}})
-    ray.init(num_cpus=2, resources={"verifier": 1, "drafter": 1}, include_dashboard=False, log_to_driver=False,
-             namespace="specserve")
+    start_local_ray(num_cpus=2, resources={"verifier": 1, "drafter": 1}, include_dashboard=False,
+                    log_to_driver=False, namespace="specserve")
     try:
         start_app(cfg, redis_url, progress=lambda _: None)
         yield f"https://127.0.0.1:{cfg.http.port}"

@@ -15,6 +15,7 @@ import ray
 from ray import serve
 
 from cluster.config import ServeConfig
+from cluster.ray_start import start_local_ray
 from cluster.serve import APP_NAME, start_app
 from oracle import MAX_TOKENS, PROMPTS, near_tie_or_equal
 from redis_server import redis_server_fixture
@@ -71,8 +72,8 @@ class ReplicaWatch:
 @pytest.fixture(scope="module")
 def app(redis_url):
     cfg = ServeConfig.model_validate({**CONFIG, "http": {"port": free_port()}})
-    ray.init(num_cpus=2, resources={"verifier": 2, "drafter": 2}, include_dashboard=False, log_to_driver=False,
-             namespace="specserve")
+    start_local_ray(num_cpus=2, resources={"verifier": 2, "drafter": 2}, include_dashboard=False,
+                    log_to_driver=False, namespace="specserve")
     try:
         start_app(cfg, redis_url, progress=lambda _: None)
         yield openai.OpenAI(base_url=f"http://127.0.0.1:{cfg.http.port}/v1", api_key="none", timeout=300,

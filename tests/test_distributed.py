@@ -15,6 +15,7 @@ import ray
 
 from cluster.config import ServeConfig
 from cluster.local import LocalEngine, Request
+from cluster.ray_start import start_local_ray
 from cluster.serve import deploy, shutdown
 from cluster.state import open_state_store
 from conftest import dev_prompts
@@ -41,8 +42,8 @@ CONFIG = ServeConfig(port=0,
 
 @pytest.fixture(scope="module")
 def cluster(redis_url):
-    ray.init(num_cpus=2, resources={"verifier": 1, "drafter": 2}, include_dashboard=False,
-             log_to_driver=False, namespace="specserve")
+    start_local_ray(num_cpus=2, resources={"verifier": 1, "drafter": 2}, include_dashboard=False,
+                    log_to_driver=False, namespace="specserve")
     dep = deploy(CONFIG, redis_url)
     yield dep
     shutdown(dep)

@@ -34,6 +34,7 @@ import torch
 from ray import serve
 
 from cluster.config import ServeConfig
+from cluster.ray_start import start_local_ray
 from cluster.serve import start_app
 from cluster.state import RedisStateStore
 from oracle import NEAR_TIE, PROMPTS, keyed_oracle, oracle
@@ -100,8 +101,8 @@ def app(aof_redis):
         # stopped); after the faults a replica's drain still waited (up to the 60 s default) and
         # serve.shutdown gave up after its own 30 s; the cluster goes down right after anyway
         "autoscaling": {"graceful_shutdown_s": 5}})
-    ray.init(num_cpus=2, resources={"verifier": 1, "drafter": 1}, include_dashboard=False, log_to_driver=False,
-             namespace="specserve")
+    start_local_ray(num_cpus=2, resources={"verifier": 1, "drafter": 1}, include_dashboard=False,
+                    log_to_driver=False, namespace="specserve")
     try:
         start_app(cfg, aof_redis.url, progress=lambda _: None)
         yield f"http://127.0.0.1:{cfg.http.port}"

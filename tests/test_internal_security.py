@@ -21,6 +21,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
+from cluster.ray_start import start_local_ray
 from drafter_service.pool import DrafterPool
 from drafter_service.servicer import SERVICE_NAME as DRAFTER_SERVICE
 from drafter_service.servicer import serve as serve_drafters
@@ -186,8 +187,8 @@ def served_cluster():
         # the defaults: no secret configured anywhere (the actors inherit this environment)
         mp.delenv("SPECSERVE_CLUSTER_SECRET", raising=False)
         mp.delenv("SPECSERVE_REDIS_URL", raising=False)
-        ray.init(num_cpus=2, resources={"verifier": 1, "drafter": 1}, include_dashboard=False,
-                 log_to_driver=False, namespace="specserve")
+        start_local_ray(num_cpus=2, resources={"verifier": 1, "drafter": 1}, include_dashboard=False,
+                        log_to_driver=False, namespace="specserve")
         cfg = ServeConfig(port=0, verifiers=dict(count=1, max_batch=2, max_len=256, threads=1),
                           drafter_pools=dict(count=1, kinds=["pld"]))
         dep = deploy(cfg)

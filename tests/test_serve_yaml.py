@@ -21,6 +21,8 @@ import pytest
 import ray
 import yaml
 
+from cluster.ray_start import start_local_ray
+
 REPO = Path(__file__).resolve().parents[1]
 SERVE_YAML = REPO / "deploy" / "serve.yaml"
 READY_TIMEOUT_S = 300
@@ -39,7 +41,7 @@ def _health(url: str) -> int | None:
 def test_serve_run_deploy_yaml_answers_a_chat_completion():
     port = yaml.safe_load(SERVE_YAML.read_text())["http_options"]["port"]
     base = f"http://127.0.0.1:{port}"
-    ray.init(num_cpus=2, resources={"verifier": 1, "drafter": 1}, include_dashboard=False, log_to_driver=False)
+    start_local_ray(num_cpus=2, resources={"verifier": 1, "drafter": 1}, include_dashboard=False, log_to_driver=False)
     proc = None
     try:
         serve_cli = shutil.which("serve")
