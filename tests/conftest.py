@@ -35,6 +35,16 @@ def dev_prompts(n: int) -> list[tuple[str, str]]:
             picked.append((cat, nxt))
 
 
+@pytest.fixture(scope="module", autouse=True)
+def every_core_for_each_module():
+    """Each module starts with torch on every core, as the product's entry points set it:
+    modules of tiny models set it to one thread (faster there) and used to leave it so for
+    the real model's modules after them."""
+    from cluster.local import set_cpu_threads
+
+    set_cpu_threads()
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """Our model and tokenizer: the default target."""
