@@ -135,15 +135,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:  # one operator, same values
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype
-        x = x.float()
-        x = x * x.pow(2).mean(-1, keepdim=True).add_(self.eps).rsqrt_()  # in place: fewer allocations
-        return self.weight * x.to(dtype)
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 class Attention(nn.Module):
@@ -162,7 +159,7 @@ class Attention(nn.Module):
         heads = qkv.view(b, t, -1, self.head_dim).transpose(1, 2)  # q, k and v heads [B, H, T, D]
         roped = self.n_heads + self.n_kv
         qk = heads[:, :roped]  # RoPE on queries and keys at once: half the small ops
-        qk = qk * cos + _rotate_half(qk) * sin
+        qk = qk * cos + torch.roll(qk, self.head_dim // 2, -1) * sin  # sin's first half negated
         q, k, v = qk[:, :self.n_heads], qk[:, self.n_heads:], heads[:, roped:]
         q = q.to(k_cache.dtype)  # attention runs in the cache's dtype (Transformer.attention_dtype)
         for row, start in enumerate(starts):
@@ -237,11 +234,15 @@ class Transformer(nn.Module):
 
     @staticmethod
     def rope_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin of every position's rotary angles, [max_positions, head_dim] (float32, CPU)."""
+        """cos and sin of every position's rotary angles, [max_positions, head_dim] (float32, CPU).
+        sin's first half is negated: rotating half the features is then one roll, not four
+        operators, with the same values (x * -s is -x * s exactly)."""
         with torch.device("cpu"):
             freqs = torch.outer(torch.arange(cfg.max_position_embeddings).float(), _rope_inv_freq(cfg))
             emb = torch.cat((freqs, freqs), dim=-1)
-            return emb.cos(), emb.sin()
+            sin = emb.sin()
+            sin[:, :freqs.shape[1]].neg_()
+            return emb.cos(), sin
 
     @property
     def device(self) -> torch.device:
