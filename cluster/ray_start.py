@@ -9,6 +9,7 @@ Ray starts again, once."""
 from __future__ import annotations
 
 import logging
+import os
 
 import psutil
 import ray
@@ -37,12 +38,19 @@ def start_local_ray(**init_kwargs) -> None:
 
 def _describe(p: psutil.Process) -> str:
     try:
-        name = p.name()
-        if p.status() == psutil.STATUS_ZOMBIE:
-            return f"{name} exited with {p.wait(0)}"
-        return f"{name} {p.status()}"
+        if p.status() == psutil.STATUS_ZOMBIE:  # its command line is gone, its name is not
+            return f"{p.name()} exited with {p.wait(0)}"
+        return f"{_name(p)} {p.status()}"
     except psutil.Error:
         return f"pid {p.pid} gone"
+
+
+def _name(p: psutil.Process) -> str:
+    """The program, or for Python the script it runs (Ray's monitors and dashboard are scripts)."""
+    args = p.cmdline()
+    program = os.path.basename(args[0]) if args else p.name()
+    script = next((a for a in args[1:] if a.endswith(".py")), None) if program.startswith("python") else None
+    return os.path.basename(script) if script else program
 
 
 def _stop(procs: list[psutil.Process]) -> None:
