@@ -141,8 +141,6 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(dtype)
 
 
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
