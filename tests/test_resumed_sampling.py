@@ -2,20 +2,26 @@
 
 When a verifier or a drafter pool loses a request (restart, eviction, a
 checkpoint a round behind), the coordinator prefills it again with every
-verified token and goes on. With a seed, the new prefill must not start the
-request's random stream over: the draws it repeats are the ones the earlier
-tokens were chosen with, and tokens chosen by the same draws are dependent,
-whatever the target says. Served over real gRPC on loopback (tiny models, no
+verified token and goes on. Served over real gRPC on loopback (tiny models, no
 Ray), a verifier or a pool that forgets every request after each call makes
 every round a resume; the joint distribution of two tokens drawn after
 different prefills is compared (chi-square) with the target's exact one, over
-many seeds. Before each prefill drew from a fresh stream, both cases failed
-with p far below 1e-10.
+many seeds.
+
+The requests are seeded, so each token is the choice keyed by (seed, position)
+(`SamplingParams.keyed`): a resume cannot reuse the draws that chose earlier
+tokens, and these tests check that this holds end to end. That the random
+streams a resumed request's services make are fresh, not started over, is
+checked on its own (`test_a_resumed_stream_is_fresh_and_a_first_one_unchanged`):
+with keyed tokens the distribution tests would not see a restarted stream.
 """
 
 from __future__ import annotations
 
 import itertools
+import multiprocessing
+import os
+from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 import torch
@@ -35,6 +41,7 @@ PROMPT = [1, 2, 3, 1, 2]
 RUNS = 1_500
 ALPHA = 1e-3
 PARAMS = SamplingParams(temperature=1.0)
+WORKERS = min(2, os.cpu_count() or 1)
 
 
 class ForgetfulEngine(VerifierEngine):
@@ -62,6 +69,14 @@ def target():
     return tiny_model(seed=0, logit_scale=0.5)
 
 
+@pytest.fixture(scope="module")
+def workers():
+    """Processes the runs are split over (each run is one-threaded, tiny and Python-bound).
+    Spawned, so that no torch thread pool or gRPC state is forked."""
+    with ProcessPoolExecutor(WORKERS, mp_context=multiprocessing.get_context("spawn")) as pool:
+        yield pool
+
+
 def exact_pair(target, i: int, j: int) -> torch.Tensor:
     """P(generated token i = a, generated token j = b) under the target alone, [V, V]."""
     memo: dict[tuple[int, ...], torch.Tensor] = {}
@@ -85,17 +100,35 @@ def exact_pair(target, i: int, j: int) -> torch.Tensor:
     return joint
 
 
-def sampled_pairs(coordinator, drafter: str, draft_length: int, i: int, j: int,
-                  verifier_drafting: bool = False) -> torch.Tensor:
+def _sampled_pairs_part(forgetful: str, drafter: str, draft_length: int, i: int, j: int,
+                        verifier_drafting: bool, seeds: range) -> torch.Tensor:
+    """Counts of (generated token i, token j) over `seeds`, in a worker process: the tiny
+    target behind loopback gRPC, the verifier or the pool (`forgetful`) losing every request
+    after each call."""
+    torch.set_num_threads(1)
+    target = tiny_model(seed=0, logit_scale=0.5)
+    if forgetful == "verifier":
+        pool, engine = DrafterPool(target, kinds=["pld"]), ForgetfulEngine(target, max_batch=2, max_len=32)
+    else:
+        pool, engine = ForgetfulPool(target, kinds=[drafter]), VerifierEngine(target, max_batch=2, max_len=32)
     counts = torch.zeros(V, V)
-    for seed in range(RUNS):
-        # one token past j: a round drafts only where a whole draft and its bonus fit
-        params = SamplingParams(max_tokens=j + 2, temperature=PARAMS.temperature, seed=seed)
-        job = Job(f"r{seed}", PROMPT, params, ((drafter, 1.0),), draft_length, draft_length, V, eos_token_ids=(),
-                  verifier_drafting=verifier_drafting)
-        tokens = [t for new in coordinator.run(job, RoundStats()) for t in new]
-        counts[tokens[i], tokens[j]] += 1
+    with loopback(pool, engine) as coordinator:
+        for seed in seeds:
+            # one token past j: a round drafts only where a whole draft and its bonus fit
+            params = SamplingParams(max_tokens=j + 2, temperature=PARAMS.temperature, seed=seed)
+            job = Job(f"r{seed}", PROMPT, params, ((drafter, 1.0),), draft_length, draft_length, V,
+                      eos_token_ids=(), verifier_drafting=verifier_drafting)
+            tokens = [t for new in coordinator.run(job, RoundStats()) for t in new]
+            counts[tokens[i], tokens[j]] += 1
     return counts
+
+
+def sampled_pairs(workers: ProcessPoolExecutor, forgetful: str, drafter: str, draft_length: int, i: int, j: int,
+                  verifier_drafting: bool = False) -> torch.Tensor:
+    """RUNS seeded requests, split over the worker processes (each seed is a request of its own)."""
+    parts = [workers.submit(_sampled_pairs_part, forgetful, drafter, draft_length, i, j, verifier_drafting,
+                            range(w, RUNS, WORKERS)) for w in range(WORKERS)]
+    return sum(part.result() for part in parts)
 
 
 def assert_matches(counts: torch.Tensor, exact: torch.Tensor) -> None:
@@ -108,19 +141,17 @@ def assert_matches(counts: torch.Tensor, exact: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("verifier_drafting", [False, True], ids=["verify-calls", "decode-call"])
-def test_verifier_prefilled_again_every_round_keeps_the_distribution(target, verifier_drafting):
+def test_verifier_prefilled_again_every_round_keeps_the_distribution(target, workers, verifier_drafting):
     # plain decoding: token 0 comes from the first prefill, token 1 from the second (a Decode
     # call finds the request gone, and the router prefills it again)
-    with loopback(DrafterPool(target, kinds=["pld"]), ForgetfulEngine(target, max_batch=2, max_len=32)) as coord:
-        counts = sampled_pairs(coord, "none", 0, 0, 1, verifier_drafting)
+    counts = sampled_pairs(workers, "verifier", "none", 0, 0, 1, verifier_drafting)
     assert_matches(counts, exact_pair(target, 0, 1))
 
 
-def test_drafter_prefilled_again_every_round_keeps_the_distribution(target):
+def test_drafter_prefilled_again_every_round_keeps_the_distribution(target, workers):
     # the drafter is the target itself, so its one-token drafts are always accepted:
     # token 1 is the first pool's draw, token 3 the second pool's (tokens 2 and 4 are the verifier's)
-    with loopback(ForgetfulPool(target, kinds=["layerskip"]), VerifierEngine(target, max_batch=2, max_len=32)) as coord:
-        counts = sampled_pairs(coord, "layerskip", 1, 1, 3)
+    counts = sampled_pairs(workers, "drafter", "layerskip", 1, 1, 3)
     assert_matches(counts, exact_pair(target, 1, 3))
 
 
