@@ -278,17 +278,20 @@ def test_served_tensor_parallel_verifier_matches_hf(hf_oracle, default_group):
 
 
 SAMPLED_RUNS = 2_000
+SAMPLING_GROUPS = 2  # 2-rank groups sampling side by side: the runs wait on gloo's loopback sockets
 
 
-def _sampling_rank(rank: int, world: int, store_dir: str, out_dir: str) -> None:
-    """Rank 0 samples SAMPLED_RUNS unseeded runs of the distribution test's "chain" case (a
-    2-token model draft at temperature 1) on the 2-rank target; counts of tokens 1 and 2."""
+def _sampling_rank(index: int, world: int, store_dirs: list[str], out_dir: str) -> None:
+    """Process `index` is rank index % world of group index // world; each group's rank 0
+    samples its share of SAMPLED_RUNS unseeded runs of the distribution test's "chain" case
+    (a 2-token model draft at temperature 1) on its 2-rank target: counts of tokens 1 and 2."""
     import speculative.decoding as decoding
     import speculative.sampling as sampling
     from test_sampling_distribution import CASES, PROMPT
 
+    group, rank = divmod(index, world)
     torch.set_num_threads(1)
-    tp_group.join_group(rank, world, store_dir, "cpu")
+    tp_group.join_group(rank, world, store_dirs[group], "cpu")
     try:
         model = tp_group.load_shard(TinyLoader(0, logit_scale=0.5), rank, world, "cpu", None)
         if rank:
@@ -300,14 +303,14 @@ def _sampling_rank(rank: int, world: int, store_dir: str, out_dir: str) -> None:
         run = {"seed": 0}  # each run's random streams come from its number, as in the distribution test
         decoding.make_generator = lambda _, device="cpu", stream=0: sampling.make_generator(run["seed"], device, stream)
         counts, drafted = torch.zeros(TINY.vocab_size, TINY.vocab_size), 0
-        for seed in range(SAMPLED_RUNS):
+        for seed in range(group, SAMPLED_RUNS, SAMPLING_GROUPS):
             run["seed"] = seed
             result = decoding.generate(target, PROMPT, SamplingParams(max_tokens=draft_length + 2, temperature=1.0),
                                        make(drafter_model), draft_length)
             counts[result.token_ids[1], result.token_ids[2]] += 1
             drafted += result.draft_tokens > 0
         target.stop()
-        torch.save({"counts": counts, "drafted": drafted}, Path(out_dir) / "sampled.pt")
+        torch.save({"counts": counts, "drafted": drafted}, Path(out_dir) / f"sampled-{group}.pt")
     finally:
         tp_group.leave_group()
 
@@ -315,10 +318,12 @@ def _sampling_rank(rank: int, world: int, store_dir: str, out_dir: str) -> None:
 def test_sampling_distribution_holds_on_a_tensor_parallel_target(tmp_path):
     from test_sampling_distribution import ALPHA, CASES, chi_square_p, exact_drafted_joint
 
-    store = tmp_path / "store"
-    store.mkdir()
-    mp.spawn(_sampling_rank, args=(2, str(store), str(tmp_path)), nprocs=2)
-    sampled = torch.load(tmp_path / "sampled.pt")
+    stores = [tmp_path / f"store-{group}" for group in range(SAMPLING_GROUPS)]
+    for store in stores:
+        store.mkdir()
+    mp.spawn(_sampling_rank, args=(2, [str(s) for s in stores], str(tmp_path)), nprocs=2 * SAMPLING_GROUPS)
+    parts = [torch.load(tmp_path / f"sampled-{group}.pt") for group in range(SAMPLING_GROUPS)]
+    sampled = {"counts": sum(p["counts"] for p in parts), "drafted": sum(p["drafted"] for p in parts)}
     assert sampled["drafted"] == SAMPLED_RUNS  # a model drafter always drafts
     expected = exact_drafted_joint(TinyLoader(0, logit_scale=0.5)("cpu"), CASES["chain"][1])
     pvalue = chi_square_p(sampled["counts"], expected)
