@@ -1,5 +1,5 @@
 """Tensor-parallel targets (speculative/tp.py, verifier_service/tp_group.py): every rank a
-spawned process in one gloo group, checked against the same model in one process."""
+spawned process in a gloo group, checked against the same model in one process."""
 
 from __future__ import annotations
 
