@@ -7,7 +7,7 @@ in sequence and then pipelined, against the drafter's own cost in this process.
 
 (`--draft-length` must be the server's `[router] draft_length`.) Served, for each way: tokens/s,
 ms a round, the verifier's time in its forward passes (its Stats call) and the CPU time of
-the verifier, router and drafter-pool processes, per round. Pipelined, a round cannot take
+the router and drafter-pool processes, per round (`served_pass_probe.served`). Pipelined, a round cannot take
 less than its longer side: when that is drafting, the mode makes at most one token per
 draft token the pool makes. In process, on one torch thread as the pool drafts, the drafter
 proposes `--draft-length` tokens after each prompt (median of `--repeats`), which gives that
@@ -24,31 +24,7 @@ from pathlib import Path
 
 import torch
 
-from served_pass_probe import QUESTIONS, actor_process, cpu_seconds, verifier_stats
-
-
-def served(server: str, prompts: list[str], max_tokens: int, drafter: str, pipelined: bool) -> dict[str, float]:
-    from specserve.client import Client
-
-    (verifier, stats), router, pool = (verifier_stats(), actor_process("ServeReplica:specserve:Router"),
-                                       actor_process("ServeReplica:specserve:DrafterPool"))
-    procs = {"verifier": verifier, "router": router, "pool": pool}
-    with Client(server, timeout=300) as client:
-        client.generate(messages=[{"role": "user", "content": "warm up"}], max_tokens=8, drafter=drafter,
-                        pipelined=pipelined)
-        before, cpu_before, started = stats(), {k: cpu_seconds(p) for k, p in procs.items()}, time.monotonic()
-        rounds = tokens = 0
-        for prompt in prompts:
-            out = client.generate(messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
-                                  drafter=drafter, pipelined=pipelined)
-            rounds += out.usage.target_forward_passes
-            tokens += out.usage.completion_tokens
-        wall, after = time.monotonic() - started, stats()
-        cpu = {k: cpu_seconds(p) - cpu_before[k] for k, p in procs.items()}
-    forwards = after.forward_passes - before.forward_passes
-    return {"tokens_per_s": tokens / wall, "tokens_per_round": tokens / rounds, "round_ms": 1000 * wall / rounds,
-            "verifier_busy_ms": 1000 * (after.busy_seconds - before.busy_seconds) / forwards,
-            **{f"{k}_cpu_ms": 1000 * v / rounds for k, v in cpu.items()}}
+from served_pass_probe import QUESTIONS, served
 
 
 def draft_token_ms(prompts: list[str], drafter: str, draft_length: int, repeats: int) -> float:
@@ -90,10 +66,9 @@ def main() -> None:
     rows = {way: served(args.server, prompts, args.max_tokens, args.drafter, way == "pipelined")
             for way in ("sequential", "pipelined")}
     for way, r in rows.items():
-        print(f"served {way}: {r['tokens_per_s']:.1f} tokens/s, {r['tokens_per_round']:.2f} tokens and "
-              f"{r['round_ms']:.1f} ms a round; verifier busy {r['verifier_busy_ms']:.1f} ms a forward; "
-              f"CPU a round: verifier {r['verifier_cpu_ms']:.1f} ms, router {r['router_cpu_ms']:.1f} ms, "
-              f"pool {r['pool_cpu_ms']:.1f} ms")
+        print(f"served {way}: {r['tokens_per_s']:.1f} tokens/s, {r['tokens_per_pass']:.2f} tokens and "
+              f"{r['wall_ms']:.1f} ms a round; verifier busy {r['busy_ms']:.1f} ms a forward; CPU a round: "
+              f"router {r['router_cpu_ms']:.1f} ms, pool {r['pool_cpu_ms']:.1f} ms")
     gain = rows["pipelined"]["tokens_per_s"] / rows["sequential"]["tokens_per_s"]
     print(f"pipelined against sequential: {gain:.2f}x")
     ms = draft_token_ms(prompts, args.drafter, args.draft_length, args.repeats)

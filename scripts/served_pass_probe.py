@@ -71,25 +71,34 @@ def verifier_stats() -> tuple[psutil.Process, Callable[[], pb.VerifierStatsRespo
     raise SystemExit("the verifier answers no Stats call (is SPECSERVE_CLUSTER_SECRET the server's?)")
 
 
-def served(server: str, prompts: list[str], max_tokens: int) -> dict[str, float]:
+def served(server: str, prompts: list[str], max_tokens: int, drafter: str = "none",
+           pipelined: bool | None = None) -> dict[str, float]:
+    """`prompts` through a running server: ms a pass (round) of wall time, the verifier's busy
+    ms a forward, the CPU ms of the verifier a forward and of the router and drafter pool a
+    pass, tokens/s and tokens a pass."""
     from specserve.client import Client
 
-    (proc, stats), router = verifier_stats(), actor_process("ServeReplica:specserve:Router")
+    (proc, stats), router, pool = (verifier_stats(), actor_process("ServeReplica:specserve:Router"),
+                                   actor_process("ServeReplica:specserve:DrafterPool"))
     with Client(server, timeout=300) as client:
-        client.generate(messages=[{"role": "user", "content": "warm up"}], max_tokens=8, drafter="none")
+        client.generate(messages=[{"role": "user", "content": "warm up"}], max_tokens=8, drafter=drafter,
+                        pipelined=pipelined)
         before, started = stats(), time.monotonic()
-        cpu0, router0 = cpu_seconds(proc), cpu_seconds(router)
-        passes = 0
+        cpu0, router0, pool0 = cpu_seconds(proc), cpu_seconds(router), cpu_seconds(pool)
+        passes = tokens = 0
         for prompt in prompts:
             out = client.generate(messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
-                                  drafter="none")
+                                  drafter=drafter, pipelined=pipelined)
             passes += out.usage.target_forward_passes
+            tokens += out.usage.completion_tokens
         wall, after = time.monotonic() - started, stats()
-        cpu1, router1 = cpu_seconds(proc), cpu_seconds(router)
+        cpu1, router1, pool1 = cpu_seconds(proc), cpu_seconds(router), cpu_seconds(pool)
     forwards = after.forward_passes - before.forward_passes  # prefills included, as in busy_seconds
     return {"wall_ms": 1000 * wall / passes,
             "busy_ms": 1000 * (after.busy_seconds - before.busy_seconds) / forwards,
-            "verifier_cpu_ms": 1000 * (cpu1 - cpu0) / forwards, "router_cpu_ms": 1000 * (router1 - router0) / passes}
+            "verifier_cpu_ms": 1000 * (cpu1 - cpu0) / forwards, "router_cpu_ms": 1000 * (router1 - router0) / passes,
+            "pool_cpu_ms": 1000 * (pool1 - pool0) / passes, "tokens_per_s": tokens / wall,
+            "tokens_per_pass": tokens / passes}
 
 
 def local(prompts: list[str], max_tokens: int, threads: int) -> tuple[dict[str, float], dict[str, float]]:
