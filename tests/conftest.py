@@ -5,7 +5,6 @@ from itertools import cycle
 from pathlib import Path
 
 import pytest
-import torch
 
 # test helpers (tiny.py, ...) import as plain modules
 sys.path.insert(0, str(Path(__file__).parent))
@@ -56,45 +55,38 @@ def smollm2():
 
 
 @pytest.fixture(scope="session")
-def hf_oracle():
-    """Hugging Face transformers loading the same GGUF itself: the external oracle."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
+def core_workers():
+    """One worker process per core, pinned to it, at the lowest priority (tests/core_workers.py)."""
+    import core_workers
 
-    from speculative.loading import default_gguf_path
-
-    hf_logging.set_verbosity_error()
-    gguf = default_gguf_path()
-    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-    return model.eval(), tok
+    return core_workers.workers()
 
 
-@pytest.fixture(scope="module")
-def cli_loads_model_once():
-    """`specserve generate` run in process (cluster.cli.main) loads the model again on every
-    call (LocalEngine.load, ~0.6 s); a module that calls it dozens of times loads it once: the
-    load is memoised on its arguments. Each call still begins as a fresh CLI process would:
-    threads set, and no drafter memory (the suffix index, the recycling table and fused
-    calibrations, which drafter_service.registry keeps per target model) from earlier calls."""
-    from cluster.local import LocalEngine, set_cpu_threads
-    from drafter_service import registry
+@pytest.fixture(scope="session")
+def hf_oracle(core_workers):
+    """Hugging Face transformers on the same GGUF, the external oracle: it runs in the
+    worker processes (tests/oracle.py)."""
+    return core_workers
 
-    load = LocalEngine.load.__func__
-    engines: dict[tuple, LocalEngine] = {}
 
-    def load_once(cls, *args, **kwargs):
-        key = (args, tuple(sorted(kwargs.items())))
-        if key not in engines:
-            engines[key] = load(cls, *args, **kwargs)
-        engine = engines[key]
-        set_cpu_threads()
-        with registry._load_lock:
-            registry._memories.pop(id(engine.model), None)
-        return engine
+def pytest_collection_finish(session):
+    """Start the workers on what the selected tests will ask of them, in the order the tests
+    run: the oracle's greedy answers first (tests of servers compare with them), then each
+    test module's `background_jobs(item)`, calls as its tests will make them."""
+    import core_workers
+    import oracle
 
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(LocalEngine, "load", classmethod(load_once))
-        yield
-    for engine in engines.values():
-        engine.close()
+    if session.config.option.collectonly:
+        return
+    jobs = [(oracle.hf_greedy, i) for i in range(oracle.GREEDY_PROMPTS)
+            if any("hf_oracle" in getattr(item, "fixturenames", ()) for item in session.items)]
+    for item in session.items:
+        jobs += getattr(getattr(item, "module", None), "background_jobs", lambda _: [])(item)
+    for fn, *args in jobs:
+        core_workers.workers().submit_ahead(fn, *args)
+
+
+def pytest_sessionfinish(session):
+    import core_workers
+
+    core_workers.stop()

@@ -1,32 +1,58 @@
 """The external oracle: Hugging Face transformers `generate(do_sample=False)` on the
 same GGUF, with its own tokenizer and chat template. A difference from it is
-accepted only at a near-tie of HF's own top-two logits."""
+accepted only at a near-tie of HF's own top-two logits.
+
+HF runs in the worker processes (tests/core_workers.py): the `hf_oracle` fixture is
+those workers, and each answer is computed once for the session."""
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 
 from conftest import dev_prompts
 
 PROMPTS = dev_prompts(20)  # (category, first turn)
+# the prompts greedy answers are compared on: one of each dev category (PROMPTS takes them round-robin)
+GREEDY_PROMPTS = len({category for category, _ in PROMPTS})
 MAX_TOKENS = 64
 NEAR_TIE = 1e-3
 
-_cache: dict[int, tuple[list[int], torch.Tensor]] = {}
+_hf = None
+
+
+def hf_model():
+    """Hugging Face transformers loading the same GGUF itself (once per worker)."""
+    global _hf
+    if _hf is None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers.utils import logging as hf_logging
+
+        from speculative.loading import default_gguf_path
+
+        hf_logging.set_verbosity_error()
+        gguf = default_gguf_path()
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        _hf = model.eval(), tok
+    return _hf
+
+
+def hf_greedy(i: int) -> tuple[list[int], torch.Tensor]:
+    """HF's generated ids for PROMPTS[i] and its logits at each step (in a worker)."""
+    model, tok = hf_model()
+    enc = tok.apply_chat_template([{"role": "user", "content": PROMPTS[i][1]}], add_generation_prompt=True,
+                                  return_tensors="pt", return_dict=True)
+    with torch.inference_mode():
+        out = model.generate(**enc, max_new_tokens=MAX_TOKENS, do_sample=False,
+                             return_dict_in_generate=True, output_logits=True)
+    return out.sequences[0, enc["input_ids"].shape[1]:].tolist(), torch.stack(out.logits)[:, 0]
 
 
 def oracle(hf_oracle, i: int) -> tuple[list[int], torch.Tensor]:
     """HF's generated ids for PROMPTS[i] and its logits at each step."""
-    if i not in _cache:
-        model, tok = hf_oracle
-        enc = tok.apply_chat_template([{"role": "user", "content": PROMPTS[i][1]}], add_generation_prompt=True,
-                                      return_tensors="pt", return_dict=True)
-        with torch.inference_mode():
-            out = model.generate(**enc, max_new_tokens=MAX_TOKENS, do_sample=False,
-                                 return_dict_in_generate=True, output_logits=True)
-        ids = out.sequences[0, enc["input_ids"].shape[1]:].tolist()
-        _cache[i] = (ids, torch.stack(out.logits)[:, 0])
-    return _cache[i]
+    return hf_oracle.submit_once(hf_greedy, i).result()
 
 
 def near_tie_or_equal(hf_oracle, i: int, got: list[int], label: str) -> str | None:
@@ -47,36 +73,36 @@ def near_tie_or_equal(hf_oracle, i: int, got: list[int], label: str) -> str | No
     return f"prompt {i} ({category}) token {pos}: HF top-two gap {gap:.1e}"
 
 
-_keyed_cache: dict[tuple, tuple[list[int], torch.Tensor]] = {}
-
-
 def keyed_oracle(hf_oracle, i: int, params, max_tokens: int = MAX_TOKENS) -> tuple[list[int], torch.Tensor]:
     """HF's tokens for PROMPTS[i] under seeded sampling, and the choice scores at each step.
     Keyed sampling is defined by its noise: at position n (in prompt + output) the token is
     the argmax of log p + Gumbel noise keyed by (seed, n) (`position_gumbel`), p being the
     target's distribution there after temperature, top-k and top-p. HF computes the
     logits, step by step with its own KV cache; the token is then that argmax."""
+    return hf_oracle.submit_once(hf_keyed, i, params, max_tokens).result()
+
+
+def hf_keyed(i: int, params, max_tokens: int) -> tuple[list[int], torch.Tensor]:
+    """keyed_oracle's answer (in a worker)."""
     from speculative.sampling import choice_scores
 
-    key = (i, params, max_tokens)
-    if key not in _keyed_cache:
-        model, tok = hf_oracle
-        enc = tok.apply_chat_template([{"role": "user", "content": PROMPTS[i][1]}], add_generation_prompt=True,
-                                      return_tensors="pt", return_dict=True)
-        n, eos = enc["input_ids"].shape[1], model.generation_config.eos_token_id
-        eos = {eos} if isinstance(eos, int) else set(eos or [])
-        ids, scores = [], []
-        with torch.inference_mode():
-            out = model(**enc, use_cache=True)
-            while len(ids) < max_tokens:
-                step = choice_scores(out.logits[:, -1].float(), params, [n + len(ids)])[0]
-                ids.append(int(step.argmax()))
-                scores.append(step)
-                if ids[-1] in eos:
-                    break
-                out = model(input_ids=torch.tensor([[ids[-1]]]), past_key_values=out.past_key_values, use_cache=True)
-        _keyed_cache[key] = (ids, torch.stack(scores))
-    return _keyed_cache[key]
+    model, tok = hf_model()
+    enc = tok.apply_chat_template([{"role": "user", "content": PROMPTS[i][1]}], add_generation_prompt=True,
+                                  return_tensors="pt", return_dict=True)
+    n, eos = enc["input_ids"].shape[1], model.generation_config.eos_token_id
+    eos = {eos} if isinstance(eos, int) else set(eos or [])
+    ids, scores = [], []
+    with torch.inference_mode(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # transformers renames past_key_values; same cache
+        out = model(**enc, use_cache=True)
+        while len(ids) < max_tokens:
+            step = choice_scores(out.logits[:, -1].float(), params, [n + len(ids)])[0]
+            ids.append(int(step.argmax()))
+            scores.append(step)
+            if ids[-1] in eos:
+                break
+            out = model(input_ids=torch.tensor([[ids[-1]]]), past_key_values=out.past_key_values, use_cache=True)
+    return ids, torch.stack(scores)
 
 
 def keyed_near_tie_or_equal(hf_oracle, i: int, params, got: list[int], label: str) -> str | None:

@@ -37,7 +37,7 @@ from cluster.config import ServeConfig
 from cluster.ray_start import start_local_ray
 from cluster.serve import start_app
 from cluster.state import RedisStateStore
-from oracle import NEAR_TIE, PROMPTS, keyed_oracle, oracle
+from oracle import NEAR_TIE, PROMPTS, hf_keyed, keyed_oracle, oracle
 from serve_process import free_port
 from speculative.sampling import SamplingParams
 from test_http_api import MODEL
@@ -120,6 +120,11 @@ class Outcome:
     retries: int = 0
     errors: list[str] = field(default_factory=list)
     seconds: float = 0.0
+
+
+def background_jobs(item) -> list[tuple]:
+    """The keyed oracle's answers these tests compare with (the greedy ones are queued for all)."""
+    return [(hf_keyed, i, sampling(i), MAX_TOKENS) for i in range(CLIENTS) if not sampling(i).greedy]
 
 
 def ask(base: str, i: int, started: threading.Event) -> Outcome:

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import speculative.decoding as decoding
+from core_workers import seed_shares
 from drafter_service.drafters import FusedDrafter, ModelDrafter, MultiSampleDrafter, PromptLookupDrafter
 from speculative.batching import VerifyItem, verify_batch
 from speculative.decoding import DraftRequest
@@ -28,8 +29,7 @@ from speculative.model import attention_mask, causal_ancestors
 from speculative.sampling import SamplingParams, make_generator, sample
 from speculative.tree import DraftTree
 from speculative.verification import residual
-from test_sampling_distribution import (ALPHA, PROMPT, WORKERS, chi_square_p, exact_joint,  # noqa: F401 (fixtures)
-                                        target, workers)
+from test_sampling_distribution import ALPHA, PROMPT, chi_square_p, exact_joint, target  # noqa: F401 (fixture)
 from tiny import TINY, tiny_model
 from trees import path_to
 
@@ -392,12 +392,24 @@ SAMPLES = 12_000
 BUDGET = 4  # nodes per fused tree, from 8 draws: each drafter drafts 2 tokens (the ones the test sees)
 
 
-def first_two_sampled(workers, params, conditional) -> torch.Tensor:
+def fused_jobs(params) -> list[tuple]:
+    """SAMPLES runs of `_fused_first_two` (each draws from its own seed), as calls for the
+    worker processes: one share of the seeds each."""
+    return [(_fused_first_two, seeds, params) for seeds in seed_shares(SAMPLES)]
+
+
+def background_jobs(item) -> list[tuple]:
+    """The calls this module's tests make of the worker processes."""
+    if item.originalname == "test_fused_sampling_matches_target_distribution":
+        return fused_jobs(SamplingParams(temperature=1.0))
+    return []
+
+
+def first_two_sampled(workers, params) -> torch.Tensor:
     """Counts of the first two tokens after PROMPT over SAMPLES runs: one round of fused
-    drafting verified by `verify_batch` (the target's next token after a lone bonus). The
-    runs are independent (each draws from its own seed) and split over the worker processes."""
-    shares = [range(i, SAMPLES, WORKERS) for i in range(WORKERS)]
-    parts = [workers.submit(_fused_first_two, seeds, params, conditional) for seeds in shares]
+    drafting verified by `verify_batch` (the target's next token after a lone bonus), split
+    over the worker processes."""
+    parts = [workers.submit_once(*job) for job in fused_jobs(params)]
     counts, drafted = torch.zeros(TINY.vocab_size, TINY.vocab_size), 0
     for part in parts:
         c, d = part.result()
@@ -406,11 +418,13 @@ def first_two_sampled(workers, params, conditional) -> torch.Tensor:
     return counts
 
 
-def _fused_first_two(seeds: range, params, conditional) -> tuple[torch.Tensor, int]:
+def _fused_first_two(seeds: range, params) -> tuple[torch.Tensor, int]:
     """`first_two_sampled`'s runs of `seeds` (in a worker process): the `target` fixture's
     model, a FusedDrafter of the `members` fixture's drafters."""
     torch.set_num_threads(1)
     target, drafter = tiny_model(seed=0, logit_scale=0.5), FusedDrafter(make_members(), member_tokens=2)
+    expected = exact_joint(target, params)
+    conditional = expected / expected.sum(1, keepdim=True)  # the target's second token after the first
     cache = target.new_cache(len(PROMPT) + BUDGET + 1)
     n = len(PROMPT) - 1
     target(torch.tensor([PROMPT[:-1]]), torch.arange(n)[None], cache, attention_mask(0, causal_ancestors(n)))
@@ -429,11 +443,10 @@ def _fused_first_two(seeds: range, params, conditional) -> tuple[torch.Tensor, i
     return counts, drafted
 
 
-def test_fused_sampling_matches_target_distribution(target, workers):
+def test_fused_sampling_matches_target_distribution(target, core_workers):
     params = SamplingParams(temperature=1.0)
     expected = exact_joint(target, params)
-    conditional = expected / expected.sum(1, keepdim=True)
-    counts = first_two_sampled(workers, params, conditional)
+    counts = first_two_sampled(core_workers, params)
     pvalue = chi_square_p(counts, expected)
     print(f"fused sampling: p={pvalue:.3g}")
     assert pvalue > ALPHA, f"fused sampling differs from the target's distribution (p={pvalue:.2e})"

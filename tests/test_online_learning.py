@@ -14,6 +14,7 @@ import torch
 import speculative.decoding as decoding
 import speculative.sampling as sampling
 from cluster.state import EmbeddedStateStore
+from core_workers import seed_shares
 from drafter_service.checkpoint import load_drafter, save_drafter
 from drafter_service.drafters import ModelDrafter
 from drafter_service.learner import Learner, OnlineLearning
@@ -114,19 +115,17 @@ def test_swap_mid_stream_changes_no_greedy_output(smollm2, hf_oracle, tmp_path):
     assert all(int(w["top_ids"][p, 0]) == int(w["tokens"][p + 1]) for w, p in labelled)
 
 
-def test_swap_between_rounds_keeps_sampling_distribution(tmp_path):
-    """Sampling with a drafter swapped for another between the first and second rounds still
-    gives the target's distribution of the tokens those rounds cover (chi-square)."""
-    torch.set_num_threads(1)
+def _swapped_counts(seeds: range) -> tuple[torch.Tensor, int, int]:
+    """Seeded runs (in a worker process) whose drafter is swapped for another after its
+    first round: counts of (token 2, token 3), runs that swapped, runs that drafted."""
     target = tiny_model(seed=0, logit_scale=0.5)
     first, second = tiny_model(seed=1, logit_scale=0.5), tiny_model(seed=2, logit_scale=0.5)
-    samples, counts = 2000, torch.zeros(TINY.vocab_size, TINY.vocab_size)
-    swaps = drafted = 0
+    counts, swaps, drafted = torch.zeros(TINY.vocab_size, TINY.vocab_size), 0, 0
     original = decoding.make_generator
     run = {"seed": 0}
     decoding.make_generator = lambda _, device="cpu", stream=0: sampling.make_generator(run["seed"], device, stream)
     try:
-        for seed in range(samples):
+        for seed in seeds:
             run["seed"] = seed
             calls = {"n": 0}
 
@@ -141,8 +140,31 @@ def test_swap_between_rounds_keeps_sampling_distribution(tmp_path):
             swaps += drafter.version == 1
             drafted += result.draft_tokens > 0
     finally:
-        decoding.make_generator = original
-    assert swaps >= samples * 0.9 and drafted == samples
+        decoding.make_generator = original  # the worker serves other tests next
+    return counts, swaps, drafted
+
+
+SWAP_SAMPLES = 2000
+
+
+def swapped_jobs() -> list[tuple]:
+    """SWAP_SAMPLES seeded runs, as calls for the worker processes: one share of the seeds each."""
+    return [(_swapped_counts, seeds) for seeds in seed_shares(SWAP_SAMPLES)]
+
+
+def background_jobs(item) -> list[tuple]:
+    """The calls this module's tests make of the worker processes."""
+    return swapped_jobs() if item.originalname == "test_swap_between_rounds_keeps_sampling_distribution" else []
+
+
+def test_swap_between_rounds_keeps_sampling_distribution(core_workers):
+    """Sampling with a drafter swapped for another between the first and second rounds still
+    gives the target's distribution of the tokens those rounds cover (chi-square). The runs
+    are split over the worker processes."""
+    parts = [core_workers.submit_once(*job) for job in swapped_jobs()]
+    counts, swaps, drafted = map(sum, zip(*(part.result() for part in parts)))
+    assert swaps >= SWAP_SAMPLES * 0.9 and drafted == SWAP_SAMPLES
+    target = tiny_model(seed=0, logit_scale=0.5)
     assert chi_square_p(counts, exact_pair(target, SamplingParams(temperature=1.0), first=2)) > 1e-3
 
 

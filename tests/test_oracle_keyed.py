@@ -10,13 +10,12 @@ is accepted only at a near-tie of HF's two best choice scores.
 
 from __future__ import annotations
 
-import json
 import warnings
 
 import pytest
 
-from cluster.cli import main as cli_main
-from oracle import keyed_near_tie_or_equal
+from core_workers import cli_json
+from oracle import PROMPTS, hf_keyed, keyed_near_tie_or_equal
 from speculative.sampling import SamplingParams
 
 MAX_TOKENS = 32
@@ -30,24 +29,28 @@ def params(seed: int) -> SamplingParams:
     return SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, top_p=0.95, seed=seed)
 
 
-def cli_sampled(capsys, prompt: str, drafter: str, tree_budget: int | None, seed: int) -> dict:
+def cli_args(prompt: str, drafter: str, tree_budget: int | None, seed: int) -> tuple[str, ...]:
     p = params(seed)
-    argv = ["generate", "--chat", "--json", "--prompt", prompt, "--max-tokens", str(MAX_TOKENS),
+    argv = ("generate", "--chat", "--json", "--prompt", prompt, "--max-tokens", str(MAX_TOKENS),
             "--temperature", str(p.temperature), "--top-p", str(p.top_p), "--seed", str(seed),
-            "--drafter", drafter, "--draft-length", "2" if drafter == "layerskip" else "5"]
-    if tree_budget:
-        argv += ["--tree-budget", str(tree_budget)]
-    assert cli_main(argv) == 0
-    return json.loads(capsys.readouterr().out)
+            "--drafter", drafter, "--draft-length", "2" if drafter == "layerskip" else "5")
+    return argv + (("--tree-budget", str(tree_budget)) if tree_budget else ())
+
+
+def background_jobs(item) -> list[tuple]:
+    """The calls this module's tests make of the worker processes."""
+    if item.originalname == "test_seeded_sampling_matches_keyed_hf":
+        case = item.callspec.params["drafter"], item.callspec.params["tree_budget"]
+        return [(hf_keyed, i, params(seed), MAX_TOKENS) for i, seed in enumerate(SEEDS)] + [
+            (cli_json, cli_args(PROMPTS[i][1], *case, seed)) for i, seed in enumerate(SEEDS)]
+    return [(cli_json, cli_args(PROMPTS[0][1], "pld", None, seed)) for seed in (SEEDS[0], 99)]
 
 
 @pytest.mark.parametrize("drafter,tree_budget", CASES)
-def test_seeded_sampling_matches_keyed_hf(hf_oracle, smollm2, cli_loads_model_once, capsys, drafter, tree_budget):
-    from oracle import PROMPTS
-
+def test_seeded_sampling_matches_keyed_hf(hf_oracle, core_workers, drafter, tree_budget):
     ties, drafted = [], 0
     for i, seed in enumerate(SEEDS):
-        out = cli_sampled(capsys, PROMPTS[i][1], drafter, tree_budget, seed)
+        out = core_workers.submit_once(cli_json, cli_args(PROMPTS[i][1], drafter, tree_budget, seed)).result()
         drafted += out["draft_tokens"]
         tie = keyed_near_tie_or_equal(hf_oracle, i, params(seed), out["token_ids"], drafter)
         if tie:
@@ -57,9 +60,7 @@ def test_seeded_sampling_matches_keyed_hf(hf_oracle, smollm2, cli_loads_model_on
         warnings.warn(f"{drafter}: differs from keyed HF only at near-ties: " + "; ".join(ties))
 
 
-def test_another_seed_gives_other_tokens(hf_oracle, smollm2, cli_loads_model_once, capsys):
-    from oracle import PROMPTS
-
-    a = cli_sampled(capsys, PROMPTS[0][1], "pld", None, SEEDS[0])["token_ids"]
-    b = cli_sampled(capsys, PROMPTS[0][1], "pld", None, 99)["token_ids"]
-    assert a != b
+def test_another_seed_gives_other_tokens(core_workers):
+    a, b = (core_workers.submit_once(cli_json, cli_args(PROMPTS[0][1], "pld", None, seed)).result()
+            for seed in (SEEDS[0], 99))
+    assert a["token_ids"] != b["token_ids"]

@@ -11,12 +11,11 @@ whatever the number of rows beside it, checked first.
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
 from conftest import dev_prompts
+from core_workers import seed_shares
 from drafter_service.drafters import ModelDrafter
 from drafter_service.registry import make_drafter
 from speculative import loading
@@ -209,18 +208,38 @@ def test_batched_rows_score_as_they_would_alone(precision):
 SAMPLES = 3000
 
 
-@pytest.mark.parametrize("precision", ["bfloat16", "int4"])
-def test_speculative_sampling_keeps_a_low_precision_targets_distribution(precision):
-    """Seeded runs of a model drafter at temperature 1 against a low-precision tiny
-    target: the second and third tokens (the first a draft covers) follow the target's
-    own joint distribution in that precision (chi-square, as tests/test_sampling_distribution.py)."""
+def _sampled_counts(precision: str, seeds: range) -> tuple[torch.Tensor, int]:
+    """Seeded runs (in a worker process): counts of (token 1, token 2), runs that drafted."""
     target, drafter_model = tiny_in(precision, 0, 0.5), tiny_in(precision, 1, 0.5)
-    params = SamplingParams(temperature=1.0)
     counts, drafted = torch.zeros(TINY.vocab_size, TINY.vocab_size), 0
-    for seed in range(SAMPLES):
+    for seed in seeds:
         p = SamplingParams(max_tokens=4, temperature=1.0, seed=seed)
         result = generate(target, PROMPT, p, ModelDrafter(drafter_model, max_len=64), 2)
         counts[result.token_ids[1], result.token_ids[2]] += 1
         drafted += result.draft_tokens > 0
+    return counts, drafted
+
+
+def sampled_jobs(precision: str) -> list[tuple]:
+    """SAMPLES seeded runs, as calls for the worker processes: one share of the seeds each."""
+    return [(_sampled_counts, precision, seeds) for seeds in seed_shares(SAMPLES)]
+
+
+def background_jobs(item) -> list[tuple]:
+    """The calls this module's tests make of the worker processes."""
+    if item.originalname == "test_speculative_sampling_keeps_a_low_precision_targets_distribution":
+        return sampled_jobs(item.callspec.params["precision"])
+    return []
+
+
+@pytest.mark.parametrize("precision", ["bfloat16", "int4"])
+def test_speculative_sampling_keeps_a_low_precision_targets_distribution(core_workers, precision):
+    """Seeded runs of a model drafter at temperature 1 against a low-precision tiny
+    target: the second and third tokens (the first a draft covers) follow the target's
+    own joint distribution in that precision (chi-square, as tests/test_sampling_distribution.py).
+    The runs are split over the worker processes."""
+    parts = [core_workers.submit_once(*job) for job in sampled_jobs(precision)]
+    counts, drafted = map(sum, zip(*(part.result() for part in parts)))
     assert drafted > SAMPLES // 2
-    assert chi_square_p(counts, exact_drafted_joint(target, params)) > 1e-3
+    target = tiny_in(precision, 0, 0.5)
+    assert chi_square_p(counts, exact_drafted_joint(target, SamplingParams(temperature=1.0))) > 1e-3

@@ -19,14 +19,12 @@ with keyed tokens the distribution tests would not see a restarted stream.
 from __future__ import annotations
 
 import itertools
-import multiprocessing
-import os
-from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 import torch
 from scipy.stats import chisquare
 
+from core_workers import seed_shares
 from drafter_service.pool import DrafterPool
 from loopback import loopback
 from router.coordinator import Job
@@ -41,7 +39,6 @@ PROMPT = [1, 2, 3, 1, 2]
 RUNS = 1_500
 ALPHA = 1e-3
 PARAMS = SamplingParams(temperature=1.0)
-WORKERS = min(2, os.cpu_count() or 1)
 
 
 class ForgetfulEngine(VerifierEngine):
@@ -67,14 +64,6 @@ class ForgetfulPool(DrafterPool):
 def target():
     torch.set_num_threads(1)
     return tiny_model(seed=0, logit_scale=0.5)
-
-
-@pytest.fixture(scope="module")
-def workers():
-    """Processes the runs are split over (each run is one-threaded, tiny and Python-bound).
-    Spawned, so that no torch thread pool or gRPC state is forked."""
-    with ProcessPoolExecutor(WORKERS, mp_context=multiprocessing.get_context("spawn")) as pool:
-        yield pool
 
 
 def exact_pair(target, i: int, j: int) -> torch.Tensor:
@@ -123,12 +112,31 @@ def _sampled_pairs_part(forgetful: str, drafter: str, draft_length: int, i: int,
     return counts
 
 
-def sampled_pairs(workers: ProcessPoolExecutor, forgetful: str, drafter: str, draft_length: int, i: int, j: int,
-                  verifier_drafting: bool = False) -> torch.Tensor:
-    """RUNS seeded requests, split over the worker processes (each seed is a request of its own)."""
-    parts = [workers.submit(_sampled_pairs_part, forgetful, drafter, draft_length, i, j, verifier_drafting,
-                            range(w, RUNS, WORKERS)) for w in range(WORKERS)]
-    return sum(part.result() for part in parts)
+def sampled_jobs(forgetful: str, drafter: str, draft_length: int, i: int, j: int,
+                 verifier_drafting: bool = False) -> list[tuple]:
+    """RUNS seeded requests (each seed is a request of its own), as calls for the worker
+    processes: one share of the seeds each."""
+    return [(_sampled_pairs_part, forgetful, drafter, draft_length, i, j, verifier_drafting, seeds)
+            for seeds in seed_shares(RUNS)]
+
+
+# each test's runs: (forgetful, drafter, draft length, i, j); the verifier's test adds verifier_drafting
+VERIFIER_RUNS = ("verifier", "none", 0, 0, 1)
+DRAFTER_RUNS = ("drafter", "layerskip", 1, 1, 3)
+
+
+def background_jobs(item) -> list[tuple]:
+    """The calls this module's tests make of the worker processes."""
+    if item.originalname == "test_verifier_prefilled_again_every_round_keeps_the_distribution":
+        return sampled_jobs(*VERIFIER_RUNS, item.callspec.params["verifier_drafting"])
+    if item.originalname == "test_drafter_prefilled_again_every_round_keeps_the_distribution":
+        return sampled_jobs(*DRAFTER_RUNS)
+    return []
+
+
+def sampled_pairs(workers, *runs) -> torch.Tensor:
+    """The counts of `sampled_jobs(*runs)`, split over the worker processes."""
+    return sum(part.result() for part in [workers.submit_once(*job) for job in sampled_jobs(*runs)])
 
 
 def assert_matches(counts: torch.Tensor, exact: torch.Tensor) -> None:
@@ -141,17 +149,17 @@ def assert_matches(counts: torch.Tensor, exact: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("verifier_drafting", [False, True], ids=["verify-calls", "decode-call"])
-def test_verifier_prefilled_again_every_round_keeps_the_distribution(target, workers, verifier_drafting):
+def test_verifier_prefilled_again_every_round_keeps_the_distribution(target, core_workers, verifier_drafting):
     # plain decoding: token 0 comes from the first prefill, token 1 from the second (a Decode
     # call finds the request gone, and the router prefills it again)
-    counts = sampled_pairs(workers, "verifier", "none", 0, 0, 1, verifier_drafting)
+    counts = sampled_pairs(core_workers, *VERIFIER_RUNS, verifier_drafting)
     assert_matches(counts, exact_pair(target, 0, 1))
 
 
-def test_drafter_prefilled_again_every_round_keeps_the_distribution(target, workers):
+def test_drafter_prefilled_again_every_round_keeps_the_distribution(target, core_workers):
     # the drafter is the target itself, so its one-token drafts are always accepted:
     # token 1 is the first pool's draw, token 3 the second pool's (tokens 2 and 4 are the verifier's)
-    counts = sampled_pairs(workers, "drafter", "layerskip", 1, 1, 3)
+    counts = sampled_pairs(core_workers, *DRAFTER_RUNS)
     assert_matches(counts, exact_pair(target, 1, 3))
 
 

@@ -14,9 +14,6 @@ by seed and position, whose output does not depend on the drafts at all).
 
 from __future__ import annotations
 
-import multiprocessing
-import os
-from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 import torch
@@ -25,6 +22,7 @@ from scipy.stats import chisquare
 import speculative.batching as batching
 import speculative.decoding as decoding
 import speculative.sampling as sampling
+from core_workers import seed_shares
 from drafter_service.drafters import (ModelDrafter, MultiSampleDrafter, PromptLookupDrafter, RecyclingDrafter,
                                       SuffixDrafter)
 from speculative.model import attention_mask, causal_ancestors
@@ -36,7 +34,6 @@ from tiny import TINY, tiny_model
 PROMPT = [1, 2, 3, 1, 2]  # repeats, so prompt lookup has something to propose
 SAMPLES = 8_000
 ALPHA = 1e-3
-WORKERS = min(2, os.cpu_count() or 1)
 
 
 @pytest.fixture(scope="module")
@@ -48,14 +45,6 @@ def target():
 @pytest.fixture(scope="module")
 def draft_model():
     return tiny_model(seed=1, logit_scale=0.5)
-
-
-@pytest.fixture(scope="module")
-def workers():
-    """Processes the seeded runs are split over: every core does sampling runs (each run is
-    one-threaded, tiny and Python-bound). Spawned, so that no torch thread pool is forked."""
-    with ProcessPoolExecutor(WORKERS, mp_context=multiprocessing.get_context("spawn")) as pool:
-        yield pool
 
 
 def _next_probs(target, seq: list[int], params: SamplingParams) -> torch.Tensor:
@@ -146,13 +135,19 @@ def _sampled_counts(case: str, seeds: range, pipelined: bool = False, first: int
     return counts, drafted, reused
 
 
-def sampled_joint(workers: ProcessPoolExecutor, case: str, pipelined: bool = False, first: int = 1,
-                  biased_token: int | None = None, keyed: bool = False) -> torch.Tensor:
-    """SAMPLES runs of CASES[case], split over the worker processes (the runs are
-    independent: each draws from its own seed). A drafter that learns across runs (the
-    suffix index, the recycling table) learns in each worker from that worker's runs."""
-    shares = [range(i, SAMPLES, WORKERS) for i in range(WORKERS)]
-    parts = [workers.submit(_sampled_counts, case, seeds, pipelined, first, biased_token, keyed) for seeds in shares]
+def sampled_jobs(case: str, pipelined: bool = False, first: int = 1, biased_token: int | None = None,
+                 keyed: bool = False) -> list[tuple]:
+    """SAMPLES runs of CASES[case] (each draws from its own seed), as calls for the worker
+    processes: one share of the seeds each."""
+    return [(_sampled_counts, case, seeds, pipelined, first, biased_token, keyed) for seeds in seed_shares(SAMPLES)]
+
+
+def sampled_joint(workers, case: str, pipelined: bool = False, first: int = 1, biased_token: int | None = None,
+                  keyed: bool = False) -> torch.Tensor:
+    """The counts of `sampled_jobs`' runs, split over the worker processes. A drafter that
+    learns across runs (the suffix index, the recycling table) learns in each worker from
+    that worker's runs."""
+    parts = [workers.submit_once(*job) for job in sampled_jobs(case, pipelined, first, biased_token, keyed)]
     counts, drafted, reused = torch.zeros(TINY.vocab_size, TINY.vocab_size), 0, 0
     for part in parts:
         c, d, r = part.result()
@@ -199,42 +194,58 @@ CASES = {
 }
 
 
+def background_jobs(item) -> list[tuple]:
+    """The calls this module's distribution tests make of the worker processes."""
+    params = item.callspec.params if hasattr(item, "callspec") else {}
+    return {
+        "test_speculative_sampling_matches_target_distribution": lambda: sampled_jobs(params.get("case")),
+        "test_pipelined_sampling_matches_target_distribution": lambda: sampled_jobs("chain", pipelined=True, first=3),
+        "test_keyed_sampling_matches_target_distribution": lambda: sampled_jobs("chain_topk_topp", keyed=True),
+        "test_biased_verifier_is_caught": lambda: sampled_jobs("chain", biased_token=most_likely_second_token(),
+                                                               keyed=params.get("keyed")),
+    }.get(item.originalname, list)()
+
+
 @pytest.mark.parametrize("case", [case for case in CASES if case != "chain"])
-def test_speculative_sampling_matches_target_distribution(target, workers, case):
+def test_speculative_sampling_matches_target_distribution(target, core_workers, case):
     _, params, _ = CASES[case]
     expected = exact_drafted_joint(target, params)
-    counts = sampled_joint(workers, case)
+    counts = sampled_joint(core_workers, case)
     pvalue = chi_square_p(counts, expected)
     assert pvalue > ALPHA, f"{case}: sampled distribution differs from the target's (p={pvalue:.2e})"
 
 
-def test_pipelined_sampling_matches_target_distribution(target, workers):
+def test_pipelined_sampling_matches_target_distribution(target, core_workers):
     """Pipelined (post-verify): a 2-token draft, and a 2-token draft of the round after
     drafted ahead of the verdict; when the verdict keeps it, its second token covers token 4.
     Tokens 3 (the bonus that decides the reuse) and 4 are tested; sampled_joint checks that
     enough runs reused a draft made ahead."""
     expected = exact_pair(target, CASES["chain"][1], first=3)
-    counts = sampled_joint(workers, "chain", pipelined=True, first=3)
+    counts = sampled_joint(core_workers, "chain", pipelined=True, first=3)
     pvalue = chi_square_p(counts, expected)
     assert pvalue > ALPHA, f"pipelined: sampled distribution differs from the target's (p={pvalue:.2e})"
 
 
-def test_keyed_sampling_matches_target_distribution(target, workers):
+def test_keyed_sampling_matches_target_distribution(target, core_workers):
     """Seeded requests: over seeds, the keyed choices follow the target's distribution."""
     expected = exact_drafted_joint(target, CASES["chain_topk_topp"][1])
-    counts = sampled_joint(workers, "chain_topk_topp", keyed=True)
+    counts = sampled_joint(core_workers, "chain_topk_topp", keyed=True)
     pvalue = chi_square_p(counts, expected)
     assert pvalue > ALPHA, f"keyed: sampled distribution differs from the target's (p={pvalue:.2e})"
 
 
+def most_likely_second_token() -> int:
+    """The target's most likely second token after PROMPT (the biased verifier's)."""
+    return int(exact_drafted_joint(tiny_model(seed=0, logit_scale=0.5), CASES["chain"][1]).sum(1).argmax())
+
+
 @pytest.mark.parametrize("keyed", [False, True], ids=["rejection", "keyed"])
-def test_biased_verifier_is_caught(target, workers, keyed):
+def test_biased_verifier_is_caught(target, core_workers, keyed):
     """A verifier that works against the target distribution with its most likely
     second token made 20% more likely: the same statistics must reject it, or the
     tests above prove nothing."""
     expected = exact_drafted_joint(target, CASES["chain"][1])
-    token = int(expected.sum(1).argmax())
-    counts = sampled_joint(workers, "chain", biased_token=token, keyed=keyed)
+    counts = sampled_joint(core_workers, "chain", biased_token=most_likely_second_token(), keyed=keyed)
     pvalue = chi_square_p(counts, expected)
     assert pvalue < ALPHA, f"biased verifier not detected (p={pvalue:.3g})"
     print(f"biased verifier: p={pvalue:.3g}")
