@@ -34,7 +34,8 @@ def seed_shares(n: int) -> list[range]:
 
 def _start_worker(started) -> None:
     """Lowest priority, pinned to the next core, one torch thread; models loaded once (cli_json)."""
-    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"  # transformers' too: a worker's output is not captured
+    # no progress bars (transformers' own, and the raw tqdm of its GGUF loading): a worker's output is not captured
+    os.environ.update(HF_HUB_DISABLE_PROGRESS_BARS="1", TQDM_DISABLE="1")
     import torch
 
     from cluster.local import LocalEngine, pin_threads
