@@ -14,7 +14,6 @@ by seed and position, whose output does not depend on the drafts at all).
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 from scipy.stats import chisquare
