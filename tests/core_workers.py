@@ -99,6 +99,12 @@ class Workers:
         """`fn(*args)` in a worker, next; the same future for the same call (its arguments hashable)."""
         return self._queue(self._now, fn, args)
 
+    def results(self, calls: list[tuple]) -> list:
+        """Each call's `fn(*args)` result, in order: all are queued (as `submit_once`) before
+        this waits, so they run side by side."""
+        futures = [self.submit_once(*call) for call in calls]
+        return [future.result() for future in futures]
+
     def submit_ahead(self, fn, *args) -> None:
         """`fn(*args)` in a worker once the calls queued before it are handed out."""
         self._queue(self._ahead, fn, args)

@@ -409,11 +409,7 @@ def first_two_sampled(workers, params) -> torch.Tensor:
     """Counts of the first two tokens after PROMPT over SAMPLES runs: one round of fused
     drafting verified by `verify_batch` (the target's next token after a lone bonus), split
     over the worker processes."""
-    parts = [workers.submit_once(*job) for job in fused_jobs(params)]
-    counts, drafted = torch.zeros(TINY.vocab_size, TINY.vocab_size), 0
-    for part in parts:
-        c, d = part.result()
-        counts, drafted = counts + c, drafted + d
+    counts, drafted = map(sum, zip(*workers.results(fused_jobs(params))))
     assert drafted > 3 * SAMPLES, "the fused trees were mostly empty: nothing was tested"
     return counts
 

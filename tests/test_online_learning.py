@@ -161,8 +161,7 @@ def test_swap_between_rounds_keeps_sampling_distribution(core_workers):
     """Sampling with a drafter swapped for another between the first and second rounds still
     gives the target's distribution of the tokens those rounds cover (chi-square). The runs
     are split over the worker processes."""
-    parts = [core_workers.submit_once(*job) for job in swapped_jobs()]
-    counts, swaps, drafted = map(sum, zip(*(part.result() for part in parts)))
+    counts, swaps, drafted = map(sum, zip(*core_workers.results(swapped_jobs())))
     assert swaps >= SWAP_SAMPLES * 0.9 and drafted == SWAP_SAMPLES
     target = tiny_model(seed=0, logit_scale=0.5)
     assert chi_square_p(counts, exact_pair(target, SamplingParams(temperature=1.0), first=2)) > 1e-3

@@ -54,8 +54,8 @@ def background_jobs(item) -> list[tuple]:
 @pytest.mark.parametrize("drafter", DRAFTER_NAMES)
 def test_greedy_matches_hf_generate(hf_oracle, core_workers, drafter):
     ties = []
-    for i, run in enumerate(runs(drafter)):
-        tie = near_tie_or_equal(hf_oracle, i, core_workers.submit_once(*run).result()["token_ids"], drafter)
+    for i, out in enumerate(core_workers.results(runs(drafter))):
+        tie = near_tie_or_equal(hf_oracle, i, out["token_ids"], drafter)
         if tie:
             ties.append(tie)
     if ties:
@@ -65,8 +65,7 @@ def test_greedy_matches_hf_generate(hf_oracle, core_workers, drafter):
 @pytest.mark.parametrize("drafter,tree_budget", TREE_CASES)
 def test_greedy_token_trees_match_hf_generate(hf_oracle, core_workers, drafter, tree_budget):
     ties, drafted = [], 0
-    for i, run in enumerate(runs(drafter, tree_budget)):
-        out = core_workers.submit_once(*run).result()
+    for i, out in enumerate(core_workers.results(runs(drafter, tree_budget))):
         drafted = max(drafted, out["draft_tokens"] / max(out["target_forward_passes"] - 1, 1))
         tie = near_tie_or_equal(hf_oracle, i, out["token_ids"], f"{drafter} tree {tree_budget}")
         if tie:

@@ -49,8 +49,9 @@ def background_jobs(item) -> list[tuple]:
 @pytest.mark.parametrize("drafter,tree_budget", CASES)
 def test_seeded_sampling_matches_keyed_hf(hf_oracle, core_workers, drafter, tree_budget):
     ties, drafted = [], 0
-    for i, seed in enumerate(SEEDS):
-        out = core_workers.submit_once(cli_json, cli_args(PROMPTS[i][1], drafter, tree_budget, seed)).result()
+    outs = core_workers.results([(cli_json, cli_args(PROMPTS[i][1], drafter, tree_budget, seed))
+                                 for i, seed in enumerate(SEEDS)])
+    for i, (seed, out) in enumerate(zip(SEEDS, outs)):
         drafted += out["draft_tokens"]
         tie = keyed_near_tie_or_equal(hf_oracle, i, params(seed), out["token_ids"], drafter)
         if tie:
@@ -61,6 +62,5 @@ def test_seeded_sampling_matches_keyed_hf(hf_oracle, core_workers, drafter, tree
 
 
 def test_another_seed_gives_other_tokens(core_workers):
-    a, b = (core_workers.submit_once(cli_json, cli_args(PROMPTS[0][1], "pld", None, seed)).result()
-            for seed in (SEEDS[0], 99))
+    a, b = core_workers.results([(cli_json, cli_args(PROMPTS[0][1], "pld", None, seed)) for seed in (SEEDS[0], 99)])
     assert a["token_ids"] != b["token_ids"]

@@ -238,8 +238,7 @@ def test_speculative_sampling_keeps_a_low_precision_targets_distribution(core_wo
     target: the second and third tokens (the first a draft covers) follow the target's
     own joint distribution in that precision (chi-square, as tests/test_sampling_distribution.py).
     The runs are split over the worker processes."""
-    parts = [core_workers.submit_once(*job) for job in sampled_jobs(precision)]
-    counts, drafted = map(sum, zip(*(part.result() for part in parts)))
+    counts, drafted = map(sum, zip(*core_workers.results(sampled_jobs(precision))))
     assert drafted > SAMPLES // 2
     target = tiny_in(precision, 0, 0.5)
     assert chi_square_p(counts, exact_drafted_joint(target, SamplingParams(temperature=1.0))) > 1e-3

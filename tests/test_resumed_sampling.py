@@ -136,7 +136,7 @@ def background_jobs(item) -> list[tuple]:
 
 def sampled_pairs(workers, *runs) -> torch.Tensor:
     """The counts of `sampled_jobs(*runs)`, split over the worker processes."""
-    return sum(part.result() for part in [workers.submit_once(*job) for job in sampled_jobs(*runs)])
+    return sum(workers.results(sampled_jobs(*runs)))
 
 
 def assert_matches(counts: torch.Tensor, exact: torch.Tensor) -> None:

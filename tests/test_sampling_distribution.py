@@ -146,11 +146,7 @@ def sampled_joint(workers, case: str, pipelined: bool = False, first: int = 1, b
     """The counts of `sampled_jobs`' runs, split over the worker processes. A drafter that
     learns across runs (the suffix index, the recycling table) learns in each worker from
     that worker's runs."""
-    parts = [workers.submit_once(*job) for job in sampled_jobs(case, pipelined, first, biased_token, keyed)]
-    counts, drafted, reused = torch.zeros(TINY.vocab_size, TINY.vocab_size), 0, 0
-    for part in parts:
-        c, d, r = part.result()
-        counts, drafted, reused = counts + c, drafted + d, reused + r
+    counts, drafted, reused = map(sum, zip(*workers.results(sampled_jobs(case, pipelined, first, biased_token, keyed))))
     # prompt lookup drafts only after a match; the others always do
     assert drafted >= SAMPLES // 5, f"only {drafted} of {SAMPLES} runs drafted: speculation was barely tested"
     if pipelined:
