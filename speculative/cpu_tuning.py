@@ -133,6 +133,8 @@ class PackedLinear(nn.Module):
         blas = self.one_row_blas if rows == 1 else self.short_rows_blas and rows < PAD_ROWS_TO
         if blas:
             return F.linear(x, self.weight, self.bias)
+        if rows <= _EXACT_ROWS:  # a pass of a few new tokens as it is: no reshaping, padding or slicing
+            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
         return self._packed(x)
 
     def _packed(self, x: torch.Tensor) -> torch.Tensor:

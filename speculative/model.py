@@ -160,9 +160,14 @@ class Attention(nn.Module):
         qk = qk * cos + torch.roll(qk, self.head_dim // 2, -1) * sin  # sin's first half negated
         q, k, v = qk[:, :self.n_heads], qk[:, self.n_heads:], heads[:, roped:]
         q = q.to(k_cache.dtype)  # attention runs in the cache's dtype (Transformer.attention_dtype)
-        for row, start in enumerate(starts):
-            k_cache[row, :, start:start + t] = k[row]
-            v_cache[row, :, start:start + t] = v[row]
+        if b == 1:  # one copy each: a token's pass is made of many small operators
+            start = starts[0]
+            k_cache[:1, :, start:start + t] = k
+            v_cache[:1, :, start:start + t] = v
+        else:
+            for row, start in enumerate(starts):
+                k_cache[row, :, start:start + t] = k[row]
+                v_cache[row, :, start:start + t] = v[row]
         span, gqa = mask.shape[-1], self.n_kv != self.n_heads
         if packing is not None and packing.wide:
             out = self._few_wide_rows(q, k_cache, v_cache, starts, mask, packing.wide)
