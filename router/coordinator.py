@@ -103,6 +103,9 @@ PROPOSE_ATTEMPTS = 3
 # pipelined rounds' verify calls: one in flight per request, with room to spare over the
 # requests a router serves at once (router.servicer.serve's threads)
 VERIFY_CALL_THREADS = 64
+# pools' prefills sent ahead: one per drafter of a request just starting; a prefill not
+# started when the request first drafts is sent then instead
+POOL_PREFILL_THREADS = 16
 
 # gRPC failures after which another replica (or no drafting) is the answer
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
@@ -204,6 +207,8 @@ class Job:
     namespace: str = DEFAULT_NAMESPACE  # the memory its drafters learn in (speculative.namespaces)
     # prompt lookup alone, or no drafter: the verifier may run the rounds itself (Decode)
     verifier_drafting: bool = False
+    # prefill the drafters' pools while the verifier prefills (pools with hardware of their own)
+    prefill_pools_ahead: bool = False
     # the request's key at the verifiers, pools and checkpoints: unique, whatever id clients send
     service_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
@@ -242,6 +247,8 @@ class Coordinator:
         self._calibrations_lock = threading.Lock()
         # pipelined rounds send their verify calls from here while their own thread drafts ahead
         self.calls = ThreadPoolExecutor(max_workers=VERIFY_CALL_THREADS, thread_name_prefix="verify-call")
+        # pools' prefills sent while the verifier prefills (`Job.prefill_pools_ahead`)
+        self.pool_prefills = ThreadPoolExecutor(max_workers=POOL_PREFILL_THREADS, thread_name_prefix="pool-prefill")
         self.row_line = RowLine(SERVICE_POLL_S)  # prefills waiting for a verifier row, in arrival order
 
     def learns_from_target(self, kind: str) -> bool:
@@ -352,6 +359,8 @@ class _Request:
     def prefill(self, context: list[int]) -> list[int]:
         """Prefill every verified token; the answer is the next token, exactly as a round
         would give it."""
+        if not self.verified and self.job.prefill_pools_ahead and not self.own_rounds:
+            self.drafting.prefill_ahead(context)
         with self.stats.span("prefill", self.rnd):
             prefilled = self.verifier.prefill(context, self.candidates)
         self.ready, self.load = None, max(1, self.verifier.active_requests)
@@ -766,6 +775,13 @@ class _Drafting:
                 except (grpc.RpcError, DeadlineExceeded):
                     pass  # best effort: the index misses one output
 
+    def prefill_ahead(self, context: list[int]) -> None:
+        """Prefill each drafter's pool with `context` from another thread, while the verifier
+        prefills it: a model drafter's prefill costs about what the verifier's does, and the
+        first drafted round would otherwise wait for the two one after the other."""
+        for side in self.sides:
+            side.prefill_ahead(context)
+
     def release(self) -> None:
         if self._threads is not None:
             self._threads.shutdown()  # wait: a drafter still connecting must not prefill after its release
@@ -788,6 +804,7 @@ class _DraftSide(_Side):
         self.disabled = drafter == "none"
         # the target's candidates since the last Propose: scored tokens, ids and probs (row-major)
         self.observed: tuple[list[int], list[int], list[float]] = ([], [], [])
+        self.prefilling: Future | None = None  # a prefill sent ahead (`prefill_ahead`)
 
     def observe(self, tokens: Sequence[int], ids: Sequence[int], probs: Sequence[float]) -> None:
         own_tokens, own_ids, own_probs = self.observed
@@ -798,6 +815,26 @@ class _DraftSide(_Side):
             k = len(own_ids) // len(own_tokens)
             cut = len(own_tokens) - MAX_OBSERVED
             self.observed = (own_tokens[cut:], own_ids[cut * k:], own_probs[cut * k:])
+
+    def prefill_ahead(self, context: list[int]) -> None:
+        """Prefill a pool with `context` from one of the coordinator's threads; the next
+        `propose` (or `release`) waits for it."""
+        if not self.disabled and self.stub is None and self.prefilling is None:
+            self.prefilling = self.coord.pool_prefills.submit(self._connect, list(context))
+
+    def _prefilled(self) -> None:
+        """Wait for the prefill sent ahead, if any; one not started yet is dropped (the caller
+        prefills now). Its error, if it failed, is raised as `_connect`'s own would be."""
+        pending, self.prefilling = self.prefilling, None
+        if pending is not None and not pending.cancel():
+            pending.result()
+
+    def release(self) -> None:
+        try:
+            self._prefilled()  # a pool still prefilling must not hold the request after its release
+        except (grpc.RpcError, DeadlineExceeded):
+            pass  # it holds nothing then
+        super().release()
 
     def _connect(self, context: list[int]) -> bool:
         """Prefill a pool with `context`; False when none is left."""
@@ -827,6 +864,7 @@ class _DraftSide(_Side):
         `context` (and past `speculative`, drafting ahead), or an empty one (plain decoding)
         if no drafter can help."""
         for _ in range(PROPOSE_ATTEMPTS):
+            self._prefilled()
             if self.disabled:
                 return pb.DraftTree()
             if self.stub is None and not self._connect(context):

@@ -156,7 +156,7 @@ class RouterServicer(pb_grpc.SpecserveServicer):
                    vocab_size=cfg.vocab_size, eos_token_ids=cfg.eos_token_ids, domain=domain,
                    deadline=call.deadline, is_cancelled=lambda: not call.is_active(), pipelined=pipelined,
                    speculation=speculation, stop_confidence=cfg.stop_confidence, namespace=namespace,
-                   verifier_drafting=cfg.verifier_drafting)
+                   verifier_drafting=cfg.verifier_drafting, prefill_pools_ahead=cfg.prefill_pools_ahead)
 
     def close(self) -> None:
         """Write every namespace's routing outcomes not yet in the state store."""

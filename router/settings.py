@@ -26,6 +26,11 @@ class RouterSettings(BaseModel):
     verifier_drafting: bool = Field(True, description="a request drafted by prompt lookup alone, or decoded "
                                                       "plainly, runs its rounds on the verifier (Decode): no hop "
                                                       "to a pool or back to the router a round")
+    prefill_pools_ahead: bool = Field(False, description="prefill a request's drafter pools while the verifier "
+                                                         "prefills it, not after it: for pools on cores, machines "
+                                                         "or GPUs of their own, where a model drafter's prefill "
+                                                         "otherwise delays the first drafted round by its whole "
+                                                         "time; on cores the verifier uses too, the two compete")
     adaptive: bool = Field(True, description="draft length per request (its acceptance) and per verifier "
                                              "load (goodput); off: always draft_length")
     stop_confidence: float = Field(0.3, ge=0, le=1, description="a model drafter ends its draft after a token "

@@ -36,17 +36,23 @@ TREE_BUDGET = 6  # two chains: a sampled model drafter draws a two-branch tree
 
 
 class SlowPool(DrafterPool):
-    """Drafting that takes `delay` seconds a call, as a real drafter network would;
-    it notes every prefill."""
-    delay = 0.0
+    """Drafting that takes `delay` seconds a call, and a prefill `prefill_delay`, as a real
+    drafter network's would; it notes every prefill, and when each began and ended."""
+    delay = prefill_delay = 0.0
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.prefilled: list[tuple[str, str, int]] = []  # (request, drafter, tokens)
+        self.prefill_times: dict[str, tuple[float, float]] = {}  # request -> (start, end), time.monotonic()
 
     def prefill(self, request_id, kind, token_ids, *args, **kwargs):
+        start = time.monotonic()
         self.prefilled.append((request_id, kind, len(token_ids)))
-        return super().prefill(request_id, kind, token_ids, *args, **kwargs)
+        time.sleep(self.prefill_delay)
+        try:
+            return super().prefill(request_id, kind, token_ids, *args, **kwargs)
+        finally:
+            self.prefill_times[request_id] = (start, time.monotonic())
 
     def propose(self, *args, **kwargs):
         time.sleep(self.delay)
@@ -55,12 +61,16 @@ class SlowPool(DrafterPool):
 
 class SlowEngine(VerifierEngine):
     """A target pass that takes `delay` seconds more, as a large target's would (the pass
-    time the verifier reports includes it)."""
-    delay = 0.0
+    time the verifier reports includes it), and a prefill `prefill_delay` more."""
+    delay = prefill_delay = 0.0
 
     def _pass(self, items):
         time.sleep(self.delay)
         return super()._pass(items)
+
+    def _prefill(self, work):
+        time.sleep(self.prefill_delay)
+        return super()._prefill(work)
 
 
 @pytest.fixture(scope="module")
@@ -161,6 +171,47 @@ def test_drafting_the_next_round_overlaps_verifying_this_one(target, services):
     assert not any(s.what == "ahead" for s in seq.trace)
     seq_idle = idle_fractions(seq)
     assert seq_idle["drafter"] + seq_idle["verifier"] >= 0.99 - 1e-3, seq_idle
+
+
+@pytest.mark.parametrize("pipelined", [False, True], ids=["sequential", "pipelined"])
+def test_pools_prefill_while_the_verifier_does_when_told(target, services, pipelined):
+    """Prefills of 200 ms on each side. With `prefill_pools_ahead` the pool's prefill runs
+    during the verifier's, and the output is the target's own; without, the pool is
+    prefilled only once the verifier's prefill has answered."""
+    coordinator, pool, engine = services
+    pool.prefill_delay = engine.prefill_delay = 0.2
+    params = SamplingParams(max_tokens=8)
+    try:
+        for ahead in (True, False):
+            rid = f"ahead-{pipelined}-{ahead}"
+            tokens, stats = served(coordinator, dataclasses.replace(
+                job(rid, PROMPTS[1], params, (("layerskip", 1.0),), pipelined=pipelined), prefill_pools_ahead=ahead))
+            assert tokens == generate(target, PROMPTS[1], params).token_ids
+            verifier = next(s for s in stats.trace if s.what == "prefill")
+            pool_start, pool_end = pool.prefill_times[rid]
+            if ahead:
+                assert pool_start < verifier.start + 0.1 and pool_end < verifier.end + 0.1, "the prefills did not overlap"
+            else:
+                assert pool_start >= verifier.end
+    finally:
+        pool.prefill_delay = engine.prefill_delay = 0.0
+    assert pool.active_requests() == 0 and engine.stats()["active_requests"] == 0
+
+
+def test_a_request_that_ends_before_its_pool_is_prefilled_leaves_nothing_there(target, services):
+    """One token: the request ends at the verifier's prefill, while the pool's prefill sent
+    ahead is still running; its release waits for that prefill and frees it."""
+    coordinator, pool, _ = services
+    pool.prefill_delay = 0.3
+    try:
+        tokens, _ = served(coordinator, dataclasses.replace(
+            job("one-ahead", PROMPTS[0], SamplingParams(max_tokens=1), (("layerskip", 1.0),), pipelined=False),
+            prefill_pools_ahead=True))
+    finally:
+        pool.prefill_delay = 0.0
+    assert tokens == generate(target, PROMPTS[0], SamplingParams(max_tokens=1)).token_ids
+    assert "one-ahead" in pool.prefill_times, "the pool was not prefilled ahead"
+    assert pool.active_requests() == 0
 
 
 def test_router_metrics_export_each_sides_idle_fraction(target, services):
