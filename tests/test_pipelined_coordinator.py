@@ -39,6 +39,7 @@ class SlowPool(DrafterPool):
     """Drafting that takes `delay` seconds a call, and a prefill `prefill_delay`, as a real
     drafter network's would; it notes every prefill, and when each began and ended."""
     delay = prefill_delay = 0.0
+    fail_prefill = False  # every prefill fails, as a pool that breaks would
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -49,6 +50,8 @@ class SlowPool(DrafterPool):
         start = time.monotonic()
         self.prefilled.append((request_id, kind, len(token_ids)))
         time.sleep(self.prefill_delay)
+        if self.fail_prefill:
+            raise RuntimeError("the pool broke")
         try:
             return super().prefill(request_id, kind, token_ids, *args, **kwargs)
         finally:
@@ -212,6 +215,20 @@ def test_a_request_that_ends_before_its_pool_is_prefilled_leaves_nothing_there(t
     assert tokens == generate(target, PROMPTS[0], SamplingParams(max_tokens=1)).token_ids
     assert "one-ahead" in pool.prefill_times, "the pool was not prefilled ahead"
     assert pool.active_requests() == 0
+
+
+def test_a_pool_that_fails_its_prefill_ahead_leaves_the_request_to_plain_decoding(target, services):
+    coordinator, pool, _ = services
+    params = SamplingParams(max_tokens=8)
+    pool.fail_prefill = True
+    try:
+        tokens, stats = served(coordinator, dataclasses.replace(
+            job("fail-ahead", PROMPTS[2], params, (("layerskip", 1.0),), pipelined=False), prefill_pools_ahead=True))
+    finally:
+        pool.fail_prefill = False
+    assert tokens == generate(target, PROMPTS[2], params).token_ids
+    assert [rid for rid, _, _ in pool.prefilled].count("fail-ahead") == 1, "the failed pool was tried again"
+    assert stats.draft_tokens == 0 and pool.active_requests() == 0
 
 
 def test_router_metrics_export_each_sides_idle_fraction(target, services):
