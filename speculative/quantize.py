@@ -37,7 +37,12 @@ LINEAR_PARTS = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")  # a layer's li
 KERNEL_DTYPE = torch.bfloat16
 INT4_GROUP = 32  # GGUF's block size, so a 4-bit GGUF's blocks need no regrouping
 _CPU_INNER_K_TILES = 2  # the CPU packer's tiling (any of 2, 4, 8 computes the same)
-_CUDA_INNER_K_TILES = 8
+
+
+def cuda_inner_k_tiles(in_features: int) -> int:
+    """The CUDA packer's tiling: the widest of 8, 4, 2 tiles of 16 inputs that divides the
+    row (the default model's 576 inputs take 4; any multiple of the group of 32 takes 2)."""
+    return next(t for t in (8, 4, 2) if in_features % (16 * t) == 0)
 
 
 class Int8Linear(nn.Module):
@@ -88,7 +93,7 @@ class Int4Linear(nn.Module):
         if self.on_cuda:  # the CUDA packer takes two 4-bit values a byte, the even one high
             q = q.to(torch.uint8)
             packed = torch.ops.aten._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]).contiguous(),
-                                                                _CUDA_INNER_K_TILES)
+                                                                cuda_inner_k_tiles(self.in_features))
         else:
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(),
                                                                         _CPU_INNER_K_TILES)

@@ -22,7 +22,8 @@ from speculative import loading
 from speculative.decoding import generate
 from speculative.gguf_blocks import cached_int4_blocks
 from speculative.model import attention_mask, causal_ancestors
-from speculative.quantize import LINEAR_PARTS, Int4Linear, Int8Linear, RowSlicedLinear, quantize
+from speculative.quantize import (LINEAR_PARTS, Int4Linear, Int8Linear, RowSlicedLinear, cuda_inner_k_tiles,
+                                  quantize)
 from speculative.sampling import SamplingParams
 from test_sampling_distribution import PROMPT, chi_square_p, exact_drafted_joint
 from tiny import TINY, tiny_model
@@ -72,6 +73,13 @@ def test_quantised_layers_compute_with_their_quantised_weights(mode):
     x = torch.randn(5, 64)
     with torch.inference_mode():
         assert torch.allclose(module(x), x @ w.t() + linear.bias, atol=1e-4)
+
+
+def test_cuda_int4_tiling_fits_every_row_width_of_whole_groups():
+    """The CUDA packer lays a row out in tiles of 16 inputs, 2, 4 or 8 at a time, which must
+    divide the row: the default model's 576-wide layers take 4, not the 8 gpt-fast uses."""
+    assert [cuda_inner_k_tiles(k) for k in (576, 1536, 960, 32, 4096)] == [4, 8, 4, 2, 8]
+    assert all(k % (16 * cuda_inner_k_tiles(k)) == 0 for k in range(32, 8192, 32))
 
 
 @pytest.fixture(scope="module")
