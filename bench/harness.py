@@ -85,9 +85,10 @@ def load_questions(path: str, limit_per_category: int) -> list[dict]:
 
 
 class HFRunner:
-    """Hugging Face transformers on the same GGUF/directory (float32 unless told): the baseline."""
+    """Hugging Face transformers on the same GGUF/directory (float32 unless told), on the
+    bench's device: the baseline."""
 
-    def __init__(self, source_path: Path, dtype: torch.dtype = torch.float32):
+    def __init__(self, source_path: Path, dtype: torch.dtype = torch.float32, device: str = "cpu"):
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
@@ -97,7 +98,7 @@ class HFRunner:
                 str(source_path.parent), gguf_file=source_path.name, dtype=dtype)
         else:
             self.model = AutoModelForCausalLM.from_pretrained(str(source_path), dtype=dtype)
-        self.model.eval()
+        self.model.to(device).eval()
 
     def run(self, ids: list[int], params: SamplingParams, mode: str) -> tuple[list[int], float]:
         extra = {"prompt_lookup_num_tokens": HF_PLD_TOKENS} if mode == "hf-pld" else {}
@@ -106,12 +107,13 @@ class HFRunner:
             extra.update(do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k)
         else:
             extra.update(do_sample=False)
-        x = torch.tensor([ids])
+        x = torch.tensor([ids], device=self.model.device)
         start = time.perf_counter()
         with torch.inference_mode():
             out = self.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=params.max_tokens,
                                       **extra)
-        return out[0, len(ids):].tolist(), time.perf_counter() - start
+        tokens = out[0, len(ids):].tolist()  # on a GPU, waits for the last token
+        return tokens, time.perf_counter() - start
 
 
 class ServedRunner:
@@ -199,17 +201,20 @@ def forward_ms(engine: LocalEngine, sizes=(1, 2, 4, 6, 8, 16, 32), prefix: int =
     from speculative.model import attention_mask, causal_ancestors
 
     m = engine.model
+    dev = m.device
     cache = m.new_cache(prefix + max(sizes) + PAD_ROWS_TO)
-    ids = torch.arange(prefix)[None] % m.config.vocab_size
-    m(ids, torch.arange(prefix)[None], cache, attention_mask(0, causal_ancestors(prefix)))
+    ids = torch.arange(prefix, device=dev)[None] % m.config.vocab_size
+    m(ids, torch.arange(prefix, device=dev)[None], cache, attention_mask(0, causal_ancestors(prefix, dev)))
     out = {}
     for t in sizes:
         times = []
         for _ in range(repeats):
             cache.rollback(prefix)
             start = time.perf_counter()
-            m(torch.zeros(1, t, dtype=torch.long), torch.arange(prefix, prefix + t)[None], cache,
-              attention_mask(prefix, causal_ancestors(t)))
+            positions = torch.arange(prefix, prefix + t, device=dev)[None]
+            logits = m(torch.zeros(1, t, dtype=torch.long, device=dev), positions, cache,
+                       attention_mask(prefix, causal_ancestors(t, dev)))
+            logits[0, -1, 0].item()  # on a GPU, waits for the pass
             times.append(time.perf_counter() - start)
         out[str(t)] = round(statistics.median(times) * 1000, 2)
     return out
@@ -259,8 +264,8 @@ def draft_token_ms(engine: LocalEngine, drafters: list[str], target_ms: float, p
     return out
 
 
-def load_seconds(model: str | None) -> dict[str, float]:
-    """Cold load (GGUF conversion into an empty cache) and cached load."""
+def load_seconds(model: str | None, device: str = "cpu") -> dict[str, float]:
+    """Cold load (GGUF conversion into an empty cache) and cached load, onto `device`."""
     from cluster.env import cpu_tuning_from_env
     from speculative import loading
 
@@ -268,14 +273,14 @@ def load_seconds(model: str | None) -> dict[str, float]:
     src = loading.resolve_source(model)
     if src.suffix != ".gguf":
         start = time.perf_counter()
-        loading.load(model, cpu_tuning=tuning)
+        loading.load(model, device, cpu_tuning=tuning)
         return {"cached": round(time.perf_counter() - start, 2)}
     with tempfile.TemporaryDirectory() as tmp:
         start = time.perf_counter()
-        loading.load(model, cache_dir=tmp, cpu_tuning=tuning)
+        loading.load(model, device, cache_dir=tmp, cpu_tuning=tuning)
         cold = time.perf_counter() - start
         start = time.perf_counter()
-        loading.load(model, cache_dir=tmp, cpu_tuning=tuning)
+        loading.load(model, device, cache_dir=tmp, cpu_tuning=tuning)
         cached = time.perf_counter() - start
     return {"cold": round(cold, 2), "cached": round(cached, 2)}
 
@@ -306,7 +311,7 @@ def run_bench(args) -> dict:
     engine = LocalEngine.load(args.model, args.device, args.dtype)
     # the hf-* modes stay float32 whatever --dtype: they are the judge of float32 and the
     # baseline the low-precision modes are measured against
-    hf = HFRunner(loading.resolve_source(args.model)) if HF_MODES & set(args.modes) else None
+    hf = HFRunner(loading.resolve_source(args.model), device=args.device) if HF_MODES & set(args.modes) else None
     # llama.cpp: the GGUF as it is, threads as many as torch's here (LocalEngine.load set them),
     # a context for the longest prompt, its answer and one more draft
     llama = LlamaCppRunner(
@@ -402,7 +407,7 @@ def run_bench(args) -> dict:
         report["llamacpp"] = llama.report(outputs, [q["bench_category"] for q in questions], args.dtype)
     if args.micro:
         report["forward_ms"] = forward_ms(engine)
-        report["load_seconds"] = load_seconds(args.model)
+        report["load_seconds"] = load_seconds(args.model, args.device)
         report["draft_token_ms"] = draft_token_ms(engine, [m for m in args.modes if m in MODEL_DRAFTERS],
                                                   report["forward_ms"]["1"], tokens=args.draft_length,
                                                   tree_nodes=getattr(args, "tree_budget", None))

@@ -19,8 +19,6 @@ from __future__ import annotations
 import threading
 from collections.abc import Mapping, Sequence
 
-import openai
-
 from specserve.client import Completion, SpecserveError, Usage
 
 
@@ -36,7 +34,17 @@ class HttpError(Exception):
 REQUEST_FAILED = (SpecserveError, HttpError)  # a request that failed, over gRPC or HTTP
 
 
-def _message(e: openai.OpenAIError) -> str:
+def _openai():
+    """The openai package, which only the HTTP modes need (a test extra, not a dependency)."""
+    try:
+        import openai
+    except ImportError as e:
+        raise ImportError("the bench's HTTP modes call the server with the openai package: "
+                          "pip install 'openai>=1.40'") from e
+    return openai
+
+
+def _message(e: Exception) -> str:
     body = getattr(e, "body", None)  # the server's {"error": {"message", ...}}, unwrapped by the client
     if isinstance(body, dict) and isinstance(body.get("message"), str):
         return body["message"]
@@ -51,6 +59,7 @@ class HttpClient:
     def __init__(self, url: str, timeout: float | None = None):
         self.url = url.rstrip("/")
         base = self.url if self.url.endswith("/v1") else self.url + "/v1"
+        self._openai = openai = _openai()
         self._client = openai.OpenAI(base_url=base, api_key="none", timeout=timeout, max_retries=0)
         self._model: str | None = None
         self._lock = threading.Lock()
@@ -61,7 +70,7 @@ class HttpClient:
             if self._model is None:
                 try:
                     listed = self._client.models.list().data
-                except openai.OpenAIError as e:
+                except self._openai.OpenAIError as e:
                     raise HttpError(getattr(e, "status_code", None), _message(e)) from e
                 if not listed:
                     raise HttpError(None, f"{self.url}/v1/models lists no model")
@@ -71,7 +80,7 @@ class HttpClient:
     def generate(self, *, messages: Sequence[Mapping[str, str]], max_tokens: int = 128, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, seed: int | None = None, drafter: str = "",
                  namespace: str = "") -> Completion:
-        model = self.model()
+        model, openai = self.model(), self._openai
         try:
             r = self._client.chat.completions.create(
                 model=model, messages=[dict(m) for m in messages], max_tokens=max_tokens, temperature=temperature,

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -44,6 +46,18 @@ def test_bench_reports_every_category_and_mode(tmp_path, capsys):
     assert "overall" in capsys.readouterr().out
     png = out.with_suffix(".png").read_bytes()  # the speedup chart
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 5000
+
+
+def test_bench_runs_without_the_openai_package():
+    """openai is a test extra: only the HTTP modes need it, and say so when it is missing."""
+    code = ("import sys; sys.modules['openai'] = None\n"
+            "import bench.harness\n"
+            "from bench.http_client import HttpClient\n"
+            "try:\n    HttpClient('http://127.0.0.1:1')\n"
+            "except ImportError as e:\n    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "pip install 'openai" in out.stdout
 
 
 def test_bench_rejects_unknown_modes(capsys):
