@@ -164,7 +164,8 @@ def quantize_int4(w: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tenso
 
 def quantize(model, mode: str, int4_blocks: dict[str, tuple] | None = None):
     """Make `model`'s linear layers weight-only `mode` ("int8" or "int4"), in place
-("bfloat16": slice a CPU bfloat16 model's passes to BF16_EXACT_ROWS rows, `RowSlicedLinear`).
+("bfloat16": slice a CPU bfloat16 model's passes to BF16_EXACT_ROWS rows, `RowSlicedLinear`,
+    and attend in float64 on any device).
 
     Every layer's q/k/v, o, gate/up and down become `mode`. The LM head becomes int8 in
     both modes and is untied from the embedding, which stays in the float dtype for
@@ -181,9 +182,9 @@ def quantize(model, mode: str, int4_blocks: dict[str, tuple] | None = None):
                     owner = layer.get_submodule(owner_name)
                     setattr(owner, attr, RowSlicedLinear(getattr(owner, attr)))
             model.lm_head = RowSlicedLinear(model.lm_head)
-            # bfloat16 attention over several queries rounds unlike one query on some CPUs
-            # (AVX2 without AVX-512): attend in float64, as the int modes do
-            model.attention_dtype = torch.float64
+        # bfloat16 attention over several queries rounds unlike one query, on CPUs without
+        # AVX-512 and on CUDA (scripts/gpu_check.py): attend in float64, as the int modes do
+        model.attention_dtype = torch.float64
         return model
     if mode not in MODES:
         raise ValueError(f"quantize: mode must be one of bfloat16, {', '.join(MODES)}, got {mode!r}")

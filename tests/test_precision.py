@@ -75,6 +75,17 @@ def test_quantised_layers_compute_with_their_quantised_weights(mode):
         assert torch.allclose(module(x), x @ w.t() + linear.bias, atol=1e-4)
 
 
+def test_bfloat16_attends_in_float64_off_the_cpu_too():
+    """A bfloat16 model elsewhere than on a CPU (meta stands in for a GPU here) keeps its
+    layers as they are but attends in float64: CUDA's bfloat16 attention rounds a query among
+    others unlike the query alone (scripts/gpu_check.py found speculative output leaving
+    plain decoding's)."""
+    model = quantize(tiny_model(0).to(device="meta", dtype=torch.bfloat16), "bfloat16")
+    assert model.attention_dtype == torch.float64
+    assert type(model.lm_head) is torch.nn.Linear
+    assert model.new_cache(8).k[0].dtype == torch.float64
+
+
 def test_cuda_int4_tiling_fits_every_row_width_of_whole_groups():
     """The CUDA packer lays a row out in tiles of 16 inputs, 2, 4 or 8 at a time, which must
     divide the row: the default model's 576-wide layers take 4, not the 8 gpt-fast uses."""
