@@ -115,6 +115,21 @@ class HFRunner:
         tokens = out[0, len(ids):].tolist()  # on a GPU, waits for the last token
         return tokens, time.perf_counter() - start
 
+    def top2_gap(self, ids: list[int], prefix: list[int]) -> float:
+        """The gap between HF's two highest next-token logits after `ids` + `prefix`."""
+        x = torch.tensor([list(ids) + list(prefix)], device=self.model.device)
+        with torch.inference_mode():
+            top = torch.topk(self.model(x).logits[0, -1].float(), 2).values
+        return float(top[0] - top[1])
+
+
+def departure(hf: HFRunner, ids: list[int], tokens: list[int], reference: list[int]) -> dict:
+    """Where greedy `tokens` first leave hf-ar's `reference`, and HF's top-two logit gap
+    there: a near-tie (a tiny gap) is where last-bit arithmetic may pick either token."""
+    pos = next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), min(len(tokens), len(reference)))
+    gap = hf.top2_gap(ids, reference[:pos]) if pos < len(reference) else None
+    return {"token": pos, "hf_top2_gap": gap}
+
 
 class ServedRunner:
     """A running specserve server, called like a client would: over gRPC (HOST:PORT),
@@ -324,6 +339,7 @@ def run_bench(args) -> dict:
     # and output agreement with hf-ar
     sums: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0, 0, 0, 0])
     same_as_hf: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    departures: dict[str, list[dict]] = defaultdict(list)  # mode: where its outputs leave hf-ar's
     per_request: dict[str, list[float]] = defaultdict(list)  # mode: seconds per question (median of repeats)
     outputs: dict[str, list[list[int]]] = defaultdict(list)  # mode: its tokens per question
     bar = tqdm(total=len(questions) * len(args.modes) * args.repeats, desc="bench", unit="gen")
@@ -360,6 +376,9 @@ def run_bench(args) -> dict:
             elif reference is not None and temperature == 0:  # sampled runs differ by design
                 same_as_hf[mode][0] += tokens == reference
                 same_as_hf[mode][1] += 1
+                if tokens != reference:  # untimed: where, and how close HF's own choice was there
+                    departures[mode].append({"question": qi, "category": q["bench_category"],
+                                             **departure(hf, ids, tokens, reference)})
             for cat in (q["bench_category"], "overall"):
                 s = sums[(mode, cat)]
                 s[0] += len(tokens)
@@ -398,6 +417,7 @@ def run_bench(args) -> dict:
         "draft_length": args.draft_length, "tree_budget": getattr(args, "tree_budget", None), "repeats": args.repeats, "torch_threads": torch.get_num_threads(),
         "temperature": temperature,
         "identical_to_hf_ar": {m: f"{a}/{n}" for m, (a, n) in same_as_hf.items()},
+        "departures_from_hf_ar": dict(departures),
         "identical_to_ar": identical_to_ar(outputs, args.dtype, temperature),
         "served_overhead_ms_per_round": overhead,
         "overhead_per_request": api_overhead(per_request),
@@ -448,10 +468,17 @@ def _table(report: dict) -> tuple[list[str], list[tuple[str, list[str]]]]:
     return modes, rows
 
 
+def _gap(gap: float | None) -> str:
+    return "HF ended" if gap is None else f"{gap:.1e}"
+
+
 def _footnotes(report: dict) -> list[str]:
     notes = []
     if report.get("identical_to_hf_ar"):
         notes.append("Outputs identical to hf-ar: " + ", ".join(f"{m} {v}" for m, v in report["identical_to_hf_ar"].items()))
+    for mode, where in (report.get("departures_from_hf_ar") or {}).items():
+        notes.append(f"Where {mode} leaves hf-ar (token, HF's top-two logit gap there): "
+                     + ", ".join(f"{d['category']} {d['token']} ({_gap(d['hf_top2_gap'])})" for d in where))
     if len(same := dict(report.get("identical_to_ar") or {})) > 1:
         dtype = same.pop("dtype")
         notes.append(f"Outputs identical to ar ({dtype}): " + ", ".join(f"{m} {v}" for m, v in same.items()))

@@ -37,6 +37,7 @@ def test_bench_reports_every_category_and_mode(tmp_path, capsys):
     assert rows[("hf-ar", "overall")]["speedup_vs_hf_ar"] == 1.0
     assert rows[("ar", "overall")]["mean_accepted_tokens"] == 1.0
     assert report["identical_to_hf_ar"] == {"ar": "6/6", "small-general": "6/6"}
+    assert report["departures_from_hf_ar"] == {}
     assert report["identical_to_ar"] == {"dtype": "float32", "small-general": "6/6"}
     assert rows[("ar", "overall")]["acceptance_rate"] is None  # nothing drafted
     assert 0 <= rows[("small-general", "overall")]["acceptance_rate"] <= 1  # a model drafter always drafts
@@ -184,3 +185,27 @@ def test_draft_token_cost_is_measured_against_a_target_forward(smollm2):
     cost = draft_token_ms(LocalEngine(*smollm2), ["small-general"], target_ms=40.0, repeats=3)
     assert 0 < cost["small-general"]["ms"] < 40.0
     assert abs(cost["small-general"]["ratio_to_target_forward"] - cost["small-general"]["ms"] / 40.0) < 2e-3
+
+
+def test_a_departure_from_hf_ar_names_the_token_and_hfs_margin_there(smollm2):
+    """Where an output leaves Hugging Face's, the bench says at which token and how far HF's
+    own top choice was ahead of its second there (a near-tie when tiny)."""
+    import torch
+
+    from bench.harness import HFRunner, departure
+    from speculative.loading import default_gguf_path
+    from speculative.sampling import SamplingParams
+
+    _, tokenizer = smollm2
+    hf = HFRunner(default_gguf_path())
+    ids = tokenizer.encode_chat([{"role": "user", "content": "Name three colours."}])
+    reference, _ = hf.run(ids, SamplingParams(max_tokens=8), "hf-ar")
+    swapped = reference[:3] + [reference[3] + 1] + reference[4:]
+    where = departure(hf, ids, swapped, reference)
+    with torch.inference_mode():
+        logits = hf.model(torch.tensor([ids + reference[:3]])).logits[0, -1]
+    assert where["token"] == 3 and int(logits.argmax()) == reference[3]
+    assert where["hf_top2_gap"] == pytest.approx(float(logits.max() - logits.topk(2).values[1]), abs=1e-5)
+    assert where["hf_top2_gap"] > 0
+    assert departure(hf, ids, reference[:5], reference)["token"] == 5  # ours stopped early: HF's margin there
+    assert departure(hf, ids, reference + [7], reference) == {"token": len(reference), "hf_top2_gap": None}
