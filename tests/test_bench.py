@@ -193,11 +193,11 @@ def test_a_departure_from_hf_ar_names_the_token_and_hfs_margin_there(smollm2):
     import torch
 
     from bench.harness import HFRunner, departure
-    from speculative.loading import default_gguf_path
+    from speculative.loading import converted_gguf_dir, default_gguf_path
     from speculative.sampling import SamplingParams
 
     _, tokenizer = smollm2
-    hf = HFRunner(default_gguf_path())
+    hf = HFRunner(converted_gguf_dir(default_gguf_path()))  # the GGUF's float32 weights, without converting them again
     ids = tokenizer.encode_chat([{"role": "user", "content": "Name three colours."}])
     reference, _ = hf.run(ids, SamplingParams(max_tokens=8), "hf-ar")
     swapped = reference[:3] + [reference[3] + 1] + reference[4:]
