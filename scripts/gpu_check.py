@@ -72,10 +72,11 @@ def kernels(device: str) -> dict:
                  "int8": (Int8Linear.quantized(linear(torch.float32), torch.bfloat16), torch.bfloat16)}
         if part != "lm_head":  # the head is int8 in both int modes
             q, scales, zeros = quantize_int4(w, 32)
-            kinds["int4"] = (Int4Linear(q.to(device), scales.to(device), zeros.to(device), torch.bfloat16), torch.bfloat16)
+            packed = Int4Linear(q.to(device), scales.to(device), zeros.to(device), torch.bfloat16)
+            kinds["int4"] = (packed, torch.bfloat16)
             if device != "cpu":  # the same 4-bit weights packed for the CPU and for the device
                 cpu = Int4Linear(q, scales, zeros, torch.bfloat16).dequantized()
-                dev = kinds["int4"][0].dequantized().cpu()
+                dev = packed.dequantized().cpu()
                 out[f"{part} int4 packing, max |device - cpu| weight"] = float((dev - cpu).abs().max())
         for kind, (layer, dtype) in kinds.items():
             worst = row_invariance(layer, fan_in, device, dtype or torch.bfloat16)
