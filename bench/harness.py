@@ -476,9 +476,12 @@ def _footnotes(report: dict) -> list[str]:
     notes = []
     if report.get("identical_to_hf_ar"):
         notes.append("Outputs identical to hf-ar: " + ", ".join(f"{m} {v}" for m, v in report["identical_to_hf_ar"].items()))
+    listed: dict[str, str] = {}  # a departures line: the mode it was first written for
     for mode, where in (report.get("departures_from_hf_ar") or {}).items():
+        line = ", ".join(f"{d['category']} {d['token']} ({_gap(d['hf_top2_gap'])})" for d in where)
         notes.append(f"Where {mode} leaves hf-ar (token, HF's top-two logit gap there): "
-                     + ", ".join(f"{d['category']} {d['token']} ({_gap(d['hf_top2_gap'])})" for d in where))
+                     + (f"as {listed[line]}" if line in listed else line))
+        listed.setdefault(line, mode)
     if len(same := dict(report.get("identical_to_ar") or {})) > 1:
         dtype = same.pop("dtype")
         notes.append(f"Outputs identical to ar ({dtype}): " + ", ".join(f"{m} {v}" for m, v in same.items()))

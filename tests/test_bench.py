@@ -209,3 +209,13 @@ def test_a_departure_from_hf_ar_names_the_token_and_hfs_margin_there(smollm2):
     assert where["hf_top2_gap"] > 0
     assert departure(hf, ids, reference[:5], reference)["token"] == 5  # ours stopped early: HF's margin there
     assert departure(hf, ids, reference + [7], reference) == {"token": len(reference), "hf_top2_gap": None}
+
+
+def test_departures_a_mode_shares_with_an_earlier_one_are_not_listed_twice():
+    from bench.harness import _footnotes
+
+    where = [{"question": 0, "category": "qa", "token": 7, "hf_top2_gap": 2e-5}]
+    notes = _footnotes({"departures_from_hf_ar": {"ar": where, "pld": where, "suffix": [{**where[0], "token": 9}]}})
+    assert notes == ["Where ar leaves hf-ar (token, HF's top-two logit gap there): qa 7 (2.0e-05)",
+                     "Where pld leaves hf-ar (token, HF's top-two logit gap there): as ar",
+                     "Where suffix leaves hf-ar (token, HF's top-two logit gap there): qa 9 (2.0e-05)"]
