@@ -99,6 +99,13 @@ def apply_cpu_tuning(model: Transformer, tuning: CpuTuning = CpuTuning()) -> boo
     return True
 
 
+def cpu_has_bfloat16() -> bool:
+    """Whether oneDNN computes bfloat16 on this CPU (it needs AVX-512). Without it,
+    bfloat16 matmuls of several rows are emulated, several times slower than float32's."""
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return True if check is None else bool(check())
+
+
 def tuning_of(model: Transformer) -> CpuTuning:
     """The tuning `model` was given (the default if none), for models that run beside it."""
     return getattr(model, "cpu_tuning", None) or CpuTuning()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -20,10 +21,12 @@ from pathlib import Path
 import torch
 
 from .config import ModelConfig
-from .cpu_tuning import CpuTuning, apply_cpu_tuning
+from .cpu_tuning import CpuTuning, apply_cpu_tuning, cpu_has_bfloat16
 from .model import Transformer
 from .quantize import MODES as WEIGHT_ONLY_MODES, quantize
 from .tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2"
 # precision name -> the float dtype of activations and the KV cache. int8 and int4 also
@@ -87,6 +90,10 @@ def load(source: str | os.PathLike | None = None, device: str = "cpu", dtype: st
 
         blocks = cached_int4_blocks(gguf_path, path) if dtype == "int4" and gguf_path.suffix == ".gguf" else None
         quantize(model, dtype, blocks)
+    if dtype == "bfloat16" and model.device.type == "cpu" and not cpu_has_bfloat16():
+        log.warning("--dtype bfloat16: oneDNN has no bfloat16 kernels for this CPU (it needs AVX-512), so "
+                    "prompts and verification passes run several times slower than in float32; "
+                    "float32 or int4 is faster here")
     apply_cpu_tuning(model, cpu_tuning)
     return model, Tokenizer(path)
 

@@ -86,6 +86,15 @@ def test_bfloat16_attends_in_float64_off_the_cpu_too():
     assert model.new_cache(8).k[0].dtype == torch.float64
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_bfloat16_on_a_cpu_without_bfloat16_kernels_says_it_will_be_slow(smollm2, monkeypatch, caplog, native):
+    monkeypatch.setattr(loading, "cpu_has_bfloat16", lambda: native)
+    with caplog.at_level("WARNING", logger="speculative.loading"):
+        loading.load(dtype="bfloat16")
+    warned = [r.getMessage() for r in caplog.records if "bfloat16" in r.getMessage()]
+    assert (warned == []) if native else ("float32 or int4 is faster here" in warned[0])
+
+
 def test_cuda_int4_tiling_fits_every_row_width_of_whole_groups():
     """The CUDA packer lays a row out in tiles of 16 inputs, 2, 4 or 8 at a time, which must
     divide the row: the default model's 576-wide layers take 4, not the 8 gpt-fast uses."""
