@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from bench.harness import HFRunner, departure
 from drafter_service.registry import make_drafter
 from speculative.decoding import generate
 from speculative.loading import load, load_hf_dir, parse_dtype
@@ -42,11 +43,6 @@ NEAR_TIE = 1e-3
 # (label, sampling, tree budget, pipelined): each drafter's runs of each prompt
 VARIANTS = (("greedy", "greedy", None, False), ("greedy tree 12", "greedy", 12, False),
             ("greedy pipelined", "greedy", None, True), ("seeded", "seeded", None, False))
-
-
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 def row_invariance(layer: nn.Module, in_features: int, device: str, dtype: torch.dtype) -> dict:
@@ -109,30 +105,22 @@ def prompts(tokenizer, n: int, tiny: bool, questions: Path) -> list[tuple[str, l
     return out[:n]
 
 
-def hf_greedy(path: Path, gguf: Path | None, device: str, ids: list[int], max_tokens: int):
-    from transformers import AutoModelForCausalLM
-
-    global _hf
-    if "_hf" not in globals():
-        kw = dict(gguf_file=gguf.name) if gguf else {}
-        _hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent if gguf else path), dtype=torch.float32,
-                                                   **kw).to(device).eval()
-    x = torch.tensor([ids], device=device)
-    with torch.inference_mode():
-        out = _hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_tokens, do_sample=False,
-                           return_dict_in_generate=True, output_logits=True)
-    return out.sequences[0, len(ids):].tolist(), torch.stack(out.logits)[:, 0].float().cpu()
-
-
-def compare(got: list[int], want: list[int], logits: torch.Tensor | None = None) -> dict:
+def compare(got: list[int], want: list[int]) -> dict:
     if got == want:
         return {"equal": True}
     pos = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
-    row = {"equal": False, "first_difference": pos, "lengths": [len(got), len(want)]}
-    if logits is not None and pos < len(logits):
-        top2 = torch.topk(logits[pos], 2).values
-        row["hf_top2_gap"] = float(top2[0] - top2[1])
-        row["near_tie"] = row["hf_top2_gap"] <= NEAR_TIE
+    return {"equal": False, "first_difference": pos, "lengths": [len(got), len(want)]}
+
+
+def against_hf(hf: HFRunner, ids: list[int], got: list[int], max_tokens: int) -> dict:
+    """Plain decoding's greedy tokens against HF's on the same device; where they part, HF's
+    top-two logit gap there (a near-tie allows it, as tests/oracle.py)."""
+    want, _ = hf.run(ids, SamplingParams(max_tokens=max_tokens), "hf-ar")
+    got = got[:len(want)]  # HF stops at its config's end token, which a random model's run does not
+    if got == want:
+        return {"equal": True}
+    row = {"equal": False, **departure(hf, ids, got, want)}
+    row["near_tie"] = row["hf_top2_gap"] is not None and row["hf_top2_gap"] <= NEAR_TIE
     return row
 
 
@@ -140,8 +128,7 @@ def models(args, source: Path | None, tiny: bool, report: dict) -> None:
     """Fills report["models"], written out and summarised after each precision."""
     from speculative.loading import resolve_source
 
-    gguf = None if tiny else resolve_source(args.model)
-    gguf = gguf if gguf is not None and gguf.suffix == ".gguf" else None
+    hf = None  # Hugging Face on the device, loaded for the first float32 prompt
     out = report["models"] = {}
     for precision in args.dtypes:
         res = out[precision] = {}
@@ -166,11 +153,12 @@ def models(args, source: Path | None, tiny: bool, report: dict) -> None:
             for mode, params in (("greedy", greedy), ("seeded", seeded)):
                 r = generate(model, ids, params, None, eos_token_ids=eos)
                 plain[mode] = r.token_ids
-            res.setdefault("ar tokens/s", []).append(len(plain["greedy"]) / r.seconds)
+                if mode == "greedy":
+                    res.setdefault("ar tokens/s", []).append(len(r.token_ids) / r.seconds)
             if precision == "float32":
                 try:
-                    want, logits = hf_greedy(source, gguf, args.device, ids, args.max_tokens)
-                    res.setdefault("ar vs hf", {})[label] = compare(plain["greedy"][:len(want)], want, logits)
+                    hf = hf or HFRunner(source if tiny else resolve_source(args.model), device=args.device)
+                    res.setdefault("ar vs hf", {})[label] = against_hf(hf, ids, plain["greedy"], args.max_tokens)
                 except Exception:
                     res["hf_error"] = traceback.format_exc(limit=4)
             for name in args.drafters:
