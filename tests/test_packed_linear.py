@@ -163,43 +163,11 @@ def test_a_tuned_model_is_freed_when_dropped():
         gc.enable()
 
 
-def test_a_packed_layer_runs_few_shapes_and_gives_every_row_its_result(monkeypatch):
-    """oneDNN keeps a primitive (with scratch memory) per shape: every row count from 1 to
-    well past a chunk must reach it as one of a few shapes, and still give nn.Linear's rows."""
+@pytest.fixture
+def onednn_shapes(monkeypatch) -> list[tuple[int, ...]]:
+    """The input shapes oneDNN's packed linear is called with, in order."""
     if not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
         pytest.skip("this torch has no oneDNN packed linear")
-    torch.manual_seed(0)
-    linear = torch.nn.Linear(24, 40)
-    layer = PackedLinear(linear)
-    seen = set()
-    real = torch.ops.mkldnn._linear_pointwise
-
-    def spy(x, *args):
-        seen.add(tuple(x.shape))
-        return real(x, *args)
-
-    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", spy)
-    with torch.inference_mode():
-        for n in range(1, 3 * cpu_tuning.PACKED_CHUNK_ROWS + 40):
-            x = torch.randn(1, n, 24)
-            got = layer._packed(x)
-            assert got.shape == (1, n, 40)
-            if n % 37 == 0 or n in (cpu_tuning.PACKED_CHUNK_ROWS, cpu_tuning.PACKED_CHUNK_ROWS + 1):
-                torch.testing.assert_close(got, linear(x), rtol=1e-5, atol=1e-5)
-    assert all(rows <= cpu_tuning.PACKED_CHUNK_ROWS for rows, _ in seen)
-    assert len(seen) <= 80, f"{len(seen)} shapes reached oneDNN"
-    assert all(cpu_tuning.packed_rows(n) - n <= n / 16 for n in range(1, cpu_tuning.PACKED_CHUNK_ROWS + 1))
-
-
-def test_a_pass_of_a_few_tokens_reaches_onednn_as_it_is_and_gives_every_row_its_result(monkeypatch):
-    """Up to 16 rows in all (a verification pass, batched or not) skip the reshape, padding and
-    slice of longer passes: oneDNN gets the input as it is, at most 16 rows of it."""
-    if not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
-        pytest.skip("this torch has no oneDNN packed linear")
-    torch.manual_seed(0)
-    linear = torch.nn.Linear(24, 40)
-    layer = PackedLinear(linear)
-    layer.one_row_blas = layer.short_rows_blas = False  # every row count through the packed path
     seen = []
     real = torch.ops.mkldnn._linear_pointwise
 
@@ -208,9 +176,38 @@ def test_a_pass_of_a_few_tokens_reaches_onednn_as_it_is_and_gives_every_row_its_
         return real(x, *args)
 
     monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", spy)
+    return seen
+
+
+def test_a_packed_layer_runs_few_shapes_and_gives_every_row_its_result(onednn_shapes):
+    """oneDNN keeps a primitive (with scratch memory) per shape: every row count from 1 to
+    well past a chunk must reach it as one of a few shapes, and still give nn.Linear's rows."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(24, 40)
+    layer = PackedLinear(linear)
+    with torch.inference_mode():
+        for n in range(1, 3 * cpu_tuning.PACKED_CHUNK_ROWS + 40):
+            x = torch.randn(1, n, 24)
+            got = layer._packed(x)
+            assert got.shape == (1, n, 40)
+            if n % 37 == 0 or n in (cpu_tuning.PACKED_CHUNK_ROWS, cpu_tuning.PACKED_CHUNK_ROWS + 1):
+                torch.testing.assert_close(got, linear(x), rtol=1e-5, atol=1e-5)
+    seen = set(onednn_shapes)
+    assert all(rows <= cpu_tuning.PACKED_CHUNK_ROWS for rows, _ in seen)
+    assert len(seen) <= 80, f"{len(seen)} shapes reached oneDNN"
+    assert all(cpu_tuning.packed_rows(n) - n <= n / 16 for n in range(1, cpu_tuning.PACKED_CHUNK_ROWS + 1))
+
+
+def test_a_pass_of_a_few_tokens_reaches_onednn_as_it_is_and_gives_every_row_its_result(onednn_shapes):
+    """Up to 16 rows in all (a verification pass, batched or not) skip the reshape, padding and
+    slice of longer passes: oneDNN gets the input as it is, at most 16 rows of it."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(24, 40)
+    layer = PackedLinear(linear)
+    layer.one_row_blas = layer.short_rows_blas = False  # every row count through the packed path
     with torch.inference_mode():
         for b, t in ((1, 1), (1, 3), (1, 16), (2, 5), (4, 4), (16, 1)):
             x = torch.randn(b, t, 24)
             torch.testing.assert_close(layer(x), linear(x), rtol=1e-5, atol=1e-5)
-            assert seen[-1] == (b, t, 24)
-    assert len(seen) == 6
+            assert onednn_shapes[-1] == (b, t, 24)
+    assert len(onednn_shapes) == 6
