@@ -7,6 +7,8 @@ of `speculative/` take their values as parameters.
 - SPECSERVE_SHORT_ROWS_LINEAR: the path of 2-3 rows, `auto` (the default:
   whichever this CPU runs faster), `blas`, or `padded` to 4 rows through the
   packed layers.
+- SPECSERVE_LONG_ROWS_LINEAR: the path of passes over 256 rows (long prefills),
+  `auto` (the default: whichever this CPU runs faster), `blas` or `packed`.
 - SPECSERVE_CACHE_DIR: the cache of converted models and distillation data
   (unset or empty: ~/.cache/specserve).
 - SPECSERVE_CLUSTER_SECRET: the secret every internal call carries, when the
@@ -18,12 +20,13 @@ from __future__ import annotations
 
 import os
 
-from speculative.cpu_tuning import ONE_ROW_PATHS, SHORT_ROWS_PATHS, CpuTuning
+from speculative.cpu_tuning import LONG_ROWS_PATHS, ONE_ROW_PATHS, SHORT_ROWS_PATHS, CpuTuning
 
 
 def cpu_tuning_from_env() -> CpuTuning:
-    """SPECSERVE_PACKED_LINEAR, SPECSERVE_ONE_ROW_LINEAR and SPECSERVE_SHORT_ROWS_LINEAR (see
-    module doc); the last two are only read when packing is on."""
+    """SPECSERVE_PACKED_LINEAR and the paths through packed layers, SPECSERVE_ONE_ROW_LINEAR,
+    SPECSERVE_SHORT_ROWS_LINEAR and SPECSERVE_LONG_ROWS_LINEAR (see module doc); the paths
+    are only read when packing is on."""
     if os.environ.get("SPECSERVE_PACKED_LINEAR", "1") == "0":
         return CpuTuning(packed_linear=False)
     one_row = os.environ.get("SPECSERVE_ONE_ROW_LINEAR", "auto")
@@ -32,7 +35,10 @@ def cpu_tuning_from_env() -> CpuTuning:
     short_rows = os.environ.get("SPECSERVE_SHORT_ROWS_LINEAR", "auto")
     if short_rows not in SHORT_ROWS_PATHS:
         raise ValueError(f"SPECSERVE_SHORT_ROWS_LINEAR must be auto, blas or padded, got {short_rows!r}")
-    return CpuTuning(one_row=one_row, short_rows=short_rows)
+    long_rows = os.environ.get("SPECSERVE_LONG_ROWS_LINEAR", "auto")
+    if long_rows not in LONG_ROWS_PATHS:
+        raise ValueError(f"SPECSERVE_LONG_ROWS_LINEAR must be auto, blas or packed, got {long_rows!r}")
+    return CpuTuning(one_row=one_row, short_rows=short_rows, long_rows=long_rows)
 
 
 def cache_dir_from_env() -> str | None:

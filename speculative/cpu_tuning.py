@@ -11,6 +11,8 @@ parallelism is applied to a plain one:
   (`_blas_wins`);
 - where 2-3 rows are cheaper packed, one row of 2-3 new tokens is padded to
   PAD_ROWS_TO tokens;
+- passes longer than PACKED_CHUNK_ROWS rows (long prefills) take whichever of BLAS
+  and the packed path this CPU runs faster, measured once per process;
 - each serving thread keeps its own torch thread count (`own_torch_threads`).
 
 What was measured to choose these is in docs/DESIGN-NOTES.md.
@@ -36,6 +38,7 @@ PAD_ROWS_TO = 4
 
 ONE_ROW_PATHS = ("auto", "blas", "packed")
 SHORT_ROWS_PATHS = ("auto", "blas", "padded")
+LONG_ROWS_PATHS = ("auto", "blas", "packed")
 
 # oneDNN keeps a primitive, with scratch memory sized by its rows, for every shape it meets
 # (up to 1,024 of them): a server whose passes took every row count up to a prompt's length
@@ -43,6 +46,7 @@ SHORT_ROWS_PATHS = ("auto", "blas", "padded")
 # padded to one of a few sizes (`packed_rows`): about 80 shapes per layer size.
 PACKED_CHUNK_ROWS = 256
 _EXACT_ROWS = 16  # up to this many rows run unpadded: the sizes a verification pass takes
+LONG_ROWS_TIMED = 2 * PACKED_CHUNK_ROWS  # the long pass `apply_cpu_tuning` times, one layer's worth
 
 
 @dataclass(frozen=True)
@@ -53,17 +57,22 @@ class CpuTuning:
     path one row takes through them: `blas`, `packed`, or `auto`, whichever this CPU
     runs faster (measured). `short_rows`: the path of 2-3 rows: `blas` as they are,
     `padded` to PAD_ROWS_TO rows through the packed layers (a pass of one row and 2-3
-    new tokens is padded), or `auto`, whichever this CPU runs faster (measured)."""
+    new tokens is padded), or `auto`, whichever this CPU runs faster (measured).
+    `long_rows`: the path of passes over PACKED_CHUNK_ROWS rows: `blas`, `packed` (in
+    slices), or `auto`, whichever this CPU runs faster (measured)."""
 
     packed_linear: bool = True
     one_row: str = "auto"
     short_rows: str = "auto"
+    long_rows: str = "auto"
 
     def __post_init__(self):
         if self.one_row not in ONE_ROW_PATHS:
             raise ValueError(f"one_row must be auto, blas or packed, got {self.one_row!r}")
         if self.short_rows not in SHORT_ROWS_PATHS:
             raise ValueError(f"short_rows must be auto, blas or padded, got {self.short_rows!r}")
+        if self.long_rows not in LONG_ROWS_PATHS:
+            raise ValueError(f"long_rows must be auto, blas or packed, got {self.long_rows!r}")
 
 
 def apply_cpu_tuning(model: Transformer, tuning: CpuTuning = CpuTuning()) -> bool:
@@ -92,8 +101,12 @@ def apply_cpu_tuning(model: Transformer, tuning: CpuTuning = CpuTuning()) -> boo
     # 3 rows: of the short ones, the dearer for BLAS
     short_blas = (_blas_wins(packed, 3, PAD_ROWS_TO) if tuning.short_rows == "auto"
                   else tuning.short_rows == "blas")
+    # compute-bound: one layer's products time it as well as the whole model's
+    first_layer = [m for m in model.layers[0].modules() if isinstance(m, PackedLinear)]
+    long_blas = (_blas_wins(first_layer, LONG_ROWS_TIMED, LONG_ROWS_TIMED) if tuning.long_rows == "auto"
+                 else tuning.long_rows == "blas")
     for m in packed:
-        m.one_row_blas, m.short_rows_blas = one_blas, short_blas
+        m.one_row_blas, m.short_rows_blas, m.long_rows_blas = one_blas, short_blas, long_blas
     if isinstance(model, PaddedShortRows):
         model.pad_short_rows = not short_blas
     return True
@@ -122,9 +135,11 @@ class PackedLinear(nn.Module):
 
     CPU BLAS multiplies a few rows inefficiently; prepacked, a pass of several new tokens
     costs much less over one of a single token. For one row (plain decoding, a chain
-    drafter's step) and for 2-3 rows (a short draft) the faster path depends on the CPU,
-    so `apply_cpu_tuning` measures which (`one_row_blas`, `short_rows_blas`). The
-    results differ from `nn.Linear`'s by float32 rounding only."""
+    drafter's step), for 2-3 rows (a short draft) and for long prefills the faster path
+    depends on the CPU, so `apply_cpu_tuning` measures which (`one_row_blas`,
+    `short_rows_blas`, `long_rows_blas`). The results differ from `nn.Linear`'s by
+    float32 rounding only; the packed path gives each row the same result at every
+    row count, BLAS does not."""
 
     def __init__(self, linear: nn.Linear, rows: int = 16):
         super().__init__()
@@ -134,6 +149,7 @@ class PackedLinear(nn.Module):
         self.bias = None if linear.bias is None else linear.bias.detach()
         self.one_row_blas = True
         self.short_rows_blas = False
+        self.long_rows_blas = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
@@ -142,6 +158,8 @@ class PackedLinear(nn.Module):
             return F.linear(x, self.weight, self.bias)
         if rows <= _EXACT_ROWS:  # a pass of a few new tokens as it is: no reshaping, padding or slicing
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
+        if rows > PACKED_CHUNK_ROWS and self.long_rows_blas:
+            return F.linear(x, self.weight, self.bias)
         return self._packed(x)
 
     def _packed(self, x: torch.Tensor) -> torch.Tensor:

@@ -168,12 +168,12 @@ class Attention(nn.Module):
             for row, start in enumerate(starts):
                 k_cache[row, :, start:start + t] = k[row]
                 v_cache[row, :, start:start + t] = v[row]
-        span, gqa = mask.shape[-1], self.n_kv != self.n_heads
+        span, gqa = t if mask is None else mask.shape[-1], self.n_kv != self.n_heads
         if packing is not None and packing.wide:
             out = self._few_wide_rows(q, k_cache, v_cache, starts, mask, packing.wide)
-        else:
-            out = F.scaled_dot_product_attention(
-                q, k_cache[:b, :, :span], v_cache[:b, :, :span], attn_mask=mask, enable_gqa=gqa)
+        else:  # no mask: a causal pass from an empty cache (Transformer.layer_inputs)
+            out = F.scaled_dot_product_attention(q, k_cache[:b, :, :span], v_cache[:b, :, :span], attn_mask=mask,
+                                                 is_causal=mask is None, enable_gqa=gqa)
         out = out.to(x.dtype).transpose(1, 2).reshape(b, t, -1)
         return self.o(out if packing is None else packing.pack(out))
 
@@ -261,9 +261,12 @@ class Transformer(nn.Module):
         return KVCache(num_layers or cfg.num_layers, batch, kv_heads, max_len, cfg.head_dim, self.device,
                        self.attention_dtype or self.dtype)
 
-    def layer_inputs(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, mask: torch.Tensor):
+    def layer_inputs(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, mask: torch.Tensor,
+                     packed: bool = False):
         """What the first layer takes: the embeddings, RoPE's cos and sin at `positions`, each
-        row's first free cache slot, and the mask with a head axis; the cache must have room."""
+        row's first free cache slot, and the mask with a head axis; the cache must have room.
+        The mask is None for an unpacked causal pass from an empty cache (a prompt's prefill):
+        SDPA then skips the blocks a causal mask hides, with the same results."""
         b, t = tokens.shape
         starts = cache.lengths[:b]
         if max(starts) + t > cache.max_len:
@@ -271,6 +274,8 @@ class Transformer(nn.Module):
         x = self.embed(tokens)
         cos = self.rope_cos[positions].unsqueeze(1).to(x.dtype)
         sin = self.rope_sin[positions].unsqueeze(1).to(x.dtype)
+        if not packed and t >= CAUSAL_MIN_TOKENS and max(starts) == 0 and is_causal(mask):
+            return x, cos, sin, starts, None
         return x, cos, sin, starts, additive_mask(mask, cache.k.dtype).unsqueeze(1)
 
     @torch.inference_mode()
@@ -295,7 +300,7 @@ class Transformer(nn.Module):
         packing = None if real is None or sum(real) == b * t else _Packing(b, t, real, tokens.device)
         if packing is not None and logits_from:
             raise ValueError("packed rows give logits for every real token")
-        x, cos, sin, starts, mask = self.layer_inputs(tokens, positions, cache, mask)
+        x, cos, sin, starts, mask = self.layer_inputs(tokens, positions, cache, mask, packed=packing is not None)
         if packing is not None:
             x = packing.pack(x)
         picked = range(len(self.layers)) if layers is None else layers
@@ -310,6 +315,9 @@ class Transformer(nn.Module):
         return self.lm_head(self.norm(x)).float()
 
 
+# a causal pass of at least this many tokens from an empty cache attends without a mask,
+# skipping the hidden blocks (shorter ones gain nothing worth the check)
+CAUSAL_MIN_TOKENS = 64
 WIDE_ROWS_SHARE = 4  # attend for wide rows alone while at most 1 row in 4 is wide
 WIDE_ROWS_MIN_WIDTH = 4  # and the widest holds at least 4 tokens
 
@@ -336,6 +344,12 @@ class _Packing:
         out = x.new_zeros(self.b * self.t, x.shape[-1])
         out.index_copy_(0, self.index, x)
         return out.view(self.b, self.t, -1)
+
+
+def is_causal(mask: torch.Tensor) -> bool:
+    """Whether every row of `mask` [B, T, T] is the plain causal mask."""
+    t = mask.shape[-1]
+    return mask.shape[-2] == t and bool((mask == causal_ancestors(t, mask.device)).all())
 
 
 def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

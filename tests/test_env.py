@@ -16,7 +16,8 @@ def test_cpu_tuning_from_env(monkeypatch):
     monkeypatch.delenv("SPECSERVE_PACKED_LINEAR", raising=False)
     monkeypatch.delenv("SPECSERVE_ONE_ROW_LINEAR", raising=False)
     monkeypatch.delenv("SPECSERVE_SHORT_ROWS_LINEAR", raising=False)
-    assert cpu_tuning_from_env() == CpuTuning(packed_linear=True, one_row="auto", short_rows="auto")
+    monkeypatch.delenv("SPECSERVE_LONG_ROWS_LINEAR", raising=False)
+    assert cpu_tuning_from_env() == CpuTuning(packed_linear=True, one_row="auto", short_rows="auto", long_rows="auto")
     for choice in ("auto", "blas", "packed"):
         monkeypatch.setenv("SPECSERVE_ONE_ROW_LINEAR", choice)
         assert cpu_tuning_from_env() == CpuTuning(one_row=choice)
@@ -33,6 +34,13 @@ def test_cpu_tuning_from_env(monkeypatch):
         assert cpu_tuning_from_env() == CpuTuning(one_row="blas", short_rows=choice)
     monkeypatch.setenv("SPECSERVE_SHORT_ROWS_LINEAR", "packed")
     with pytest.raises(ValueError, match="SPECSERVE_SHORT_ROWS_LINEAR must be auto, blas or padded, got 'packed'"):
+        cpu_tuning_from_env()
+    monkeypatch.setenv("SPECSERVE_SHORT_ROWS_LINEAR", "auto")
+    for choice in ("auto", "blas", "packed"):
+        monkeypatch.setenv("SPECSERVE_LONG_ROWS_LINEAR", choice)
+        assert cpu_tuning_from_env() == CpuTuning(one_row="blas", long_rows=choice)
+    monkeypatch.setenv("SPECSERVE_LONG_ROWS_LINEAR", "padded")
+    with pytest.raises(ValueError, match="SPECSERVE_LONG_ROWS_LINEAR must be auto, blas or packed, got 'padded'"):
         cpu_tuning_from_env()
 
 

@@ -69,3 +69,55 @@ def test_additive_mask_attends_exactly_as_the_boolean_one():
         want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         got = F.scaled_dot_product_attention(q, k, v, attn_mask=additive_mask(mask, dtype))
         assert torch.equal(got, want)
+
+
+def test_a_prefill_attends_without_a_mask_exactly_as_with_it(smollm2, monkeypatch):
+    """A causal pass from an empty cache (a long prompt's prefill) attends with SDPA's
+    is_causal and no mask, which skips the hidden blocks: its logits and cache must be bit
+    for bit those of the masked pass, in float32 and in the int modes' float64 attention.
+    A pass after a cached prefix, or a tree's, keeps the mask."""
+    import torch.nn.functional as F
+
+    import speculative.model as model_module
+    from speculative.model import CAUSAL_MIN_TOKENS, KVCache
+
+    model, tok = smollm2
+    prompt = tok.encode("The quick brown fox jumps over the lazy dog, again and again. " * 12)
+    n = len(prompt)
+    assert n >= CAUSAL_MIN_TOKENS
+    causal_calls = []
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(*args, is_causal=False, **kwargs):
+        causal_calls.append(is_causal)
+        return sdpa(*args, is_causal=is_causal, **kwargs)
+
+    monkeypatch.setattr(model_module.F, "scaled_dot_product_attention", spy)
+
+    def prefill(dtype):
+        cache = KVCache(model.config.num_layers, 1, model.config.num_kv_heads, n + 8, model.config.head_dim,
+                        dtype=dtype)
+        logits = model(torch.tensor([prompt]), torch.arange(n)[None], cache, attention_mask(0, causal_ancestors(n)))
+        return logits, cache
+
+    for dtype in (torch.float32, torch.float64):
+        causal_calls.clear()
+        fast, fast_cache = prefill(dtype)
+        assert causal_calls == [True] * model.config.num_layers
+        monkeypatch.setattr(model_module, "CAUSAL_MIN_TOKENS", n + 1)
+        causal_calls.clear()
+        masked, masked_cache = prefill(dtype)
+        assert causal_calls == [False] * model.config.num_layers
+        monkeypatch.setattr(model_module, "CAUSAL_MIN_TOKENS", CAUSAL_MIN_TOKENS)
+        assert torch.equal(fast, masked)
+        assert torch.equal(fast_cache.k, masked_cache.k) and torch.equal(fast_cache.v, masked_cache.v)
+
+    # after a cached prefix the pass is not from an empty cache; a tree's mask is not causal
+    cache = model.new_cache(2 * n + 8)
+    model(torch.tensor([prompt[:4]]), torch.arange(4)[None], cache, attention_mask(0, causal_ancestors(4)))
+    causal_calls.clear()
+    model(torch.tensor([prompt]), torch.arange(4, n + 4)[None], cache, attention_mask(4, causal_ancestors(n)))
+    branching = causal_ancestors(n).clone()
+    branching[n - 1, n - 2] = False  # the last token a sibling of the one before, not its child
+    model(torch.tensor([prompt]), torch.arange(n)[None], model.new_cache(n + 8), attention_mask(0, branching))
+    assert causal_calls == [False] * (2 * model.config.num_layers)

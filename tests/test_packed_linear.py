@@ -1,6 +1,7 @@
 """CPU tuning (speculative.cpu_tuning): prepacked linear layers give the same logits as
-the plain model, the paths of one row and of 2-3 rows are chosen by what this CPU does
-faster, and a short row runs padded (or by BLAS, unpadded) with the plain model's results."""
+the plain model, the paths of one row, of 2-3 rows and of long passes are chosen by what
+this CPU does faster, and a short row runs padded (or by BLAS, unpadded) with the plain
+model's results."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import pytest
 import torch
 
 from speculative import cpu_tuning
-from speculative.cpu_tuning import PAD_ROWS_TO, CpuTuning, PackedLinear, apply_cpu_tuning
+from speculative.cpu_tuning import (LONG_ROWS_TIMED, PACKED_CHUNK_ROWS, PAD_ROWS_TO, CpuTuning, PackedLinear,
+                                    apply_cpu_tuning)
 from speculative.model import Transformer, attention_mask, causal_ancestors
 from tiny import tiny_model
 
@@ -37,17 +39,20 @@ def test_packed_model_scores_like_the_plain_one(one_row_blas, short_rows_blas, m
     asked = []
 
     def measured(layers, rows, packed_rows):
-        asked.append((rows, packed_rows))
-        return one_row_blas if rows == 1 else short_rows_blas
+        asked.append((rows, packed_rows, len(layers)))
+        return one_row_blas if rows == 1 else short_rows_blas if rows == 3 else not short_rows_blas
 
     monkeypatch.setattr(cpu_tuning, "_blas_wins", measured)
     if not apply_cpu_tuning(packed):
         pytest.skip("this torch has no oneDNN packed linear")
-    assert asked == [(1, 1), (3, PAD_ROWS_TO)]  # one row as it is; 3 rows against their padded 4
+    every, first_layer = 4 * len(packed.layers) + 1, 4
+    # one row as it is; 3 rows against their padded 4; a long pass through the first layer
+    assert asked == [(1, 1, every), (3, PAD_ROWS_TO, every), (LONG_ROWS_TIMED, LONG_ROWS_TIMED, first_layer)]
     layers = [m for m in packed.modules() if isinstance(m, PackedLinear)]
-    assert len(layers) == 4 * len(packed.layers) + 1
+    assert len(layers) == every
     assert {m.one_row_blas for m in layers} == {one_row_blas}
     assert {m.short_rows_blas for m in layers} == {short_rows_blas}
+    assert {m.long_rows_blas for m in layers} == {not short_rows_blas}
     assert packed.pad_short_rows is not short_rows_blas
     tokens = [1, 2, 3, 4, 5, 6]
     assert torch.allclose(logits(packed, tokens), logits(plain, tokens), atol=1e-4)
@@ -84,6 +89,27 @@ def test_short_rows_take_the_path_chosen_and_score_like_the_plain_model(short_ro
     n = len(prefix) + t
     assert caches[1].lengths == caches[0].lengths == [n]
     assert torch.allclose(caches[1].k[:, :, :, :n], caches[0].k[:, :, :, :n], atol=1e-5)
+
+
+@pytest.mark.parametrize("long_rows", ["blas", "packed"])
+def test_long_passes_take_the_path_chosen_and_score_like_the_plain_layer(long_rows, monkeypatch):
+    """A pass of more than PACKED_CHUNK_ROWS rows (a long prefill) runs by BLAS in one call
+    (`long_rows` blas) or packed in slices; either way with nn.Linear's results up to
+    float32 rounding. Shorter passes stay packed whatever the choice."""
+    plain = tiny_model(0, max_positions=2 * PACKED_CHUNK_ROWS)
+    tuned = copy.deepcopy(plain)
+    if not apply_cpu_tuning(tuned, CpuTuning(long_rows=long_rows)):
+        pytest.skip("this torch has no oneDNN packed linear")
+    layer = tuned.layers[0].mlp.gate_up
+    assert layer.long_rows_blas is (long_rows == "blas")
+    rows_seen = []
+    blas = torch.nn.functional.linear
+    monkeypatch.setattr(cpu_tuning.F, "linear", lambda x, *a: rows_seen.append(x.numel() // x.shape[-1]) or blas(x, *a))
+    for n in (PACKED_CHUNK_ROWS, PACKED_CHUNK_ROWS + 1, 2 * PACKED_CHUNK_ROWS):
+        x = torch.randn(1, n, layer.in_features)
+        with torch.inference_mode():
+            assert torch.allclose(layer(x), blas(x, layer.weight), atol=1e-5)
+    assert rows_seen == ([PACKED_CHUNK_ROWS + 1, 2 * PACKED_CHUNK_ROWS] if long_rows == "blas" else [])
 
 
 @pytest.mark.parametrize("blas_wins", [True, False])

@@ -1,0 +1,86 @@
+"""What a prompt's prefill costs by each path (docs/DESIGN-NOTES.md, "Long prefills").
+
+Loads the default target in `--dtype` as the bench does (CPU tuning on, every core) and
+prefills the chat prompts of the dev questions' `--categories`, each `--rounds` times by
+three paths in alternation:
+
+- before: attention with the causal mask built out, long passes' linear layers packed;
+- is_causal: SDPA's is_causal instead of the mask (`speculative.model.CAUSAL_MIN_TOKENS`),
+  checked to give the same logits bit for bit;
+- tuned: is_causal and the long-pass path `apply_cpu_tuning` chose (BLAS where it won;
+  the same as is_causal for the int modes, which have no packed layers).
+
+Prints the median ms per prompt.
+
+    python scripts/prefill_probe.py --dtype int4
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import speculative.model as model_module
+from bench.harness import LocalEngine, load_questions
+from speculative import loading
+from speculative.cpu_tuning import PackedLinear
+from speculative.model import attention_mask, causal_ancestors
+
+MASKED_ALWAYS = 1 << 30  # a CAUSAL_MIN_TOKENS no prompt reaches
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dtype", default="float32", choices=loading.DTYPES)
+    parser.add_argument("--questions", default="../shared/data/spec_bench/dev.jsonl")
+    parser.add_argument("--categories", nargs="+", default=["summarization", "rag", "qa"])
+    parser.add_argument("--limit-per-category", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    engine = LocalEngine.load(None, "cpu", args.dtype)
+    model, causal_min = engine.model, model_module.CAUSAL_MIN_TOKENS
+    packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    tuned_blas = bool(packed) and packed[0].long_rows_blas
+    paths = {"before": (MASKED_ALWAYS, False), "is_causal": (causal_min, False), "tuned": (causal_min, tuned_blas)}
+
+    def prefill(ids: list[int], path: str) -> tuple[torch.Tensor, float]:
+        model_module.CAUSAL_MIN_TOKENS, blas = paths[path]
+        for m in packed:
+            m.long_rows_blas = blas
+        n = len(ids)
+        cache = model.new_cache(n)
+        start = time.perf_counter()
+        logits = model(torch.tensor([ids]), torch.arange(n)[None], cache, attention_mask(0, causal_ancestors(n)),
+                       logits_from=n - 1)
+        return logits, time.perf_counter() - start
+
+    tuned = "no packed layers" if not packed else "BLAS" if tuned_blas else "packed"
+    print(f"{args.dtype}, long passes' linear layers as tuned: {tuned}")
+    print(f"{'category':<14} {'tokens':>6} {'before ms':>10} {'is_causal':>10} {'tuned':>6} {'tuned max |dlogit|':>19}")
+    for q in load_questions(args.questions, args.limit_per_category):
+        if q["category"] not in args.categories:
+            continue
+        ids = engine.prompt_ids(q["turns"][0], chat=True)
+        prefill(ids, "tuned")  # warm up
+        times: dict[str, list[float]] = {path: [] for path in paths}
+        for _ in range(args.rounds):
+            logits = {}
+            for path in paths:
+                logits[path], seconds = prefill(ids, path)
+                times[path].append(seconds)
+            if not torch.equal(logits["before"], logits["is_causal"]):
+                raise SystemExit(f"{q['category']}: is_causal's logits differ from the masked pass's")
+        ms = {path: statistics.median(t) * 1e3 for path, t in times.items()}
+        drift = (logits["tuned"] - logits["before"]).abs().max().item()
+        print(f"{q['category']:<14} {len(ids):>6} {ms['before']:>10.1f} {ms['is_causal'] / ms['before']:>9.2f}x "
+              f"{ms['tuned'] / ms['before']:>5.2f}x {drift:>19.1e}")
+    model_module.CAUSAL_MIN_TOKENS = causal_min
+    for m in packed:
+        m.long_rows_blas = tuned_blas
+
+
+if __name__ == "__main__":
+    main()
