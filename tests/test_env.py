@@ -29,19 +29,16 @@ def test_cpu_tuning_from_env(monkeypatch):
     monkeypatch.setenv("SPECSERVE_PACKED_LINEAR", "1")
     monkeypatch.setenv("SPECSERVE_ONE_ROW_LINEAR", "blas")
     assert cpu_tuning_from_env() == CpuTuning(one_row="blas")
-    for choice in ("auto", "blas", "padded"):
-        monkeypatch.setenv("SPECSERVE_SHORT_ROWS_LINEAR", choice)
-        assert cpu_tuning_from_env() == CpuTuning(one_row="blas", short_rows=choice)
-    monkeypatch.setenv("SPECSERVE_SHORT_ROWS_LINEAR", "packed")
-    with pytest.raises(ValueError, match="SPECSERVE_SHORT_ROWS_LINEAR must be auto, blas or padded, got 'packed'"):
-        cpu_tuning_from_env()
-    monkeypatch.setenv("SPECSERVE_SHORT_ROWS_LINEAR", "auto")
-    for choice in ("auto", "blas", "packed"):
-        monkeypatch.setenv("SPECSERVE_LONG_ROWS_LINEAR", choice)
-        assert cpu_tuning_from_env() == CpuTuning(one_row="blas", long_rows=choice)
-    monkeypatch.setenv("SPECSERVE_LONG_ROWS_LINEAR", "padded")
-    with pytest.raises(ValueError, match="SPECSERVE_LONG_ROWS_LINEAR must be auto, blas or packed, got 'padded'"):
-        cpu_tuning_from_env()
+    paths = (("SPECSERVE_SHORT_ROWS_LINEAR", "short_rows", ("auto", "blas", "padded"), "packed"),
+             ("SPECSERVE_LONG_ROWS_LINEAR", "long_rows", ("auto", "blas", "packed"), "padded"))
+    for var, field, choices, wrong in paths:
+        for choice in choices:
+            monkeypatch.setenv(var, choice)
+            assert cpu_tuning_from_env() == CpuTuning(one_row="blas", **{field: choice})
+        monkeypatch.setenv(var, wrong)
+        with pytest.raises(ValueError, match=f"{var} must be {', '.join(choices[:-1])} or {choices[-1]}, got '{wrong}'"):
+            cpu_tuning_from_env()
+        monkeypatch.setenv(var, "auto")
 
 
 def test_cache_dir_from_env(monkeypatch, tmp_path):
