@@ -36,7 +36,8 @@ def test_cpu_tuning_from_env(monkeypatch):
             monkeypatch.setenv(var, choice)
             assert cpu_tuning_from_env() == CpuTuning(one_row="blas", **{field: choice})
         monkeypatch.setenv(var, wrong)
-        with pytest.raises(ValueError, match=f"{var} must be {', '.join(choices[:-1])} or {choices[-1]}, got '{wrong}'"):
+        accepted = f"{', '.join(choices[:-1])} or {choices[-1]}"
+        with pytest.raises(ValueError, match=f"{var} must be {accepted}, got '{wrong}'"):
             cpu_tuning_from_env()
         monkeypatch.setenv(var, "auto")
 
