@@ -101,9 +101,9 @@ def apply_cpu_tuning(model: Transformer, tuning: CpuTuning = CpuTuning()) -> boo
     # 3 rows: of the short ones, the dearer for BLAS
     short_blas = (_blas_wins(packed, 3, PAD_ROWS_TO) if tuning.short_rows == "auto"
                   else tuning.short_rows == "blas")
-    # compute-bound: one layer's products time it as well as the whole model's
+    # compute-bound: one layer's products time it as well as the whole model's, and steadily
     first_layer = [m for m in model.layers[0].modules() if isinstance(m, PackedLinear)]
-    long_blas = (_blas_wins(first_layer, LONG_ROWS_TIMED, LONG_ROWS_TIMED) if tuning.long_rows == "auto"
+    long_blas = (_blas_wins(first_layer, LONG_ROWS_TIMED, LONG_ROWS_TIMED, repeats=3) if tuning.long_rows == "auto"
                  else tuning.long_rows == "blas")
     for m in packed:
         m.one_row_blas, m.short_rows_blas, m.long_rows_blas = one_blas, short_blas, long_blas

@@ -38,7 +38,7 @@ def test_packed_model_scores_like_the_plain_one(one_row_blas, short_rows_blas, m
     packed = copy.deepcopy(plain)
     asked = []
 
-    def measured(layers, rows, packed_rows):
+    def measured(layers, rows, packed_rows, repeats=5):
         asked.append((rows, packed_rows, len(layers)))
         return one_row_blas if rows == 1 else short_rows_blas if rows == 3 else not short_rows_blas
 
