@@ -10,7 +10,9 @@ three paths in alternation:
 - tuned: is_causal and the long-pass path `apply_cpu_tuning` chose (BLAS where it won;
   the same as is_causal for the int modes, which have no packed layers).
 
-Prints the median ms per prompt.
+Prints the median ms per prompt; then, for the longest prompt, how far each path's
+logits at its last DECODED positions are from those tokens decoded one at a time after
+the rest (what a prefill has to match for a request prefilled again to continue alike).
 
     python scripts/prefill_probe.py --dtype int4
 """
@@ -30,6 +32,7 @@ from speculative.cpu_tuning import PackedLinear
 from speculative.model import attention_mask, causal_ancestors
 
 MASKED_ALWAYS = 1 << 30  # a CAUSAL_MIN_TOKENS no prompt reaches
+DECODED = 5
 
 
 def main() -> None:
@@ -46,7 +49,8 @@ def main() -> None:
     tuned_blas = bool(packed) and packed[0].long_rows_blas
     paths = {"before": (MASKED_ALWAYS, False), "is_causal": (causal_min, False), "tuned": (causal_min, tuned_blas)}
 
-    def prefill(ids: list[int], path: str) -> tuple[torch.Tensor, float]:
+    def prefill(ids: list[int], path: str, scored: int = 1) -> tuple[torch.Tensor, float]:
+        """The logits of the last `scored` positions, and the seconds the pass took."""
         model_module.CAUSAL_MIN_TOKENS, blas = paths[path]
         for m in packed:
             m.long_rows_blas = blas
@@ -54,16 +58,26 @@ def main() -> None:
         cache = model.new_cache(n)
         start = time.perf_counter()
         logits = model(torch.tensor([ids]), torch.arange(n)[None], cache, attention_mask(0, causal_ancestors(n)),
-                       logits_from=n - 1)
-        return logits, time.perf_counter() - start
+                       logits_from=n - scored)
+        return logits[0], time.perf_counter() - start
+
+    def decoded(ids: list[int]) -> torch.Tensor:
+        """The last DECODED tokens' logits, each token decoded alone after the ones before."""
+        n = len(ids) - DECODED
+        cache = model.new_cache(len(ids))
+        model(torch.tensor([ids[:n]]), torch.arange(n)[None], cache, attention_mask(0, causal_ancestors(n)))
+        return torch.cat([model(torch.tensor([[ids[j]]]), torch.tensor([[j]]), cache,
+                                attention_mask(j, causal_ancestors(1)))[0] for j in range(n, len(ids))])
 
     tuned = "no packed layers" if not packed else "BLAS" if tuned_blas else "packed"
     print(f"{args.dtype}, long passes' linear layers as tuned: {tuned}")
     print(f"{'category':<14} {'tokens':>6} {'before ms':>10} {'is_causal':>10} {'tuned':>6} {'tuned max |dlogit|':>19}")
+    longest: list[int] = []
     for q in load_questions(args.questions, args.limit_per_category):
         if q["category"] not in args.categories:
             continue
         ids = engine.prompt_ids(q["turns"][0], chat=True)
+        longest = max(longest, ids, key=len)
         prefill(ids, "tuned")  # warm up
         times: dict[str, list[float]] = {path: [] for path in paths}
         for _ in range(args.rounds):
@@ -77,6 +91,11 @@ def main() -> None:
         drift = (logits["tuned"] - logits["before"]).abs().max().item()
         print(f"{q['category']:<14} {len(ids):>6} {ms['before']:>10.1f} {ms['is_causal'] / ms['before']:>9.2f}x "
               f"{ms['tuned'] / ms['before']:>5.2f}x {drift:>19.1e}")
+    alone = decoded(longest)
+    for path in ("before", "tuned"):
+        apart = (prefill(longest, path, DECODED)[0] - alone).abs().max().item()
+        print(f"{path}: the last {DECODED} of {len(longest)} tokens prefilled against decoded one at a time, "
+              f"max |dlogit| {apart:.1e}")
     model_module.CAUSAL_MIN_TOKENS = causal_min
     for m in packed:
         m.long_rows_blas = tuned_blas
