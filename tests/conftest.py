@@ -1,5 +1,6 @@
 import json
 import os
+import signal
 import sys
 from itertools import cycle
 from pathlib import Path
@@ -13,6 +14,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 # test's cluster went down, it once took longer. The tests' clusters (and the servers they
 # start, which inherit this) wait up to 120 s, as Ray does for its RocksDB store.
 os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "120")
+
+# A background job of a non-interactive shell starts with SIGINT ignored, and its children
+# inherit that: `serve run` would then never see the Ctrl-C a test stops it with. The tests
+# run with Ctrl-C as in a terminal.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 DEV_QUESTIONS = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "dev.jsonl"
 

@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -42,16 +43,19 @@ def test_serve_run_deploy_yaml_answers_a_chat_completion():
     port = yaml.safe_load(SERVE_YAML.read_text())["http_options"]["port"]
     base = f"http://127.0.0.1:{port}"
     start_local_ray(num_cpus=2, resources={"verifier": 1, "drafter": 1}, include_dashboard=False, log_to_driver=False)
-    proc = None
+    proc, printed, stopped = None, [], True
     try:
         serve_cli = shutil.which("serve")
         assert serve_cli, "Ray's `serve` command is not installed"
+        # serve run prints the cluster's logs: read them as they come, or once the pipe is full its
+        # writes block, Ctrl-C's handler among them, and the application is never deleted
         proc = subprocess.Popen([serve_cli, "run", "--address", ray.get_runtime_context().gcs_address,
                                  str(SERVE_YAML)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True)
+        threading.Thread(target=lambda: printed.extend(iter(proc.stdout.readline, "")), daemon=True).start()
         deadline = time.monotonic() + READY_TIMEOUT_S
         while _health(f"{base}/health") != 200:
-            assert proc.poll() is None, proc.stdout.read()
+            assert proc.poll() is None, "".join(printed)
             assert time.monotonic() < deadline, "the application never said it was ready"
             time.sleep(1.0)
         # the config asks for keys: make one with the CLI, in the cluster's embedded store
@@ -76,4 +80,6 @@ def test_serve_run_deploy_yaml_answers_a_chat_completion():
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+                stopped = False
         ray.shutdown()
+    assert stopped, "serve run did not stop within 60 s of Ctrl-C:\n" + "".join(printed[-50:])
