@@ -1,8 +1,9 @@
 """Starting a local Ray cluster, once more when its first start stalls.
 
-Ray gives a starting raylet 30 s to register with the GCS (a constant in its code).
-Now and then, on a busy 2-core machine, the first start of a process never
-registers: a raylet or GCS that writes no log at all. The processes that start left
+Ray gives a starting raylet 30 s to register with the GCS (a constant in its code),
+and a starting GCS `RAY_gcs_server_port_wait_time_s` (30 s by default) to publish its
+port. Now and then, on a busy 2-core machine, the first start of a process does
+neither: a raylet or GCS that writes no log at all. The processes that start left
 behind are stopped (named in the warning, with how each ended, for diagnosis) and
 Ray starts again, once."""
 
@@ -16,7 +17,8 @@ import ray
 
 log = logging.getLogger(__name__)
 
-STALLED = "timed out during startup"
+# what ray.init raises when the raylet did not register, or the GCS did not publish its port
+STALLED = ("timed out during startup", "Timed out waiting for file")
 
 
 def start_local_ray(**init_kwargs) -> None:
@@ -26,8 +28,8 @@ def start_local_ray(**init_kwargs) -> None:
     try:
         ray.init(**init_kwargs)
         return
-    except Exception as e:  # Ray raises a bare Exception for this
-        if STALLED not in str(e):
+    except Exception as e:  # Ray raises a bare Exception or a RuntimeError for these
+        if not any(marker in str(e) for marker in STALLED):
             raise
         left = [p for p in me.children(recursive=True) if p.pid not in before]
         log.warning("Ray's start stalled (%s); stopping what it left running (%s) and starting again",

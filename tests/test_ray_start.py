@@ -1,8 +1,9 @@
 """A local Ray start that stalls is cleaned up and retried once (cluster.ray_start).
 
-The stall itself (a raylet that never registers within Ray's fixed 30 s) cannot be
-made on demand, so ray.init is replaced: its first call leaves a real child process
-running, as a stalled start leaves the GCS, and raises Ray's exception."""
+The stall itself (a raylet that never registers within Ray's fixed 30 s, a GCS that
+never publishes its port) cannot be made on demand, so ray.init is replaced: its first
+call leaves a real child process running, as a stalled start does, and raises Ray's
+exception (scripts/ray_stall_check.py makes both stalls for real)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from cluster import ray_start
 
 RAY_STALL = Exception("The current node timed out during startup. This could happen because some of the "
                       "raylet failed to startup or the GCS has become overloaded.")
+GCS_STALL = RuntimeError("Timed out waiting for file /tmp/ray/session_2026-11-27_18-31-33_734949_30709/"
+                         "gcs_server_port_e4c129ea29f1e22e629c930d5b83321d2bae77571b3791035ed96ec0")
 
 
 def fake_init(outcomes: list):
@@ -31,8 +34,9 @@ def fake_init(outcomes: list):
     return init, calls, children
 
 
-def test_a_stalled_start_is_stopped_and_started_again(monkeypatch, caplog):
-    init, calls, children = fake_init([RAY_STALL, None])
+@pytest.mark.parametrize("stall", [RAY_STALL, GCS_STALL], ids=["raylet", "gcs"])
+def test_a_stalled_start_is_stopped_and_started_again(monkeypatch, caplog, stall):
+    init, calls, children = fake_init([stall, None])
     monkeypatch.setattr(ray_start.ray, "init", init)
     with caplog.at_level(logging.WARNING, logger=ray_start.__name__):
         ray_start.start_local_ray(num_cpus=2, namespace="x")
