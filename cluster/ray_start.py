@@ -17,7 +17,8 @@ import ray
 
 log = logging.getLogger(__name__)
 
-# what ray.init raises when the raylet did not register, or the GCS did not publish its port
+# what ray.init raises when the raylet did not register, or when a process it waits on (the GCS
+# first) did not publish its port in a file
 STALLED = ("timed out during startup", "Timed out waiting for file")
 
 
