@@ -67,13 +67,13 @@ def kernels(device: str) -> dict:
         kinds = {"float32": (linear(torch.float32), torch.float32), "bfloat16": (linear(torch.bfloat16), None),
                  "int8": (Int8Linear.quantized(linear(torch.float32), torch.bfloat16), torch.bfloat16)}
         if part != "lm_head":  # the head is int8 in both int modes
-            q, scales, zeros = quantize_int4(w, 32)
-            packed = Int4Linear(q.to(device), scales.to(device), zeros.to(device), torch.bfloat16)
+            q, d, m = quantize_int4(w, 32)
+            packed = Int4Linear(q.to(device), d.to(device), m.to(device), torch.bfloat16)
             kinds["int4"] = (packed, torch.bfloat16)
-            if device != "cpu":  # the same 4-bit weights packed for the CPU and for the device
-                cpu = Int4Linear(q, scales, zeros, torch.bfloat16).dequantized()
+            if device != "cpu":  # the device's packing against the weights d * q + m (its scales are bfloat16)
+                exact = (q.float().reshape(fan_out, -1, 32) * d[..., None] + m[..., None]).reshape(fan_out, fan_in)
                 dev = packed.dequantized().cpu()
-                out[f"{part} int4 packing, max |device - cpu| weight"] = float((dev - cpu).abs().max())
+                out[f"{part} int4 packing, max |device - d*q+m| weight"] = float((dev - exact).abs().max())
         for kind, (layer, dtype) in kinds.items():
             worst = row_invariance(layer, fan_in, device, dtype or torch.bfloat16)
             out[f"{part} {kind} row invariance"] = {str(k): v for k, v in worst.items() if v} or "exact"

@@ -4,18 +4,25 @@ Only the weights are low-precision; activations, the KV cache and every non-line
 stay in the model's float dtype (`Transformer.dtype`, the embedding's). The matmuls are
 PyTorch's own weight-packed kernels:
 
-- int8: per-output-channel symmetric int8, `torch._weight_int8pack_mm` (CPU and CUDA);
-- int4: groupwise asymmetric 4-bit in torch's format, w = (q - 8) * scale + zero with
-  q in 0..15 and one (scale, zero) per `group` inputs of a row:
-  `_weight_int4pack_mm_for_cpu` on a CPU, `_weight_int4pack_mm` on CUDA (bfloat16 only).
+- int8: per-output-channel symmetric int8;
+- int4: groupwise asymmetric 4-bit, w = d * q + m with q in 0..15 and one (d, m) per
+  `group` inputs of a row: GGUF's Q4_1 blocks. `Int4Linear.from_blocks` takes a 4-bit
+  GGUF's blocks as they are (speculative/gguf_blocks.py reads them; Q4_0's w = d*(q - 8)
+  is m = -8d); `quantize_int4` quantises any other float weight.
 
-GGUF Q4_0/Q4_1 blocks are this format exactly (group 32: Q4_1 w = d*q + m is
-scale = d, zero = m + 8d; Q4_0 w = d*(q - 8) is zero = 0), so `Int4Linear.from_blocks`
-takes them as they are (speculative/gguf_blocks.py reads them); `quantize_int4`
-quantises any other float weight.
+On an x86 CPU with AVX2 the products are specserve's own (speculative/cpu_kernels.py):
+float32 activations as they are, the weights exactly d * q + m. Elsewhere, or with
+SPECSERVE_CPU_KERNELS=torch, they are PyTorch's weight-packed kernels on bfloat16
+activations: `_weight_int8pack_mm`, and for int4 `_weight_int4pack_mm_for_cpu` on a CPU,
+`_weight_int4pack_mm` on CUDA, in torch's int4 format w = (q - 8) * scale + zero
+(scale = d, zero = m + 8d).
 
-Both kernels give each row of the input the same result whatever the number of rows
+Every kernel gives each row of the input the same result whatever the number of rows
 (tests/test_precision.py checks it): verifying a tree rounds like decoding one token.
+Passes longer than PACKED_CHUNK_ROWS rows (long prefills) multiply by the weights
+dequantised to float32 through BLAS instead, like float32's long passes
+(speculative/cpu_tuning.py): several times faster there, not row-exact, which a prefill
+does not need.
 CPU bfloat16 `nn.Linear` does so only up to BF16_EXACT_ROWS rows (oneDNN switches kernels
 above), so a bfloat16 model's layers run longer passes in slices of that many
 (`RowSlicedLinear`, installed by `quantize(model, "bfloat16")`).
@@ -24,14 +31,17 @@ above), so a bfloat16 model's layers run longer passes in slices of that many
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from . import cpu_kernels
+from .cpu_tuning import PACKED_CHUNK_ROWS
 from .model import Transformer
 
 MODES = ("int8", "int4")  # weight-only quantised
 BF16_EXACT_ROWS = 32  # CPU bfloat16 linear: the most rows whose results match one row's (measured)
 LINEAR_PARTS = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")  # a layer's linear layers
-# the packed kernels compute in bfloat16 (10-30x faster than on float32 on a CPU; CUDA's int4
+# torch's packed kernels compute in bfloat16 (10-30x faster than on float32 on a CPU; CUDA's int4
 # takes nothing else); the model around them stays in its float dtype, where one row scored
 # alone or beside others gives the same tokens, as in float32 (docs/DESIGN-NOTES.md, Precision)
 KERNEL_DTYPE = torch.bfloat16
@@ -45,51 +55,77 @@ def cuda_inner_k_tiles(in_features: int) -> int:
     return next(t for t in (8, 4, 2) if in_features % (16 * t) == 0)
 
 
+def _native(device: torch.device, in_features: int) -> bool:
+    """Whether a layer on `device` takes specserve's own CPU products (speculative/cpu_kernels.py)."""
+    return device.type == "cpu" and cpu_kernels.fits(in_features) and cpu_kernels.available()
+
+
 class Int8Linear(nn.Module):
     """`nn.Linear` with int8 weights, one scale per output channel (gpt-fast's
-    WeightOnlyInt8Linear); scales in the activation dtype, as the kernel wants."""
+    WeightOnlyInt8Linear). Scales in float32 for the native CPU product, else in the
+    activation dtype torch's kernel wants."""
 
     def __init__(self, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
         self.out_features, self.in_features = weight.shape
+        self.native = _native(weight.device, self.in_features) and scales.dtype == torch.float32
         self.register_buffer("weight", weight)
         self.register_buffer("scales", scales)
         self.register_buffer("bias", bias)
 
     @classmethod
     def quantized(cls, linear: nn.Linear, dtype: torch.dtype) -> "Int8Linear":
-        """`linear` quantised: each row scaled so that its largest |w| maps to 127."""
+        """`linear` quantised: each row scaled so that its largest |w| maps to 127; `dtype`
+        is torch's kernel's activation dtype, where the native product does not run."""
         w = linear.weight.detach().float()
         scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-10)
         q = torch.round(w / scales[:, None]).clamp(-128, 127).to(torch.int8)
-        bias = None if linear.bias is None else linear.bias.detach().to(dtype)
-        return cls(q, scales.to(dtype), bias)
+        if not _native(w.device, w.shape[1]):
+            scales = scales.to(dtype)
+        bias = None if linear.bias is None else linear.bias.detach().to(scales.dtype)
+        return cls(q, scales, bias)
 
     def dequantized(self) -> torch.Tensor:
         return self.weight.float() * self.scales.float()[:, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).to(self.scales.dtype).contiguous()
+        flat = x.reshape(-1, self.in_features)
+        if self.native:
+            flat = flat.float().contiguous()
+            if flat.shape[0] > PACKED_CHUNK_ROWS:
+                y = F.linear(flat, self.dequantized(), self.bias)
+            else:
+                y = cpu_kernels.int8_linear(flat, self.weight, self.scales)
+                y = y if self.bias is None else y + self.bias
+            return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        flat = flat.to(self.scales.dtype).contiguous()
         y = torch._weight_int8pack_mm(flat, self.weight, self.scales).to(x.dtype)
         y = y.reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
 
 class Int4Linear(nn.Module):
-    """`nn.Linear` with groupwise 4-bit weights in torch's packed int4 layout (gpt-fast's
-    WeightOnlyInt4Linear). `scales_and_zeros` [in/group, out, 2] is in the activation dtype."""
+    """`nn.Linear` with groupwise 4-bit weights, w = d * q + m: on the native CPU product
+    as Q4_1 blocks (`cpu_kernels.to_blocks`), else in torch's packed int4 layout
+    (gpt-fast's WeightOnlyInt4Linear) with `scales_and_zeros` [in/group, out, 2] in the
+    activation dtype `dtype`."""
 
-    def __init__(self, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, dtype: torch.dtype,
+    def __init__(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, dtype: torch.dtype,
                  bias: torch.Tensor | None = None, group: int = INT4_GROUP):
-        """`q` [out, in] integers 0..15; `scales`, `zeros` [out, in/group]; all on the target device."""
+        """`q` [out, in] integers 0..15; `d`, `m` [out, in/group] float32; all on the target device."""
         super().__init__()
         self.out_features, self.in_features = q.shape
         if self.in_features % group:
             raise ValueError(f"int4: in_features {self.in_features} is not a multiple of the group size {group}")
         self.group = group
         self.on_cuda = q.device.type == "cuda"
+        self.native = group == cpu_kernels.GROUP and _native(q.device, self.in_features)
         if self.on_cuda and dtype != torch.bfloat16:
             raise ValueError(f"int4 on CUDA computes in bfloat16 only, not {dtype}")
+        if self.native:
+            self.register_buffer("weight", cpu_kernels.to_blocks(q, d, m))
+            self.register_buffer("bias", None if bias is None else bias.float())
+            return
         if self.on_cuda:  # the CUDA packer takes two 4-bit values a byte, the even one high
             q = q.to(torch.uint8)
             packed = torch.ops.aten._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]).contiguous(),
@@ -98,24 +134,26 @@ class Int4Linear(nn.Module):
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(),
                                                                         _CPU_INNER_K_TILES)
         self.register_buffer("weight", packed)
-        self.register_buffer("scales_and_zeros", torch.stack((scales.t(), zeros.t()), dim=-1).to(dtype).contiguous())
-        self.register_buffer("bias", bias)
+        self.register_buffer("scales_and_zeros", torch.stack((d.t(), (m + 8 * d).t()), dim=-1).to(dtype).contiguous())
+        self.register_buffer("bias", None if bias is None else bias.to(dtype))
 
     @classmethod
     def from_blocks(cls, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, dtype: torch.dtype,
                     bias: torch.Tensor | None = None) -> "Int4Linear":
         """From GGUF 4-bit blocks of 32 (w = d*q + m): `q` [out, in] in 0..15, `d` and `m`
         [out, in/32] in float32 (widened from the blocks' float16; Q4_0 is m = -8d)."""
-        return cls(q, d, m + 8 * d, dtype, bias, group=32)
+        return cls(q, d, m, dtype, bias, group=32)
 
     @classmethod
     def quantized(cls, linear: nn.Linear, dtype: torch.dtype, group: int = INT4_GROUP) -> "Int4Linear":
         """`linear` quantised groupwise, each group's min..max spread over 0..15."""
         return cls(*quantize_int4(linear.weight.detach().float(), group), dtype,
-                   None if linear.bias is None else linear.bias.detach().to(dtype), group)
+                   None if linear.bias is None else linear.bias.detach(), group)
 
     def dequantized(self) -> torch.Tensor:
-        """The weight [out, in] as the kernel computes it, in float32 (an identity pass)."""
+        """The weight [out, in] as the kernel computes it, in float32 (torch's: an identity pass)."""
+        if self.native:
+            return cpu_kernels.int4_dequantize(self.weight)
         eye = torch.eye(self.in_features, dtype=self.scales_and_zeros.dtype, device=self.weight.device)
         return self._matmul(eye).t().float()
 
@@ -125,7 +163,16 @@ class Int4Linear(nn.Module):
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.weight, self.group, self.scales_and_zeros)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).to(self.scales_and_zeros.dtype).contiguous()
+        flat = x.reshape(-1, self.in_features)
+        if self.native:
+            flat = flat.float().contiguous()
+            if flat.shape[0] > PACKED_CHUNK_ROWS:
+                y = F.linear(flat, self.dequantized(), self.bias)
+            else:
+                y = cpu_kernels.int4_linear(flat, self.weight)
+                y = y if self.bias is None else y + self.bias
+            return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        flat = flat.to(self.scales_and_zeros.dtype).contiguous()
         y = self._matmul(flat).to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
@@ -152,14 +199,14 @@ class RowSlicedLinear(nn.Module):
 
 
 def quantize_int4(w: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(q, scales, zeros) of float weight `w` [out, in], asymmetric per group of `group`
-    inputs: q = round((w - min) / scale), scale = (max - min) / 15, zero = min + 8 * scale."""
+    """(q, d, m) of float weight `w` [out, in], asymmetric per group of `group` inputs,
+    w ~ d * q + m: m = the group's min, d = (max - min) / 15, q = round((w - m) / d)."""
     out, inp = w.shape
     groups = w.reshape(out, inp // group, group)
     low, high = groups.amin(-1), groups.amax(-1)
     scales = ((high - low) / 15).clamp(min=1e-10)
     q = torch.round((groups - low[..., None]) / scales[..., None]).clamp(0, 15).reshape(out, inp)
-    return q.to(torch.int32), scales, low + 8 * scales
+    return q.to(torch.int32), scales, low
 
 
 def quantize(model, mode: str, int4_blocks: dict[str, tuple] | None = None):

@@ -1,0 +1,129 @@
+// Weight-only int4 and int8 matrix products for x86 CPUs with AVX2 and FMA, on float32
+// activations (speculative/cpu_kernels.py builds and loads this file).
+//
+// Every output y[m, n] is computed by one thread with one fixed sequence of operations,
+// whatever the number of rows m beside it and however the work is split: a row scores the
+// same alone or in a verification pass (the lossless contract, docs/DESIGN-NOTES.md).
+//
+// int4: GGUF's Q4_1 blocks of 32 inputs, their float16 scales widened to float32. int8: w = scale * q, one scale per
+// output channel.
+#include <immintrin.h>
+#include <stdint.h>
+
+namespace {
+
+constexpr int kGroup = 32;
+
+inline float hsum(__m256 v) {  // a fixed order: (0+4, 1+5, 2+6, 3+7), then pairs
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// A GGUF Q4_1 block, d and m widened to float32 (exact): 32 weights w = d * q + m, q in
+// 0..15; byte i of `q` holds q[i] in its low nibble and q[i + 16] in its high one.
+struct Q4Block {
+  float d, m;
+  uint8_t q[16];
+};
+static_assert(sizeof(Q4Block) == 24, "a block is 24 bytes");
+
+// Weight vector j (inputs 8j..8j+7) of an int4 block.
+inline __m256 int4_weights(const Q4Block& block, __m256 d, __m256 m, int j) {
+  __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block.q));
+  if (j >= 2) b = _mm_srli_epi16(b, 4);
+  if (j % 2) b = _mm_srli_si128(b, 8);
+  b = _mm_and_si128(b, _mm_set1_epi8(0x0F));
+  return _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)), m);
+}
+
+// Weight vector j of an int8 group (the channel's scale left out).
+inline __m256 int8_weights(const int8_t* q, int j) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * j))));
+}
+
+// R rows against output channel n. Each row sums with four accumulators, one per 8 inputs of
+// a group, over the groups in order, added in a fixed order at the end: the operations a row
+// gets do not depend on R, so every tiling gives it the same result.
+template <int R, bool kInt4>
+void channel(const float* x, int64_t k, const void* weight, const float* scale, int64_t n, int64_t out, float* y) {
+  const int64_t groups = k / kGroup;
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 2; ++j) acc[r][j] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const float* xg = x + g * kGroup;
+    if (kInt4) {
+      const Q4Block& block = static_cast<const Q4Block*>(weight)[n * groups + g];
+      const __m256 d = _mm256_set1_ps(block.d), m = _mm256_set1_ps(block.m);
+      for (int j = 0; j < 4; ++j) {
+        const __m256 w = int4_weights(block, d, m, j);
+        for (int r = 0; r < R; ++r) acc[r][j % 2] = _mm256_fmadd_ps(w, _mm256_loadu_ps(xg + r * k + 8 * j), acc[r][j % 2]);
+      }
+    } else {
+      const int8_t* q = static_cast<const int8_t*>(weight) + n * k + g * kGroup;
+      for (int j = 0; j < 4; ++j) {
+        const __m256 w = int8_weights(q, j);
+        for (int r = 0; r < R; ++r) acc[r][j % 2] = _mm256_fmadd_ps(w, _mm256_loadu_ps(xg + r * k + 8 * j), acc[r][j % 2]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const float total = hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
+    y[r * out + n] = kInt4 ? total : scale[n] * total;
+  }
+}
+
+// Rows a channel's weights are decoded for at once, at most: five rows' accumulators and a
+// weight vector fill the 16 vector registers (six spill, measured slower).
+constexpr int kRows = 5;
+
+template <bool kInt4>
+void linear(const float* x, int64_t rows, int64_t k, const void* weight, const float* scale, int64_t out, float* y) {
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < out; ++n) {
+    const int64_t tiles = (rows + kRows - 1) / kRows, tile = (rows + tiles - 1) / tiles;  // as even as can be
+    for (int64_t r = 0; r < rows; r += tile) {
+      const float* xr = x + r * k;
+      float* yr = y + r * out;
+      switch (rows - r < tile ? rows - r : tile) {
+        case 5: channel<5, kInt4>(xr, k, weight, scale, n, out, yr); break;
+        case 4: channel<4, kInt4>(xr, k, weight, scale, n, out, yr); break;
+        case 3: channel<3, kInt4>(xr, k, weight, scale, n, out, yr); break;
+        case 2: channel<2, kInt4>(xr, k, weight, scale, n, out, yr); break;
+        default: channel<1, kInt4>(xr, k, weight, scale, n, out, yr); break;
+      }
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// y [rows, out] = x [rows, k] @ W.T, W given as Q4_1 blocks [out, k/32]. k a multiple of 32.
+void int4_linear(const float* x, int64_t rows, int64_t k, const Q4Block* blocks, int64_t out, float* y) {
+  linear<true>(x, rows, k, blocks, nullptr, out, y);
+}
+
+// y [rows, out] = x [rows, k] @ (scale[:, None] * q).T, q [out, k] int8. k a multiple of 32.
+void int8_linear(const float* x, int64_t rows, int64_t k, const int8_t* q, const float* scale, int64_t out,
+                 float* y) {
+  linear<false>(x, rows, k, q, scale, out, y);
+}
+
+// w [out, k] = the Q4_1 blocks' weights in float32, each d * q + m as the products compute it.
+void int4_dequantize(int64_t k, const Q4Block* blocks, int64_t out, float* w) {
+  const int64_t groups = k / kGroup;
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < out; ++n) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const Q4Block& block = blocks[n * groups + g];
+      const __m256 d = _mm256_set1_ps(block.d), m = _mm256_set1_ps(block.m);
+      for (int j = 0; j < 4; ++j) _mm256_storeu_ps(w + n * k + g * kGroup + 8 * j, int4_weights(block, d, m, j));
+    }
+  }
+}
+
+}  // extern "C"

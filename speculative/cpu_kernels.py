@@ -1,0 +1,154 @@
+"""specserve's own int4 and int8 weight-only products for x86 CPUs with AVX2 (cpu_kernels.cpp).
+
+torch's CPU kernels for these take bfloat16 activations, and without AVX-512 they read the
+weights at a fraction of the memory's speed. These take float32 activations as they are and
+give each row the same result whatever the rows beside it (the lossless contract). The
+source is compiled with the system's C++ compiler on first use, a second or two, and kept
+in the cache directory (`speculative.loading.cache_root`); without a compiler, AVX2 or an
+x86 CPU, `available()` is False and the quantised layers keep torch's kernels.
+
+SPECSERVE_CPU_KERNELS=torch turns them off (=native: fail loudly if they cannot load).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+GROUP = 32  # inputs per int4 group and per step of every product
+
+FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC"]
+CHOICES = ("auto", "native", "torch")
+
+_library: ctypes.CDLL | None = None
+_tried = False
+
+
+def choice() -> str:
+    value = os.environ.get("SPECSERVE_CPU_KERNELS", "auto")
+    if value not in CHOICES:
+        raise ValueError(f"SPECSERVE_CPU_KERNELS must be one of {', '.join(CHOICES)}, got {value!r}")
+    return value
+
+
+def available() -> bool:
+    """Whether the native products can run here (built and loaded on first call)."""
+    return library() is not None
+
+
+def fits(in_features: int) -> bool:
+    return in_features % GROUP == 0
+
+
+def library() -> ctypes.CDLL | None:
+    global _library, _tried
+    if not _tried:
+        _tried = True
+        wanted = choice()
+        if wanted != "torch":
+            try:
+                _library = _load()
+            except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+                if wanted == "native":
+                    raise RuntimeError(f"SPECSERVE_CPU_KERNELS=native, but they cannot load: {e}") from e
+                log.warning("specserve's CPU kernels are unavailable (%s): int4/int8 layers use torch's", e)
+    return _library
+
+
+def _cpu_supported() -> bool:
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
+def _load() -> ctypes.CDLL:
+    if not _cpu_supported():
+        raise RuntimeError(f"needs an x86-64 CPU with AVX2, this one is {platform.machine()} "
+                           f"{torch.backends.cpu.get_cpu_capability()}")
+    path = _built()
+    lib = ctypes.CDLL(str(path))
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.int4_linear.argtypes = [ptr, i64, i64, ptr, i64, ptr]
+    lib.int8_linear.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr]
+    lib.int4_dequantize.argtypes = [i64, ptr, i64, ptr]
+    for fn in (lib.int4_linear, lib.int8_linear, lib.int4_dequantize):
+        fn.restype = None
+    return lib
+
+
+def _built() -> Path:
+    """The compiled library for this source and these flags, compiling it if needed."""
+    from .loading import cache_root  # loading imports the models, which import this module
+
+    source = SOURCE.read_bytes()
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        raise RuntimeError("no C++ compiler (g++) to build them with")
+    key = hashlib.sha256(source + " ".join(FLAGS).encode()).hexdigest()[:16]
+    path = cache_root() / "kernels" / f"cpu_kernels-{key}.so"
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, partial = tempfile.mkstemp(suffix=".so", dir=path.parent)  # processes may build at once
+    os.close(fd)
+    try:
+        done = subprocess.run([compiler, *FLAGS, "-o", partial, str(SOURCE)], capture_output=True, text=True,
+                              timeout=300)
+        if done.returncode:
+            raise RuntimeError(f"{compiler} failed (exit {done.returncode}): {done.stderr.strip()[-2000:]}")
+        os.replace(partial, path)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+    return path
+
+
+def _ptr(t: torch.Tensor) -> int:
+    return t.data_ptr()
+
+
+def int4_linear(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """x [rows, in] float32 contiguous @ W.T, W given as Q4_1 `blocks` [out, in/32, 24] (`to_blocks`)."""
+    rows, k = x.shape
+    y = torch.empty(rows, blocks.shape[0], dtype=torch.float32)
+    _library.int4_linear(x.data_ptr(), rows, k, blocks.data_ptr(), blocks.shape[0], y.data_ptr())
+    return y
+
+
+def int8_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x [rows, in] float32 contiguous @ (scales[:, None] * q).T, q [out, in] int8, scales float32."""
+    rows, k = x.shape
+    y = torch.empty(rows, q.shape[0], dtype=torch.float32)
+    _library.int8_linear(x.data_ptr(), rows, k, q.data_ptr(), scales.data_ptr(), q.shape[0], y.data_ptr())
+    return y
+
+
+def int4_dequantize(blocks: torch.Tensor) -> torch.Tensor:
+    """The weights [out, in] float32 that `int4_linear` multiplies by."""
+    out, groups, _ = blocks.shape
+    w = torch.empty(out, groups * GROUP, dtype=torch.float32)
+    _library.int4_dequantize(groups * GROUP, blocks.data_ptr(), out, w.data_ptr())
+    return w
+
+
+def to_blocks(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """Q4_1 blocks [out, in/32, 24] uint8 of w = d * q + m: q [out, in] in 0..15, d and m
+    [out, in/32] float32. Each block is d and m, then 16 bytes whose byte i holds q[i] low
+    and q[i + 16] high (a GGUF's Q4_1 block with its float16 d and m widened, exactly)."""
+    out, k = q.shape
+    groups = q.to(torch.uint8).reshape(out, k // GROUP, GROUP)
+    nibbles = groups[..., :GROUP // 2] | (groups[..., GROUP // 2:] << 4)
+    scales = torch.stack((d, m), dim=-1).float().contiguous().view(torch.uint8)
+    return torch.cat((scales, nibbles), dim=-1).contiguous()
