@@ -5,8 +5,8 @@
 // whatever the number of rows m beside it and however the work is split: a row scores the
 // same alone or in a verification pass (the lossless contract, docs/DESIGN-NOTES.md).
 //
-// int4: GGUF's Q4_1 blocks of 32 inputs, their float16 scales widened to float32. int8: w = scale * q, one scale per
-// output channel.
+// int4: GGUF's Q4_1 blocks of 32 inputs, their float16 scales widened to float32. int8:
+// w = scale * q, one scale per output channel, or one per group of 32 inputs (GGUF's Q8_0).
 #include <immintrin.h>
 #include <stdint.h>
 
@@ -38,7 +38,9 @@ inline __m256 int4_weights(const Q4Block& block, __m256 d, __m256 m, int j) {
   return _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)), m);
 }
 
-// Weight vector j of an int8 group (the channel's scale left out).
+enum Kind { kInt4, kInt8Channel, kInt8Group };
+
+// Weight vector j of an int8 group (scale left out).
 inline __m256 int8_weights(const int8_t* q, int j) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * j))));
 }
@@ -46,7 +48,7 @@ inline __m256 int8_weights(const int8_t* q, int j) {
 // R rows against output channel n. Each row sums with four accumulators, one per 8 inputs of
 // a group, over the groups in order, added in a fixed order at the end: the operations a row
 // gets do not depend on R, so every tiling gives it the same result.
-template <int R, bool kInt4>
+template <int R, Kind kKind>
 void channel(const float* x, int64_t k, const void* weight, const float* scale, int64_t n, int64_t out, float* y) {
   const int64_t groups = k / kGroup;
   __m256 acc[R][2];
@@ -54,24 +56,25 @@ void channel(const float* x, int64_t k, const void* weight, const float* scale, 
     for (int j = 0; j < 2; ++j) acc[r][j] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     const float* xg = x + g * kGroup;
-    if (kInt4) {
+    __m256 w[4];
+    if (kKind == kInt4) {
       const Q4Block& block = static_cast<const Q4Block*>(weight)[n * groups + g];
       const __m256 d = _mm256_set1_ps(block.d), m = _mm256_set1_ps(block.m);
-      for (int j = 0; j < 4; ++j) {
-        const __m256 w = int4_weights(block, d, m, j);
-        for (int r = 0; r < R; ++r) acc[r][j % 2] = _mm256_fmadd_ps(w, _mm256_loadu_ps(xg + r * k + 8 * j), acc[r][j % 2]);
-      }
+      for (int j = 0; j < 4; ++j) w[j] = int4_weights(block, d, m, j);
     } else {
       const int8_t* q = static_cast<const int8_t*>(weight) + n * k + g * kGroup;
-      for (int j = 0; j < 4; ++j) {
-        const __m256 w = int8_weights(q, j);
-        for (int r = 0; r < R; ++r) acc[r][j % 2] = _mm256_fmadd_ps(w, _mm256_loadu_ps(xg + r * k + 8 * j), acc[r][j % 2]);
+      for (int j = 0; j < 4; ++j) w[j] = int8_weights(q, j);
+      if (kKind == kInt8Group) {  // w = d * q, exact in float32 for a float16 d
+        const __m256 d = _mm256_set1_ps(scale[n * groups + g]);
+        for (int j = 0; j < 4; ++j) w[j] = _mm256_mul_ps(d, w[j]);
       }
     }
+    for (int j = 0; j < 4; ++j)
+      for (int r = 0; r < R; ++r) acc[r][j % 2] = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(xg + r * k + 8 * j), acc[r][j % 2]);
   }
   for (int r = 0; r < R; ++r) {
     const float total = hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
-    y[r * out + n] = kInt4 ? total : scale[n] * total;
+    y[r * out + n] = kKind == kInt8Channel ? scale[n] * total : total;
   }
 }
 
@@ -79,7 +82,7 @@ void channel(const float* x, int64_t k, const void* weight, const float* scale, 
 // weight vector fill the 16 vector registers (six spill, measured slower).
 constexpr int kRows = 5;
 
-template <bool kInt4>
+template <Kind kKind>
 void linear(const float* x, int64_t rows, int64_t k, const void* weight, const float* scale, int64_t out, float* y) {
 #pragma omp parallel for schedule(static)
   for (int64_t n = 0; n < out; ++n) {
@@ -88,11 +91,11 @@ void linear(const float* x, int64_t rows, int64_t k, const void* weight, const f
       const float* xr = x + r * k;
       float* yr = y + r * out;
       switch (rows - r < tile ? rows - r : tile) {
-        case 5: channel<5, kInt4>(xr, k, weight, scale, n, out, yr); break;
-        case 4: channel<4, kInt4>(xr, k, weight, scale, n, out, yr); break;
-        case 3: channel<3, kInt4>(xr, k, weight, scale, n, out, yr); break;
-        case 2: channel<2, kInt4>(xr, k, weight, scale, n, out, yr); break;
-        default: channel<1, kInt4>(xr, k, weight, scale, n, out, yr); break;
+        case 5: channel<5, kKind>(xr, k, weight, scale, n, out, yr); break;
+        case 4: channel<4, kKind>(xr, k, weight, scale, n, out, yr); break;
+        case 3: channel<3, kKind>(xr, k, weight, scale, n, out, yr); break;
+        case 2: channel<2, kKind>(xr, k, weight, scale, n, out, yr); break;
+        default: channel<1, kKind>(xr, k, weight, scale, n, out, yr); break;
       }
     }
   }
@@ -104,13 +107,15 @@ extern "C" {
 
 // y [rows, out] = x [rows, k] @ W.T, W given as Q4_1 blocks [out, k/32]. k a multiple of 32.
 void int4_linear(const float* x, int64_t rows, int64_t k, const Q4Block* blocks, int64_t out, float* y) {
-  linear<true>(x, rows, k, blocks, nullptr, out, y);
+  linear<kInt4>(x, rows, k, blocks, nullptr, out, y);
 }
 
-// y [rows, out] = x [rows, k] @ (scale[:, None] * q).T, q [out, k] int8. k a multiple of 32.
-void int8_linear(const float* x, int64_t rows, int64_t k, const int8_t* q, const float* scale, int64_t out,
-                 float* y) {
-  linear<false>(x, rows, k, q, scale, out, y);
+// y [rows, out] = x [rows, k] @ W.T, W = q [out, k] int8 times `scale`: [out] one per channel,
+// or `grouped`, [out, k/32] one per group of 32 inputs. k a multiple of 32.
+void int8_linear(const float* x, int64_t rows, int64_t k, const int8_t* q, const float* scale, int grouped,
+                 int64_t out, float* y) {
+  if (grouped) linear<kInt8Group>(x, rows, k, q, scale, out, y);
+  else linear<kInt8Channel>(x, rows, k, q, scale, out, y);
 }
 
 // w [out, k] = the Q4_1 blocks' weights in float32, each d * q + m as the products compute it.

@@ -1,13 +1,15 @@
 """specserve's own int4 and int8 weight-only products for x86 CPUs with AVX2 (cpu_kernels.cpp).
 
 torch's CPU kernels for these take bfloat16 activations, and without AVX-512 they read the
-weights at a fraction of the memory's speed. These take float32 activations as they are and
-give each row the same result whatever the rows beside it (the lossless contract). The
-source is compiled with the system's C++ compiler on first use, a second or two, and kept
-in the cache directory (`speculative.loading.cache_root`); without a compiler, AVX2 or an
-x86 CPU, `available()` is False and the quantised layers keep torch's kernels.
+weights at a fraction of the memory's speed (docs/BENCHMARKS.md). These take float32
+activations as they are and give each row the same result whatever the rows beside it (the
+lossless contract). The source is compiled with the system's C++ compiler on first use, a
+second or two, and kept in the cache directory (`speculative.loading.cache_root`).
 
-SPECSERVE_CPU_KERNELS=torch turns them off (=native: fail loudly if they cannot load).
+SPECSERVE_CPU_KERNELS picks who multiplies: `auto` (the default) these on a CPU whose best
+instructions are AVX2, torch's where it has AVX-512 (there torch's are fast) or where these
+cannot be built (no compiler, no AVX2, not x86: a warning says so); `native` these on any
+AVX2 CPU, an error if they cannot be built; `torch` torch's.
 """
 
 from __future__ import annotations
@@ -48,6 +50,14 @@ def available() -> bool:
     return library() is not None
 
 
+def preferred() -> bool:
+    """Whether the int8/int4 layers take the native products (SPECSERVE_CPU_KERNELS)."""
+    wanted = choice()
+    if wanted == "torch" or (wanted == "auto" and torch.backends.cpu.get_cpu_capability() != "AVX2"):
+        return False
+    return available()
+
+
 def fits(in_features: int) -> bool:
     return in_features % GROUP == 0
 
@@ -81,7 +91,7 @@ def _load() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.int4_linear.argtypes = [ptr, i64, i64, ptr, i64, ptr]
-    lib.int8_linear.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr]
+    lib.int8_linear.argtypes = [ptr, i64, i64, ptr, ptr, ctypes.c_int, i64, ptr]
     lib.int4_dequantize.argtypes = [i64, ptr, i64, ptr]
     for fn in (lib.int4_linear, lib.int8_linear, lib.int4_dequantize):
         fn.restype = None
@@ -128,10 +138,12 @@ def int4_linear(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
 
 
 def int8_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """x [rows, in] float32 contiguous @ (scales[:, None] * q).T, q [out, in] int8, scales float32."""
+    """x [rows, in] float32 contiguous @ W.T, W = q [out, in] int8 times float32 `scales`: [out],
+    one per channel, or [out, in/32], one per group of 32 inputs (GGUF's Q8_0)."""
     rows, k = x.shape
     y = torch.empty(rows, q.shape[0], dtype=torch.float32)
-    _library.int8_linear(x.data_ptr(), rows, k, q.data_ptr(), scales.data_ptr(), q.shape[0], y.data_ptr())
+    _library.int8_linear(x.data_ptr(), rows, k, q.data_ptr(), scales.data_ptr(), int(scales.dim() == 2), q.shape[0],
+                         y.data_ptr())
     return y
 
 

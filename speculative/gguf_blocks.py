@@ -1,8 +1,10 @@
-"""A 4-bit GGUF's Q4_0/Q4_1 blocks as they are stored, for `speculative.quantize`'s int4 layers.
+"""A GGUF's Q4_0/Q4_1 blocks as they are stored, for `speculative.quantize`'s int4 layers, and
+its Q8_0 head's, for the int8 head beside them.
 
 A block holds 32 consecutive weights of a row: a float16 scale d (and, Q4_1, a float16
 minimum m), then 16 bytes of 4-bit q, the low nibbles weights 0-15 and the high nibbles
-16-31; w = d*q + m (Q4_0: w = d*(q - 8), that is m = -8d). Nothing goes through float32
+16-31; w = d*q + m (Q4_0: w = d*(q - 8), that is m = -8d). A Q8_0 block is a float16 d and
+32 int8 q, w = d*q. Nothing goes through float32
 weights: q stays an integer, d and m only widen from float16 (exact). Reading a GGUF's
 metadata is slow (its whole vocabulary), so the blocks are kept beside the model's
 converted checkpoint after the first read (`cached_int4_blocks`).
@@ -44,7 +46,17 @@ def _blocks(tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return torch.from_numpy(q.astype(np.int32)), torch.from_numpy(d), torch.from_numpy(m)
 
 
-BLOCKS_FILE = "int4_blocks.safetensors"
+def _q8_blocks(tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q [rows, cols] int8, d [rows, cols/32] float32) of a Q8_0 tensor."""
+    rows = tensor.data.shape[0]
+    raw = np.ascontiguousarray(tensor.data).reshape(rows, -1, 34)
+    d = raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    q = raw[..., 2:].copy().view(np.int8).reshape(rows, -1)
+    return torch.from_numpy(q), torch.from_numpy(d)
+
+
+BLOCKS_FILE = "gguf_blocks.safetensors"
+HEAD = "lm_head"  # the key of the Q8_0 head's (q, d), where the GGUF's head is Q8_0
 
 
 def cached_int4_blocks(gguf_path: str | Path, converted_dir: Path
@@ -56,13 +68,20 @@ def cached_int4_blocks(gguf_path: str | Path, converted_dir: Path
     path = Path(converted_dir) / BLOCKS_FILE
     if path.exists():
         stored = load_file(str(path))
-        names = {key.rsplit(".", 1)[0] for key in stored}
-        return {name: (torch.stack((stored[f"{name}.q"] & 0x0F, stored[f"{name}.q"] >> 4), dim=-1)
-                       .flatten(-2).to(torch.int32),
-                       stored[f"{name}.d"].float(), stored[f"{name}.m"].float()) for name in names}
+        names = {key.rsplit(".", 1)[0] for key in stored} - {HEAD}
+        blocks = {name: (torch.stack((stored[f"{name}.q"] & 0x0F, stored[f"{name}.q"] >> 4), dim=-1)
+                         .flatten(-2).to(torch.int32),
+                         stored[f"{name}.d"].float(), stored[f"{name}.m"].float()) for name in names}
+        if f"{HEAD}.q" in stored:
+            blocks[HEAD] = (stored[f"{HEAD}.q"], stored[f"{HEAD}.d"].float())
+        return blocks
     blocks = int4_blocks(gguf_path)
     stored = {}
-    for name, (q, d, m) in blocks.items():
+    for name, parts in blocks.items():
+        if name == HEAD:
+            stored[f"{name}.q"], stored[f"{name}.d"] = parts[0], parts[1].half()
+            continue
+        q, d, m = parts
         stored[f"{name}.q"] = (q[:, 0::2] | q[:, 1::2] << 4).to(torch.uint8)
         stored[f"{name}.d"], stored[f"{name}.m"] = d.half(), m.half()  # both came from float16
     tmp = path.with_name(f".{BLOCKS_FILE}.{os.getpid()}")
@@ -74,7 +93,8 @@ def cached_int4_blocks(gguf_path: str | Path, converted_dir: Path
 def int4_blocks(gguf_path: str | Path) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Our layer name ("layers.3.attn.qkv") -> (q, d, m) for every fused linear layer of
     `gguf_path` whose parts are all Q4_0/Q4_1; rows in our order (q/k unpermuted, the
-    parts stacked as `speculative.loading` stacks them). Layers stored otherwise are absent."""
+    parts stacked as `speculative.loading` stacks them). Layers stored otherwise are absent.
+    HEAD -> (q, d) of the head (the token embedding, if tied) where it is Q8_0."""
     import gguf
 
     four_bit = {gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1}
@@ -95,4 +115,7 @@ def int4_blocks(gguf_path: str | Path) -> dict[str, tuple[torch.Tensor, torch.Te
                     q, d, m = (_unpermute(x, heads[name]) for x in (q, d, m))
                 stacked.append((q, d, m))
             out[f"layers.{i}.{ours}"] = tuple(torch.cat(xs) for xs in zip(*stacked))
+    head = tensors["token_embd.weight" if cfg.tie_word_embeddings else "output.weight"]
+    if head.tensor_type == gguf.GGMLQuantizationType.Q8_0:
+        out[HEAD] = _q8_blocks(head)
     return out

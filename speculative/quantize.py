@@ -1,8 +1,7 @@
 """Weight-only int8 and int4 linear layers, and `quantize(model, mode)` that installs them.
 
 Only the weights are low-precision; activations, the KV cache and every non-linear op
-stay in the model's float dtype (`Transformer.dtype`, the embedding's). The matmuls are
-PyTorch's own weight-packed kernels:
+stay in the model's float dtype (`Transformer.dtype`, the embedding's). The weights:
 
 - int8: per-output-channel symmetric int8;
 - int4: groupwise asymmetric 4-bit, w = d * q + m with q in 0..15 and one (d, m) per
@@ -10,9 +9,9 @@ PyTorch's own weight-packed kernels:
   GGUF's blocks as they are (speculative/gguf_blocks.py reads them; Q4_0's w = d*(q - 8)
   is m = -8d); `quantize_int4` quantises any other float weight.
 
-On an x86 CPU with AVX2 the products are specserve's own (speculative/cpu_kernels.py):
-float32 activations as they are, the weights exactly d * q + m. Elsewhere, or with
-SPECSERVE_CPU_KERNELS=torch, they are PyTorch's weight-packed kernels on bfloat16
+On an x86 CPU with AVX2 but not AVX-512 the products are specserve's own
+(speculative/cpu_kernels.py, SPECSERVE_CPU_KERNELS): float32 activations as they are, the
+weights exactly d * q + m. Elsewhere they are PyTorch's weight-packed kernels on bfloat16
 activations: `_weight_int8pack_mm`, and for int4 `_weight_int4pack_mm_for_cpu` on a CPU,
 `_weight_int4pack_mm` on CUDA, in torch's int4 format w = (q - 8) * scale + zero
 (scale = d, zero = m + 8d).
@@ -57,18 +56,21 @@ def cuda_inner_k_tiles(in_features: int) -> int:
 
 def _native(device: torch.device, in_features: int) -> bool:
     """Whether a layer on `device` takes specserve's own CPU products (speculative/cpu_kernels.py)."""
-    return device.type == "cpu" and cpu_kernels.fits(in_features) and cpu_kernels.available()
+    return device.type == "cpu" and cpu_kernels.fits(in_features) and cpu_kernels.preferred()
 
 
 class Int8Linear(nn.Module):
     """`nn.Linear` with int8 weights, one scale per output channel (gpt-fast's
-    WeightOnlyInt8Linear). Scales in float32 for the native CPU product, else in the
-    activation dtype torch's kernel wants."""
+    WeightOnlyInt8Linear) or, native only, one per group of 32 inputs (GGUF's Q8_0
+    blocks, `scales` [out, in/32]). Scales in float32 for the native CPU product, else in
+    the activation dtype torch's kernel wants."""
 
     def __init__(self, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.native = _native(weight.device, self.in_features) and scales.dtype == torch.float32
+        if scales.dim() == 2 and not self.native:
+            raise ValueError("int8 with a scale per group of inputs needs the native CPU product")
         self.register_buffer("weight", weight)
         self.register_buffer("scales", scales)
         self.register_buffer("bias", bias)
@@ -86,6 +88,8 @@ class Int8Linear(nn.Module):
         return cls(q, scales, bias)
 
     def dequantized(self) -> torch.Tensor:
+        if self.scales.dim() == 2:
+            return (self.weight.float().unflatten(1, (-1, cpu_kernels.GROUP)) * self.scales[..., None]).flatten(1)
         return self.weight.float() * self.scales.float()[:, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -220,6 +224,8 @@ def quantize(model, mode: str, int4_blocks: dict[str, tuple] | None = None):
     4 bits there cost more accuracy than anywhere else (docs/DESIGN-NOTES.md, Precision).
     `int4_blocks` maps a layer's name ("layers.3.attn.qkv") to `Int4Linear.from_blocks`
     arguments taken from a 4-bit GGUF; other int4 layers are quantised from their weights.
+    Its "lm_head", (q, d) of a Q8_0 head, makes the int8 head those blocks as they are where
+    the native CPU product runs (torch's int8 kernel takes one scale per channel only).
     """
     if mode == "bfloat16":  # no quantisation: row-exact slicing of the CPU bfloat16 layers
         if model.device.type == "cpu":
@@ -251,7 +257,11 @@ def quantize(model, mode: str, int4_blocks: dict[str, tuple] | None = None):
             else:
                 new = Int4Linear.quantized(linear, dtype)
             setattr(owner, attr, new)
-    model.lm_head = Int8Linear.quantized(model.lm_head, dtype)
+    head = blocks.get("lm_head")
+    if head is not None and _native(model.device, model.lm_head.in_features):
+        model.lm_head = Int8Linear(*(t.to(model.device) for t in head))
+    else:
+        model.lm_head = Int8Linear.quantized(model.lm_head, dtype)
     model.precision = mode
     model.attention_dtype = torch.float64  # so a verified token rounds as it does alone (model.py)
     return model

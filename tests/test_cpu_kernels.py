@@ -15,6 +15,12 @@ from speculative.quantize import Int4Linear, Int8Linear
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="needs an x86 CPU with AVX2 and a C++ compiler")
 
 
+@pytest.fixture(autouse=True)
+def native(monkeypatch):
+    """The layers here take the native products on any AVX2 CPU, AVX-512 ones included."""
+    monkeypatch.setenv("SPECSERVE_CPU_KERNELS", "native")
+
+
 def gguf_like_int4(out: int, k: int, seed: int = 0):
     """q, d, m as a Q4_1 GGUF holds them: d and m float16 values (so d * q is exact)."""
     gen = torch.Generator().manual_seed(seed)
@@ -96,6 +102,8 @@ def test_torch_kernels_where_asked(fresh_kernels):
 
 
 def test_a_missing_compiler_falls_back_to_torch_with_a_warning(fresh_kernels, caplog):
+    fresh_kernels.setenv("SPECSERVE_CPU_KERNELS", "auto")
+    fresh_kernels.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
     fresh_kernels.setenv("CXX", "/bin/false")
     with caplog.at_level(logging.WARNING, logger="speculative.cpu_kernels"):
         assert not cpu_kernels.available()

@@ -157,6 +157,18 @@ def test_int4_weights_are_the_gguf_blocks_exactly(models):
                 assert torch.equal(loaded.scales_and_zeros, exact.scales_and_zeros.to(torch.bfloat16)), f"layer {i} {part}"
 
 
+def test_the_int4_models_head_is_the_gguf_q8_0_blocks_exactly(models):
+    """With the native CPU product, the int4 model's int8 head is the shipped Q8_0 head's
+    blocks as they are (a scale per 32 inputs): its weights equal the float32 embedding,
+    gguf's dequantisation of the same blocks, bit for bit. (torch's int8 kernel takes one
+    scale per channel, so elsewhere the head is quantised again.)"""
+    model = models["int4"]
+    if not model.lm_head.native:
+        pytest.skip("torch's int8 kernel here")
+    assert model.lm_head.scales.shape == (model.config.vocab_size, model.config.hidden_size // 32)
+    assert torch.equal(model.lm_head.dequantized(), model.embed.weight)
+
+
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_greedy_speculation_equals_plain_decoding_in_each_precision(models, prompt_ids, precision):
     target = models[precision]
