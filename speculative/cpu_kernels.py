@@ -6,10 +6,10 @@ activations as they are and give each row the same result whatever the rows besi
 lossless contract). The source is compiled with the system's C++ compiler on first use, a
 second or two, and kept in the cache directory (`speculative.loading.cache_root`).
 
-SPECSERVE_CPU_KERNELS picks who multiplies: `auto` (the default) these on a CPU whose best
-instructions are AVX2, torch's where it has AVX-512 (there torch's are fast) or where these
-cannot be built (no compiler, no AVX2, not x86: a warning says so); `native` these on any
-AVX2 CPU, an error if they cannot be built; `torch` torch's.
+Who multiplies (`preferred`, `CpuTuning.int_kernels`, SPECSERVE_CPU_KERNELS at the edge):
+`auto` these on a CPU whose best instructions are AVX2, torch's where it has AVX-512 (there
+torch's are fast) or where these cannot be built (no compiler, no AVX2, not x86: a warning
+says so); `native` these on any AVX2 CPU, an error if they cannot be built; `torch` torch's.
 """
 
 from __future__ import annotations
@@ -35,45 +35,40 @@ FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off", "-shared", "
 CHOICES = ("auto", "native", "torch")
 
 _library: ctypes.CDLL | None = None
-_tried = False
+_error: str | None = None  # why they cannot load, once tried
 
 
-def choice() -> str:
-    value = os.environ.get("SPECSERVE_CPU_KERNELS", "auto")
-    if value not in CHOICES:
-        raise ValueError(f"SPECSERVE_CPU_KERNELS must be one of {', '.join(CHOICES)}, got {value!r}")
-    return value
+def available(cache_dir: str | os.PathLike | None = None) -> bool:
+    """Whether the native products can run here (built, under `cache_dir`, and loaded on first call)."""
+    return library(cache_dir) is not None
 
 
-def available() -> bool:
-    """Whether the native products can run here (built and loaded on first call)."""
-    return library() is not None
-
-
-def preferred() -> bool:
-    """Whether the int8/int4 layers take the native products (SPECSERVE_CPU_KERNELS)."""
-    wanted = choice()
-    if wanted == "torch" or (wanted == "auto" and torch.backends.cpu.get_cpu_capability() != "AVX2"):
+def preferred(choice: str = "auto", cache_dir: str | os.PathLike | None = None) -> bool:
+    """Whether int8/int4 layers on the CPU take the native products, by `choice` (module doc)."""
+    if choice not in CHOICES:
+        raise ValueError(f"CPU kernels: choice must be one of {', '.join(CHOICES)}, got {choice!r}")
+    if choice == "torch" or (choice == "auto" and torch.backends.cpu.get_cpu_capability() != "AVX2"):
         return False
-    return available()
+    if available(cache_dir):
+        return True
+    if choice == "native":
+        raise RuntimeError(f"specserve's CPU kernels were asked for (native), but they cannot load: {_error}")
+    return False
 
 
 def fits(in_features: int) -> bool:
     return in_features % GROUP == 0
 
 
-def library() -> ctypes.CDLL | None:
-    global _library, _tried
-    if not _tried:
-        _tried = True
-        wanted = choice()
-        if wanted != "torch":
-            try:
-                _library = _load()
-            except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-                if wanted == "native":
-                    raise RuntimeError(f"SPECSERVE_CPU_KERNELS=native, but they cannot load: {e}") from e
-                log.warning("specserve's CPU kernels are unavailable (%s): int4/int8 layers use torch's", e)
+def library(cache_dir: str | os.PathLike | None = None) -> ctypes.CDLL | None:
+    """The loaded products, or None (once, a warning says why) where they cannot load."""
+    global _library, _error
+    if _library is None and _error is None:
+        try:
+            _library = _load(cache_dir)
+        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+            _error = str(e)
+            log.warning("specserve's CPU kernels are unavailable (%s): int4/int8 layers use torch's", e)
     return _library
 
 
@@ -83,11 +78,11 @@ def _cpu_supported() -> bool:
     return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 
 
-def _load() -> ctypes.CDLL:
+def _load(cache_dir) -> ctypes.CDLL:
     if not _cpu_supported():
         raise RuntimeError(f"needs an x86-64 CPU with AVX2, this one is {platform.machine()} "
                            f"{torch.backends.cpu.get_cpu_capability()}")
-    path = _built()
+    path = _built(cache_dir)
     lib = ctypes.CDLL(str(path))
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.int4_linear.argtypes = [ptr, i64, i64, ptr, i64, ptr]
@@ -98,7 +93,7 @@ def _load() -> ctypes.CDLL:
     return lib
 
 
-def _built() -> Path:
+def _built(cache_dir) -> Path:
     """The compiled library for this source and these flags, compiling it if needed."""
     from .loading import cache_root  # loading imports the models, which import this module
 
@@ -107,7 +102,7 @@ def _built() -> Path:
     if compiler is None:
         raise RuntimeError("no C++ compiler (g++) to build them with")
     key = hashlib.sha256(source + " ".join(FLAGS).encode()).hexdigest()[:16]
-    path = cache_root() / "kernels" / f"cpu_kernels-{key}.so"
+    path = cache_root(cache_dir) / "kernels" / f"cpu_kernels-{key}.so"
     if path.exists():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -39,6 +39,7 @@ PAD_ROWS_TO = 4
 ONE_ROW_PATHS = ("auto", "blas", "packed")
 SHORT_ROWS_PATHS = ("auto", "blas", "padded")
 LONG_ROWS_PATHS = ("auto", "blas", "packed")
+INT_KERNELS = ("auto", "native", "torch")  # speculative/cpu_kernels.py
 
 # oneDNN keeps a primitive, with scratch memory sized by its rows, for every shape it meets
 # (up to 1,024 of them): a server whose passes took every row count up to a prompt's length
@@ -59,12 +60,15 @@ class CpuTuning:
     `padded` to PAD_ROWS_TO rows through the packed layers (a pass of one row and 2-3
     new tokens is padded), or `auto`, whichever this CPU runs faster (measured).
     `long_rows`: the path of passes over PACKED_CHUNK_ROWS rows: `blas`, `packed` (in
-    slices), or `auto`, whichever this CPU runs faster (measured)."""
+    slices), or `auto`, whichever this CPU runs faster (measured). `int_kernels`: who
+    multiplies int8/int4 weights (`speculative.cpu_kernels.preferred`), applied when
+    `speculative.loading.load` quantises."""
 
     packed_linear: bool = True
     one_row: str = "auto"
     short_rows: str = "auto"
     long_rows: str = "auto"
+    int_kernels: str = "auto"
 
     def __post_init__(self):
         if self.one_row not in ONE_ROW_PATHS:
@@ -73,6 +77,8 @@ class CpuTuning:
             raise ValueError(f"short_rows must be auto, blas or padded, got {self.short_rows!r}")
         if self.long_rows not in LONG_ROWS_PATHS:
             raise ValueError(f"long_rows must be auto, blas or packed, got {self.long_rows!r}")
+        if self.int_kernels not in INT_KERNELS:
+            raise ValueError(f"int_kernels must be auto, native or torch, got {self.int_kernels!r}")
 
 
 def apply_cpu_tuning(model: Transformer, tuning: CpuTuning = CpuTuning()) -> bool:
@@ -80,13 +86,18 @@ def apply_cpu_tuning(model: Transformer, tuning: CpuTuning = CpuTuning()) -> boo
     model (`PackedLinear`), and pad one-row passes of 2-3 tokens to PAD_ROWS_TO unless
     the packed layers run 2-3 rows by BLAS. Returns whether the layers were packed:
     False, leaving them as they are (and padding short rows), for another device or
-    dtype, a torch without oneDNN's packed linear, or `tuning.packed_linear` off. The
+    dtype, a torch without oneDNN's packed linear, or `tuning.packed_linear` off; an int8
+    or int4 model's layers stay as they are, unpadded. The
     model remembers `tuning` (`tuning_of`). Not for training."""
     model.cpu_tuning = tuning
+    # weight-only int layers (speculative/quantize.py) keep their own kernels, whose cost grows
+    # with every row from the first: padding short passes is for BLAS
+    int_layers = getattr(model, "precision", None) in ("int8", "int4")
     if model.device.type == "cpu" and type(model) is Transformer:
         model.__class__ = PaddedShortRows  # the same model, its forward wrapped
+        model.pad_short_rows = not int_layers
     ops = torch.ops.mkldnn
-    usable = (tuning.packed_linear and model.device.type == "cpu" and model.dtype == torch.float32
+    usable = (tuning.packed_linear and not int_layers and model.device.type == "cpu" and model.dtype == torch.float32
               and torch.backends.mkldnn.is_available()
               and hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise"))
     if not usable:

@@ -10,8 +10,8 @@ stay in the model's float dtype (`Transformer.dtype`, the embedding's). The weig
   is m = -8d); `quantize_int4` quantises any other float weight.
 
 On an x86 CPU with AVX2 but not AVX-512 the products are specserve's own
-(speculative/cpu_kernels.py, SPECSERVE_CPU_KERNELS): float32 activations as they are, the
-weights exactly d * q + m. Elsewhere they are PyTorch's weight-packed kernels on bfloat16
+(speculative/cpu_kernels.py; `quantize`'s `kernels` picks): float32 activations as they are,
+the weights exactly d * q + m. Elsewhere they are PyTorch's weight-packed kernels on bfloat16
 activations: `_weight_int8pack_mm`, and for int4 `_weight_int4pack_mm_for_cpu` on a CPU,
 `_weight_int4pack_mm` on CUDA, in torch's int4 format w = (q - 8) * scale + zero
 (scale = d, zero = m + 8d).
@@ -29,12 +29,14 @@ above), so a bfloat16 model's layers run longer passes in slices of that many
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from . import cpu_kernels
-from .cpu_tuning import PACKED_CHUNK_ROWS
+from .cpu_tuning import PACKED_CHUNK_ROWS, tuning_of
 from .model import Transformer
 
 MODES = ("int8", "int4")  # weight-only quantised
@@ -54,9 +56,12 @@ def cuda_inner_k_tiles(in_features: int) -> int:
     return next(t for t in (8, 4, 2) if in_features % (16 * t) == 0)
 
 
-def _native(device: torch.device, in_features: int) -> bool:
-    """Whether a layer on `device` takes specserve's own CPU products (speculative/cpu_kernels.py)."""
-    return device.type == "cpu" and cpu_kernels.fits(in_features) and cpu_kernels.preferred()
+def _native(device: torch.device, in_features: int, native: bool | None) -> bool:
+    """Whether a layer on `device` takes specserve's own CPU products (speculative/cpu_kernels.py):
+    `native` where they fit, None for `cpu_kernels.preferred`'s default."""
+    if device.type != "cpu" or not cpu_kernels.fits(in_features):
+        return False
+    return cpu_kernels.preferred() if native is None else native and cpu_kernels.available()
 
 
 class Int8Linear(nn.Module):
@@ -65,10 +70,11 @@ class Int8Linear(nn.Module):
     blocks, `scales` [out, in/32]). Scales in float32 for the native CPU product, else in
     the activation dtype torch's kernel wants."""
 
-    def __init__(self, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None):
+    def __init__(self, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
+                 native: bool | None = None):
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.native = _native(weight.device, self.in_features) and scales.dtype == torch.float32
+        self.native = _native(weight.device, self.in_features, native) and scales.dtype == torch.float32
         if scales.dim() == 2 and not self.native:
             raise ValueError("int8 with a scale per group of inputs needs the native CPU product")
         self.register_buffer("weight", weight)
@@ -76,16 +82,17 @@ class Int8Linear(nn.Module):
         self.register_buffer("bias", bias)
 
     @classmethod
-    def quantized(cls, linear: nn.Linear, dtype: torch.dtype) -> "Int8Linear":
+    def quantized(cls, linear: nn.Linear, dtype: torch.dtype, native: bool | None = None) -> "Int8Linear":
         """`linear` quantised: each row scaled so that its largest |w| maps to 127; `dtype`
         is torch's kernel's activation dtype, where the native product does not run."""
         w = linear.weight.detach().float()
         scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-10)
         q = torch.round(w / scales[:, None]).clamp(-128, 127).to(torch.int8)
-        if not _native(w.device, w.shape[1]):
+        native = _native(w.device, w.shape[1], native)
+        if not native:
             scales = scales.to(dtype)
         bias = None if linear.bias is None else linear.bias.detach().to(scales.dtype)
-        return cls(q, scales, bias)
+        return cls(q, scales, bias, native)
 
     def dequantized(self) -> torch.Tensor:
         if self.scales.dim() == 2:
@@ -115,15 +122,16 @@ class Int4Linear(nn.Module):
     activation dtype `dtype`."""
 
     def __init__(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, dtype: torch.dtype,
-                 bias: torch.Tensor | None = None, group: int = INT4_GROUP):
-        """`q` [out, in] integers 0..15; `d`, `m` [out, in/group] float32; all on the target device."""
+                 bias: torch.Tensor | None = None, group: int = INT4_GROUP, native: bool | None = None):
+        """`q` [out, in] integers 0..15; `d`, `m` [out, in/group] float32; all on the target
+        device. `native`: take specserve's own CPU product (None: `cpu_kernels.preferred()`)."""
         super().__init__()
         self.out_features, self.in_features = q.shape
         if self.in_features % group:
             raise ValueError(f"int4: in_features {self.in_features} is not a multiple of the group size {group}")
         self.group = group
         self.on_cuda = q.device.type == "cuda"
-        self.native = group == cpu_kernels.GROUP and _native(q.device, self.in_features)
+        self.native = group == cpu_kernels.GROUP and _native(q.device, self.in_features, native)
         if self.on_cuda and dtype != torch.bfloat16:
             raise ValueError(f"int4 on CUDA computes in bfloat16 only, not {dtype}")
         if self.native:
@@ -143,16 +151,17 @@ class Int4Linear(nn.Module):
 
     @classmethod
     def from_blocks(cls, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, dtype: torch.dtype,
-                    bias: torch.Tensor | None = None) -> "Int4Linear":
+                    bias: torch.Tensor | None = None, native: bool | None = None) -> "Int4Linear":
         """From GGUF 4-bit blocks of 32 (w = d*q + m): `q` [out, in] in 0..15, `d` and `m`
         [out, in/32] in float32 (widened from the blocks' float16; Q4_0 is m = -8d)."""
-        return cls(q, d, m, dtype, bias, group=32)
+        return cls(q, d, m, dtype, bias, group=32, native=native)
 
     @classmethod
-    def quantized(cls, linear: nn.Linear, dtype: torch.dtype, group: int = INT4_GROUP) -> "Int4Linear":
+    def quantized(cls, linear: nn.Linear, dtype: torch.dtype, group: int = INT4_GROUP,
+                  native: bool | None = None) -> "Int4Linear":
         """`linear` quantised groupwise, each group's min..max spread over 0..15."""
         return cls(*quantize_int4(linear.weight.detach().float(), group), dtype,
-                   None if linear.bias is None else linear.bias.detach(), group)
+                   None if linear.bias is None else linear.bias.detach(), group, native)
 
     def dequantized(self) -> torch.Tensor:
         """The weight [out, in] as the kernel computes it, in float32 (torch's: an identity pass)."""
@@ -213,7 +222,8 @@ def quantize_int4(w: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tenso
     return q.to(torch.int32), scales, low
 
 
-def quantize(model, mode: str, int4_blocks: dict[str, tuple] | None = None):
+def quantize(model, mode: str, int4_blocks: dict[str, tuple] | None = None, kernels: str = "auto",
+             cache_dir: str | os.PathLike | None = None):
     """Make `model`'s linear layers weight-only `mode` ("int8" or "int4"), in place
 ("bfloat16": slice a CPU bfloat16 model's passes to BF16_EXACT_ROWS rows, `RowSlicedLinear`,
     and attend in float64 on any device).
@@ -226,6 +236,8 @@ def quantize(model, mode: str, int4_blocks: dict[str, tuple] | None = None):
     arguments taken from a 4-bit GGUF; other int4 layers are quantised from their weights.
     Its "lm_head", (q, d) of a Q8_0 head, makes the int8 head those blocks as they are where
     the native CPU product runs (torch's int8 kernel takes one scale per channel only).
+    `kernels`: who multiplies on a CPU (`speculative.cpu_kernels.preferred`, built under
+    `cache_dir`).
     """
     if mode == "bfloat16":  # no quantisation: row-exact slicing of the CPU bfloat16 layers
         if model.device.type == "cpu":
@@ -243,25 +255,26 @@ def quantize(model, mode: str, int4_blocks: dict[str, tuple] | None = None):
         raise ValueError(f"quantize: mode must be one of bfloat16, {', '.join(MODES)}, got {mode!r}")
     dtype = KERNEL_DTYPE
     blocks = int4_blocks or {}
+    native = model.device.type == "cpu" and cpu_kernels.preferred(kernels, cache_dir)
     for i, layer in enumerate(model.layers):
         for part in LINEAR_PARTS:
             owner_name, attr = part.split(".")
             owner, name = layer.get_submodule(owner_name), f"layers.{i}.{part}"
             linear = getattr(owner, attr)
             if mode == "int8":
-                new = Int8Linear.quantized(linear, dtype)
+                new = Int8Linear.quantized(linear, dtype, native)
             elif name in blocks:
                 q, d, m = (t.to(linear.weight.device) for t in blocks[name])
                 bias = None if linear.bias is None else linear.bias.detach()
-                new = Int4Linear.from_blocks(q, d, m, dtype, bias)
+                new = Int4Linear.from_blocks(q, d, m, dtype, bias, native)
             else:
-                new = Int4Linear.quantized(linear, dtype)
+                new = Int4Linear.quantized(linear, dtype, native=native)
             setattr(owner, attr, new)
     head = blocks.get("lm_head")
-    if head is not None and _native(model.device, model.lm_head.in_features):
-        model.lm_head = Int8Linear(*(t.to(model.device) for t in head))
+    if head is not None and _native(model.device, model.lm_head.in_features, native):
+        model.lm_head = Int8Linear(*(t.to(model.device) for t in head), native=True)
     else:
-        model.lm_head = Int8Linear.quantized(model.lm_head, dtype)
+        model.lm_head = Int8Linear.quantized(model.lm_head, dtype, native)
     model.precision = mode
     model.attention_dtype = torch.float64  # so a verified token rounds as it does alone (model.py)
     return model
@@ -294,6 +307,6 @@ def quantized_copy(model, mode: str = "int4"):
         tensors.setdefault(name, getattr(model.get_submodule(owner), attr))
     twin.load_state_dict(tensors, assign=True)
     twin.rope_cos, twin.rope_sin = model.rope_cos, model.rope_sin
-    quantize(twin, mode)
+    quantize(twin, mode, kernels=tuning_of(model).int_kernels)
     twin.attention_dtype = None
     return twin.requires_grad_(False).eval()

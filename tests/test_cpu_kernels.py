@@ -10,15 +10,10 @@ import torch
 
 from speculative import cpu_kernels
 from speculative.cpu_tuning import PACKED_CHUNK_ROWS
-from speculative.quantize import Int4Linear, Int8Linear
+from speculative.quantize import Int4Linear, Int8Linear, quantize
+from tiny import tiny_model
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="needs an x86 CPU with AVX2 and a C++ compiler")
-
-
-@pytest.fixture(autouse=True)
-def native(monkeypatch):
-    """The layers here take the native products on any AVX2 CPU, AVX-512 ones included."""
-    monkeypatch.setenv("SPECSERVE_CPU_KERNELS", "native")
 
 
 def gguf_like_int4(out: int, k: int, seed: int = 0):
@@ -61,8 +56,8 @@ def test_a_row_gets_the_same_bits_in_every_tiling(kind):
     """Rows are decoded against a channel's weights up to five at a time; a row's sum must not
     depend on how many share its tile, nor where it sits in it."""
     q, d, m = gguf_like_int4(40, 576, seed=2)
-    layer = Int4Linear(q, d, m, torch.float32) if kind == "int4" else \
-        Int8Linear(torch.randint(-127, 128, (40, 576), dtype=torch.int8), torch.rand(40) * 0.01)
+    layer = Int4Linear(q, d, m, torch.float32, native=True) if kind == "int4" else \
+        Int8Linear(torch.randint(-127, 128, (40, 576), dtype=torch.int8), torch.rand(40) * 0.01, native=True)
     assert layer.native
     x = torch.randn(23, 576)
     with torch.inference_mode():
@@ -76,7 +71,7 @@ def test_long_passes_multiply_the_dequantised_weights_by_blas():
     """Past PACKED_CHUNK_ROWS rows (a long prefill) the layer multiplies float32 weights by
     BLAS: the same weights, so the same values up to float32 rounding."""
     q, d, m = gguf_like_int4(64, 576, seed=3)
-    layer = Int4Linear(q, d, m, torch.float32)
+    layer = Int4Linear(q, d, m, torch.float32, native=True)
     x = torch.randn(PACKED_CHUNK_ROWS + 5, 576)
     with torch.inference_mode():
         long = layer(x)
@@ -85,41 +80,39 @@ def test_long_passes_multiply_the_dequantised_weights_by_blas():
     assert torch.allclose(long, torch.nn.functional.linear(x, weights_of(q, d, m)), rtol=1e-6, atol=1e-6)
 
 
+def test_torch_kernels_where_asked():
+    """`quantize(..., kernels="torch")`, what SPECSERVE_CPU_KERNELS=torch asks for (cluster.env)."""
+    assert not cpu_kernels.preferred("torch")
+    model = quantize(tiny_model(0), "int4", kernels="torch")
+    layers = [m for m in model.modules() if isinstance(m, (Int4Linear, Int8Linear))]
+    assert layers and not any(m.native for m in layers)
+    assert model.layers[0].attn.qkv.scales_and_zeros.dtype == torch.bfloat16
+    native = quantize(tiny_model(0), "int4", kernels="native")
+    assert all(m.native for m in native.modules() if isinstance(m, (Int4Linear, Int8Linear)))
+
+
 @pytest.fixture
-def fresh_kernels(monkeypatch, tmp_path):
-    """The kernels loaded anew on first use, built in an empty cache."""
-    monkeypatch.setattr(cpu_kernels, "_tried", False)
+def unbuildable(monkeypatch):
+    """The kernels loaded anew on first use, with a compiler that fails."""
     monkeypatch.setattr(cpu_kernels, "_library", None)
-    monkeypatch.setattr("speculative.loading.cache_root", lambda cache_dir=None: tmp_path)
-    return monkeypatch
+    monkeypatch.setattr(cpu_kernels, "_error", None)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    monkeypatch.setenv("CXX", "/bin/false")
 
 
-def test_torch_kernels_where_asked(fresh_kernels):
-    fresh_kernels.setenv("SPECSERVE_CPU_KERNELS", "torch")
-    q, d, m = gguf_like_int4(16, 64)  # torch's packer takes 16 channels at a time
-    layer = Int4Linear(q, d, m, torch.bfloat16)
-    assert not layer.native and layer.scales_and_zeros.dtype == torch.bfloat16
-
-
-def test_a_missing_compiler_falls_back_to_torch_with_a_warning(fresh_kernels, caplog):
-    fresh_kernels.setenv("SPECSERVE_CPU_KERNELS", "auto")
-    fresh_kernels.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
-    fresh_kernels.setenv("CXX", "/bin/false")
+def test_without_a_compiler_auto_falls_back_to_torch_with_a_warning(unbuildable, tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="speculative.cpu_kernels"):
-        assert not cpu_kernels.available()
-    assert "unavailable" in caplog.text and "torch's" in caplog.text
-    q, d, m = gguf_like_int4(16, 64)  # torch's packer takes 16 channels at a time
-    assert not Int4Linear(q, d, m, torch.bfloat16).native
+        assert not cpu_kernels.preferred("auto", tmp_path)
+    assert "unavailable" in caplog.text and "/bin/false failed" in caplog.text
+    model = quantize(tiny_model(0), "int4")
+    assert not any(m.native for m in model.modules() if isinstance(m, (Int4Linear, Int8Linear)))
 
 
-def test_native_kernels_asked_for_but_unbuildable_is_an_error(fresh_kernels):
-    fresh_kernels.setenv("CXX", "/bin/false")
-    fresh_kernels.setenv("SPECSERVE_CPU_KERNELS", "native")
-    with pytest.raises(RuntimeError, match="SPECSERVE_CPU_KERNELS=native"):
-        cpu_kernels.available()
+def test_native_kernels_asked_for_but_unbuildable_is_an_error(unbuildable, tmp_path):
+    with pytest.raises(RuntimeError, match="asked for .native., but they cannot load"):
+        cpu_kernels.preferred("native", tmp_path)
 
 
-def test_an_unknown_choice_names_the_variable(fresh_kernels):
-    fresh_kernels.setenv("SPECSERVE_CPU_KERNELS", "fast")
-    with pytest.raises(ValueError, match="SPECSERVE_CPU_KERNELS"):
-        cpu_kernels.available()
+def test_an_unknown_choice_is_refused():
+    with pytest.raises(ValueError, match="auto, native, torch, got 'fast'"):
+        cpu_kernels.preferred("fast")

@@ -17,6 +17,7 @@ def test_cpu_tuning_from_env(monkeypatch):
     monkeypatch.delenv("SPECSERVE_ONE_ROW_LINEAR", raising=False)
     monkeypatch.delenv("SPECSERVE_SHORT_ROWS_LINEAR", raising=False)
     monkeypatch.delenv("SPECSERVE_LONG_ROWS_LINEAR", raising=False)
+    monkeypatch.delenv("SPECSERVE_CPU_KERNELS", raising=False)
     assert cpu_tuning_from_env() == CpuTuning(packed_linear=True, one_row="auto", short_rows="auto", long_rows="auto")
     for choice in ("auto", "blas", "packed"):
         monkeypatch.setenv("SPECSERVE_ONE_ROW_LINEAR", choice)
@@ -40,6 +41,15 @@ def test_cpu_tuning_from_env(monkeypatch):
         with pytest.raises(ValueError, match=f"{var} must be {accepted}, got '{wrong}'"):
             cpu_tuning_from_env()
         monkeypatch.setenv(var, "auto")
+    for choice in ("auto", "native", "torch"):  # read whether packing is on or not
+        monkeypatch.setenv("SPECSERVE_CPU_KERNELS", choice)
+        assert cpu_tuning_from_env().int_kernels == choice
+        monkeypatch.setenv("SPECSERVE_PACKED_LINEAR", "0")
+        assert cpu_tuning_from_env() == CpuTuning(packed_linear=False, int_kernels=choice)
+        monkeypatch.setenv("SPECSERVE_PACKED_LINEAR", "1")
+    monkeypatch.setenv("SPECSERVE_CPU_KERNELS", "fast")
+    with pytest.raises(ValueError, match="SPECSERVE_CPU_KERNELS must be auto, native or torch, got 'fast'"):
+        cpu_tuning_from_env()
 
 
 def test_cache_dir_from_env(monkeypatch, tmp_path):
