@@ -6,7 +6,9 @@ profiles 10 of them with torch.profiler and prints the operators by their own ti
 pass. With `--compile` it also times the same pass with each layer compiled by
 `torch.compile`: what is left of the difference is eager PyTorch's cost per operator
 (specserve runs eager; the compiled layers round differently). Not for prepacked float32
-layers, whose oneDNN operator the compiler does not take.
+layers, whose oneDNN operator the compiler does not take. specserve's own int4/int8 products
+(speculative/cpu_kernels.py) are not torch operators: the profile leaves them out;
+SPECSERVE_CPU_KERNELS=torch times torch's instead.
 
     python scripts/pass_profile.py --dtype int4
 """
@@ -20,6 +22,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from cluster.env import cpu_tuning_from_env
 from cluster.local import set_cpu_threads
 from speculative import loading
 from speculative.cpu_tuning import PackedLinear
@@ -37,7 +40,7 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="also time the pass with compiled layers")
     args = parser.parse_args()
     set_cpu_threads()
-    model, _ = loading.load(dtype=args.dtype)
+    model, _ = loading.load(dtype=args.dtype, cpu_tuning=cpu_tuning_from_env())  # SPECSERVE_CPU_KERNELS
     ctx = args.context
     cache = model.new_cache(ctx + 8)
     with torch.inference_mode():

@@ -45,9 +45,9 @@ inline __m256 int8_weights(const int8_t* q, int j) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * j))));
 }
 
-// R rows against output channel n. Each row sums with four accumulators, one per 8 inputs of
-// a group, over the groups in order, added in a fixed order at the end: the operations a row
-// gets do not depend on R, so every tiling gives it the same result.
+// R rows against output channel n. Each row sums with two accumulators, one for inputs 0-7
+// and 16-23 of every group, one for 8-15 and 24-31, over the groups in order, added at the
+// end: the operations a row gets do not depend on R, so every tiling gives it the same result.
 template <int R, Kind kKind>
 void channel(const float* x, int64_t k, const void* weight, const float* scale, int64_t n, int64_t out, float* y) {
   const int64_t groups = k / kGroup;
@@ -70,7 +70,8 @@ void channel(const float* x, int64_t k, const void* weight, const float* scale, 
       }
     }
     for (int j = 0; j < 4; ++j)
-      for (int r = 0; r < R; ++r) acc[r][j % 2] = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(xg + r * k + 8 * j), acc[r][j % 2]);
+      for (int r = 0; r < R; ++r)
+        acc[r][j % 2] = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(xg + r * k + 8 * j), acc[r][j % 2]);
   }
   for (int r = 0; r < R; ++r) {
     const float total = hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
@@ -78,15 +79,16 @@ void channel(const float* x, int64_t k, const void* weight, const float* scale, 
   }
 }
 
-// Rows a channel's weights are decoded for at once, at most: five rows' accumulators and a
-// weight vector fill the 16 vector registers (six spill, measured slower).
+// Rows a channel's weights are decoded for at once, at most: five rows' ten accumulators and a
+// group's four weight vectors nearly fill the 16 vector registers (six rows spill, measured
+// slower). A pass's rows go in tiles as even as can be (6 rows: 3 and 3).
 constexpr int kRows = 5;
 
 template <Kind kKind>
 void linear(const float* x, int64_t rows, int64_t k, const void* weight, const float* scale, int64_t out, float* y) {
 #pragma omp parallel for schedule(static)
   for (int64_t n = 0; n < out; ++n) {
-    const int64_t tiles = (rows + kRows - 1) / kRows, tile = (rows + tiles - 1) / tiles;  // as even as can be
+    const int64_t tiles = (rows + kRows - 1) / kRows, tile = (rows + tiles - 1) / tiles;
     for (int64_t r = 0; r < rows; r += tile) {
       const float* xr = x + r * k;
       float* yr = y + r * out;

@@ -30,9 +30,8 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 GROUP = 32  # inputs per int4 group and per step of every product
-
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC"]
-CHOICES = ("auto", "native", "torch")
+CHOICES = ("auto", "native", "torch")  # who multiplies (module doc)
 
 _library: ctypes.CDLL | None = None
 _error: str | None = None  # why they cannot load, once tried

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .cpu_kernels import CHOICES
 from .model import Transformer
 
 # On the CPU a pass of one row and 2-3 new tokens runs padded to this many: BLAS takes a
@@ -39,7 +40,7 @@ PAD_ROWS_TO = 4
 ONE_ROW_PATHS = ("auto", "blas", "packed")
 SHORT_ROWS_PATHS = ("auto", "blas", "padded")
 LONG_ROWS_PATHS = ("auto", "blas", "packed")
-INT_KERNELS = ("auto", "native", "torch")  # speculative/cpu_kernels.py
+INT_KERNELS = CHOICES  # who multiplies int8/int4 weights (speculative/cpu_kernels.py)
 
 # oneDNN keeps a primitive, with scratch memory sized by its rows, for every shape it meets
 # (up to 1,024 of them): a server whose passes took every row count up to a prompt's length
