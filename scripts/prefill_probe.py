@@ -8,7 +8,8 @@ three paths in alternation:
 - is_causal: SDPA's is_causal instead of the mask (`speculative.model.CAUSAL_MIN_TOKENS`),
   checked to give the same logits bit for bit;
 - tuned: is_causal and the long-pass path `apply_cpu_tuning` chose (BLAS where it won;
-  the same as is_causal for the int modes, which have no packed layers).
+  the same as is_causal for the int modes, which have no packed layers: with
+  specserve's own products their layers take passes of over 256 rows by BLAS themselves).
 
 Prints the median ms per prompt; then, for the longest prompt, how far each path's
 logits at its last DECODED positions are from those tokens decoded one at a time after

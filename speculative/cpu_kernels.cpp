@@ -8,6 +8,7 @@
 // int4: GGUF's Q4_1 blocks of 32 inputs, their float16 scales widened to float32. int8:
 // w = scale * q, one scale per output channel, or one per group of 32 inputs (GGUF's Q8_0).
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 
 namespace {
@@ -118,6 +119,23 @@ void int8_linear(const float* x, int64_t rows, int64_t k, const int8_t* q, const
                  int64_t out, float* y) {
   if (grouped) linear<kInt8Group>(x, rows, k, q, scale, out, y);
   else linear<kInt8Channel>(x, rows, k, q, scale, out, y);
+}
+
+// y [rows, k] = weight * x / sqrt(mean(x^2) + eps), row by row (RMSNorm); k a multiple of 8.
+void rms_norm(const float* x, int64_t rows, int64_t k, const float* weight, float eps, float* y) {
+#pragma omp parallel for schedule(static) if (rows > 16)
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * k;
+    __m256 squares = _mm256_setzero_ps();
+    for (int64_t i = 0; i < k; i += 8) {
+      const __m256 v = _mm256_loadu_ps(xr + i);
+      squares = _mm256_fmadd_ps(v, v, squares);
+    }
+    const __m256 scale = _mm256_set1_ps(1.0f / sqrtf(hsum(squares) / k + eps));
+    for (int64_t i = 0; i < k; i += 8)
+      _mm256_storeu_ps(y + r * k + i,
+                       _mm256_mul_ps(_mm256_loadu_ps(weight + i), _mm256_mul_ps(_mm256_loadu_ps(xr + i), scale)));
+  }
 }
 
 // w [out, k] = the Q4_1 blocks' weights in float32, each d * q + m as the products compute it.

@@ -87,7 +87,8 @@ def _load(cache_dir) -> ctypes.CDLL:
     lib.int4_linear.argtypes = [ptr, i64, i64, ptr, i64, ptr]
     lib.int8_linear.argtypes = [ptr, i64, i64, ptr, ptr, ctypes.c_int, i64, ptr]
     lib.int4_dequantize.argtypes = [i64, ptr, i64, ptr]
-    for fn in (lib.int4_linear, lib.int8_linear, lib.int4_dequantize):
+    lib.rms_norm.argtypes = [ptr, i64, i64, ptr, ctypes.c_float, ptr]
+    for fn in (lib.int4_linear, lib.int8_linear, lib.int4_dequantize, lib.rms_norm):
         fn.restype = None
     return lib
 
@@ -147,6 +148,14 @@ def int4_dequantize(blocks: torch.Tensor) -> torch.Tensor:
     w = torch.empty(out, groups * GROUP, dtype=torch.float32)
     _library.int4_dequantize(groups * GROUP, blocks.data_ptr(), out, w.data_ptr())
     return w
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of x [rows, k] float32 contiguous, k a multiple of 8: weight * x / sqrt(mean(x^2) + eps)."""
+    rows, k = x.shape
+    y = torch.empty(rows, k, dtype=torch.float32)
+    _library.rms_norm(x.data_ptr(), rows, k, weight.data_ptr(), eps, y.data_ptr())
+    return y
 
 
 def to_blocks(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:

@@ -190,6 +190,20 @@ class Int4Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+class NativeRMSNorm(nn.Module):
+    """`model.RMSNorm` of float32 rows by specserve's CPU product: one call where PyTorch runs
+    about six operators, each row alone (row-exact). An int model's norms, where its
+    products are specserve's."""
+
+    def __init__(self, norm: nn.Module):
+        super().__init__()
+        self.weight, self.eps = norm.weight, norm.eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1]).contiguous()
+        return cpu_kernels.rms_norm(rows, self.weight, self.eps).view(x.shape)
+
+
 class RowSlicedLinear(nn.Module):
     """A bfloat16 `nn.Linear` run BF16_EXACT_ROWS rows at a time, so that each row's result
     is the one it gets alone (a pass of up to that many rows runs as one call)."""
@@ -275,6 +289,10 @@ def quantize(model, mode: str, int4_blocks: dict[str, tuple] | None = None, kern
         model.lm_head = Int8Linear(*(t.to(model.device) for t in head), native=True)
     else:
         model.lm_head = Int8Linear.quantized(model.lm_head, dtype, native)
+    if native and model.dtype == torch.float32 and model.config.hidden_size % 8 == 0:
+        for layer in model.layers:
+            layer.attn_norm, layer.mlp_norm = NativeRMSNorm(layer.attn_norm), NativeRMSNorm(layer.mlp_norm)
+        model.norm = NativeRMSNorm(model.norm)
     model.precision = mode
     model.attention_dtype = torch.float64  # so a verified token rounds as it does alone (model.py)
     return model

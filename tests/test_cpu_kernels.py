@@ -10,7 +10,7 @@ import torch
 
 from speculative import cpu_kernels
 from speculative.cpu_tuning import PACKED_CHUNK_ROWS
-from speculative.quantize import Int4Linear, Int8Linear, quantize
+from speculative.quantize import Int4Linear, Int8Linear, NativeRMSNorm, quantize
 from tiny import tiny_model
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="needs an x86 CPU with AVX2 and a C++ compiler")
@@ -116,3 +116,14 @@ def test_native_kernels_asked_for_but_unbuildable_is_an_error(unbuildable, tmp_p
 def test_an_unknown_choice_is_refused():
     with pytest.raises(ValueError, match="auto, native, torch, got 'fast'"):
         cpu_kernels.preferred("fast")
+
+
+def test_rms_norm_is_torchs_up_to_rounding_and_row_exact():
+    norm = torch.nn.Module()
+    norm.weight, norm.eps = torch.nn.Parameter(torch.rand(576) + 0.5), 1e-5
+    native = NativeRMSNorm(norm)
+    x = torch.randn(2, 20, 576) * 3
+    with torch.inference_mode():
+        together = native(x)
+        assert torch.allclose(together, torch.nn.functional.rms_norm(x, (576,), norm.weight, 1e-5), rtol=1e-5, atol=1e-6)
+        assert torch.equal(native(x[1:, 3:4]), together[1:, 3:4])
