@@ -8,7 +8,9 @@ of `speculative/` take their values as parameters.
   whichever this CPU runs faster), `blas`, or `padded` to 4 rows through the
   packed layers.
 - SPECSERVE_LONG_ROWS_LINEAR: the path of passes over 256 rows (long prefills),
-  `auto` (the default: whichever this CPU runs faster), `blas` or `packed`.
+  `auto` (the default: whichever this CPU runs faster), `blas` or `packed`; for int8/int4
+  layers on specserve's products, `packed` keeps such passes on them (row-exact, slower),
+  the others take BLAS.
 - SPECSERVE_CPU_KERNELS: who multiplies int8/int4 weights on the CPU, `auto` (the
   default: specserve's own on a CPU whose best instructions are AVX2, torch's where it has
   AVX-512), `native` (specserve's own on any AVX2 CPU) or `torch`.

@@ -89,7 +89,7 @@ def load(source: str | os.PathLike | None = None, device: str = "cpu", dtype: st
         from .gguf_blocks import cached_int4_blocks
 
         blocks = cached_int4_blocks(gguf_path, path) if dtype == "int4" and gguf_path.suffix == ".gguf" else None
-        quantize(model, dtype, blocks, cpu_tuning.int_kernels, cache_dir)
+        quantize(model, dtype, blocks, cpu_tuning, cache_dir)
     if dtype == "bfloat16" and model.device.type == "cpu" and not cpu_has_bfloat16():
         log.warning("--dtype bfloat16: oneDNN has no bfloat16 kernels for this CPU (it needs AVX-512), so "
                     "prompts and verification passes run several times slower than in float32; "

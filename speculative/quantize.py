@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import cpu_kernels
-from .cpu_tuning import PACKED_CHUNK_ROWS, tuning_of
+from .cpu_tuning import PACKED_CHUNK_ROWS, CpuTuning, tuning_of
 from .model import Transformer
 
 MODES = ("int8", "int4")  # weight-only quantised
@@ -64,6 +64,19 @@ def _native(device: torch.device, in_features: int, native: bool | None) -> bool
     return cpu_kernels.preferred() if native is None else native and cpu_kernels.available()
 
 
+def _native_forward(layer: nn.Module, x: torch.Tensor, product) -> torch.Tensor:
+    """A native int layer's pass: `product` of float32 rows (row-exact), or for passes of over
+    PACKED_CHUNK_ROWS rows (prefills) the dequantised weights by BLAS, unless the layer's
+    `long_rows_blas` is off."""
+    rows = x.reshape(-1, layer.in_features).float().contiguous()
+    if rows.shape[0] > PACKED_CHUNK_ROWS and layer.long_rows_blas:
+        y = F.linear(rows, layer.dequantized(), layer.bias)
+    else:
+        y = product(rows)
+        y = y if layer.bias is None else y + layer.bias
+    return y.to(x.dtype).reshape(*x.shape[:-1], layer.out_features)
+
+
 class Int8Linear(nn.Module):
     """`nn.Linear` with int8 weights, one scale per output channel (gpt-fast's
     WeightOnlyInt8Linear) or, native only, one per group of 32 inputs (GGUF's Q8_0
@@ -75,6 +88,7 @@ class Int8Linear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.native = _native(weight.device, self.in_features, native) and scales.dtype == torch.float32
+        self.long_rows_blas = True  # native: passes of over PACKED_CHUNK_ROWS rows by BLAS (`quantize`)
         if scales.dim() == 2 and not self.native:
             raise ValueError("int8 with a scale per group of inputs needs the native CPU product")
         self.register_buffer("weight", weight)
@@ -100,16 +114,9 @@ class Int8Linear(nn.Module):
         return self.weight.float() * self.scales.float()[:, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features)
         if self.native:
-            flat = flat.float().contiguous()
-            if flat.shape[0] > PACKED_CHUNK_ROWS:
-                y = F.linear(flat, self.dequantized(), self.bias)
-            else:
-                y = cpu_kernels.int8_linear(flat, self.weight, self.scales)
-                y = y if self.bias is None else y + self.bias
-            return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
-        flat = flat.to(self.scales.dtype).contiguous()
+            return _native_forward(self, x, lambda rows: cpu_kernels.int8_linear(rows, self.weight, self.scales))
+        flat = x.reshape(-1, self.in_features).to(self.scales.dtype).contiguous()
         y = torch._weight_int8pack_mm(flat, self.weight, self.scales).to(x.dtype)
         y = y.reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
@@ -132,6 +139,7 @@ class Int4Linear(nn.Module):
         self.group = group
         self.on_cuda = q.device.type == "cuda"
         self.native = group == cpu_kernels.GROUP and _native(q.device, self.in_features, native)
+        self.long_rows_blas = True  # native: passes of over PACKED_CHUNK_ROWS rows by BLAS (`quantize`)
         if self.on_cuda and dtype != torch.bfloat16:
             raise ValueError(f"int4 on CUDA computes in bfloat16 only, not {dtype}")
         if self.native:
@@ -147,7 +155,7 @@ class Int4Linear(nn.Module):
                                                                         _CPU_INNER_K_TILES)
         self.register_buffer("weight", packed)
         self.register_buffer("scales_and_zeros", torch.stack((d.t(), (m + 8 * d).t()), dim=-1).to(dtype).contiguous())
-        self.register_buffer("bias", None if bias is None else bias.to(dtype))
+        self.register_buffer("bias", bias)
 
     @classmethod
     def from_blocks(cls, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, dtype: torch.dtype,
@@ -160,8 +168,10 @@ class Int4Linear(nn.Module):
     def quantized(cls, linear: nn.Linear, dtype: torch.dtype, group: int = INT4_GROUP,
                   native: bool | None = None) -> "Int4Linear":
         """`linear` quantised groupwise, each group's min..max spread over 0..15."""
-        return cls(*quantize_int4(linear.weight.detach().float(), group), dtype,
-                   None if linear.bias is None else linear.bias.detach(), group, native)
+        w = linear.weight.detach().float()
+        native = group == cpu_kernels.GROUP and _native(w.device, w.shape[1], native)
+        bias = None if linear.bias is None else linear.bias.detach()
+        return cls(*quantize_int4(w, group), dtype, bias if bias is None or native else bias.to(dtype), group, native)
 
     def dequantized(self) -> torch.Tensor:
         """The weight [out, in] as the kernel computes it, in float32 (torch's: an identity pass)."""
@@ -176,16 +186,9 @@ class Int4Linear(nn.Module):
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.weight, self.group, self.scales_and_zeros)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features)
         if self.native:
-            flat = flat.float().contiguous()
-            if flat.shape[0] > PACKED_CHUNK_ROWS:
-                y = F.linear(flat, self.dequantized(), self.bias)
-            else:
-                y = cpu_kernels.int4_linear(flat, self.weight)
-                y = y if self.bias is None else y + self.bias
-            return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
-        flat = flat.to(self.scales_and_zeros.dtype).contiguous()
+            return _native_forward(self, x, lambda rows: cpu_kernels.int4_linear(rows, self.weight))
+        flat = x.reshape(-1, self.in_features).to(self.scales_and_zeros.dtype).contiguous()
         y = self._matmul(flat).to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
@@ -236,7 +239,7 @@ def quantize_int4(w: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tenso
     return q.to(torch.int32), scales, low
 
 
-def quantize(model, mode: str, int4_blocks: dict[str, tuple] | None = None, kernels: str = "auto",
+def quantize(model, mode: str, int4_blocks: dict[str, tuple] | None = None, tuning: CpuTuning = CpuTuning(),
              cache_dir: str | os.PathLike | None = None):
     """Make `model`'s linear layers weight-only `mode` ("int8" or "int4"), in place
 ("bfloat16": slice a CPU bfloat16 model's passes to BF16_EXACT_ROWS rows, `RowSlicedLinear`,
@@ -249,9 +252,11 @@ def quantize(model, mode: str, int4_blocks: dict[str, tuple] | None = None, kern
     `int4_blocks` maps a layer's name ("layers.3.attn.qkv") to `Int4Linear.from_blocks`
     arguments taken from a 4-bit GGUF; other int4 layers are quantised from their weights.
     Its "lm_head", (q, d) of a Q8_0 head, makes the int8 head those blocks as they are where
-    the native CPU product runs (torch's int8 kernel takes one scale per channel only).
-    `kernels`: who multiplies on a CPU (`speculative.cpu_kernels.preferred`, built under
-    `cache_dir`).
+    the native CPU product runs (torch's int8 kernel takes one scale per channel only); there
+    a float32 model's norms run on it too (`NativeRMSNorm`).
+    `tuning.int_kernels`: who multiplies on a CPU (`speculative.cpu_kernels.preferred`, built
+    under `cache_dir`); `tuning.long_rows` "packed" keeps passes of over PACKED_CHUNK_ROWS
+    rows on specserve's products (row-exact, slower) instead of BLAS.
     """
     if mode == "bfloat16":  # no quantisation: row-exact slicing of the CPU bfloat16 layers
         if model.device.type == "cpu":
@@ -269,7 +274,7 @@ def quantize(model, mode: str, int4_blocks: dict[str, tuple] | None = None, kern
         raise ValueError(f"quantize: mode must be one of bfloat16, {', '.join(MODES)}, got {mode!r}")
     dtype = KERNEL_DTYPE
     blocks = int4_blocks or {}
-    native = model.device.type == "cpu" and cpu_kernels.preferred(kernels, cache_dir)
+    native = model.device.type == "cpu" and cpu_kernels.preferred(tuning.int_kernels, cache_dir)
     for i, layer in enumerate(model.layers):
         for part in LINEAR_PARTS:
             owner_name, attr = part.split(".")
@@ -289,6 +294,9 @@ def quantize(model, mode: str, int4_blocks: dict[str, tuple] | None = None, kern
         model.lm_head = Int8Linear(*(t.to(model.device) for t in head), native=True)
     else:
         model.lm_head = Int8Linear.quantized(model.lm_head, dtype, native)
+    for m in model.modules():
+        if isinstance(m, (Int4Linear, Int8Linear)):
+            m.long_rows_blas = tuning.long_rows != "packed"
     if native and model.dtype == torch.float32 and model.config.hidden_size % 8 == 0:
         for layer in model.layers:
             layer.attn_norm, layer.mlp_norm = NativeRMSNorm(layer.attn_norm), NativeRMSNorm(layer.mlp_norm)
@@ -325,6 +333,6 @@ def quantized_copy(model, mode: str = "int4"):
         tensors.setdefault(name, getattr(model.get_submodule(owner), attr))
     twin.load_state_dict(tensors, assign=True)
     twin.rope_cos, twin.rope_sin = model.rope_cos, model.rope_sin
-    quantize(twin, mode, kernels=tuning_of(model).int_kernels)
+    quantize(twin, mode, tuning=tuning_of(model))
     twin.attention_dtype = None
     return twin.requires_grad_(False).eval()

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from speculative import cpu_kernels
-from speculative.cpu_tuning import PACKED_CHUNK_ROWS
+from speculative.cpu_tuning import PACKED_CHUNK_ROWS, CpuTuning
 from speculative.quantize import Int4Linear, Int8Linear, NativeRMSNorm, quantize
 from tiny import tiny_model
 
@@ -78,16 +78,22 @@ def test_long_passes_multiply_the_dequantised_weights_by_blas():
         short = torch.cat([layer(part) for part in x.split(PACKED_CHUNK_ROWS)])
     assert torch.allclose(long, short, rtol=1e-5, atol=1e-5)
     assert torch.allclose(long, torch.nn.functional.linear(x, weights_of(q, d, m)), rtol=1e-6, atol=1e-6)
+    layer.long_rows_blas = False  # SPECSERVE_LONG_ROWS_LINEAR=packed: row-exact at any length
+    with torch.inference_mode():
+        assert torch.equal(layer(x)[-5:], layer(x[-5:]))
+    model = quantize(tiny_model(0), "int4", tuning=CpuTuning(int_kernels="native", long_rows="packed"))
+    assert not any(m.long_rows_blas for m in model.modules() if isinstance(m, Int4Linear))
 
 
 def test_torch_kernels_where_asked():
-    """`quantize(..., kernels="torch")`, what SPECSERVE_CPU_KERNELS=torch asks for (cluster.env)."""
+    """`quantize` with `CpuTuning(int_kernels="torch")`, what SPECSERVE_CPU_KERNELS=torch asks for
+    (cluster.env), and "native"."""
     assert not cpu_kernels.preferred("torch")
-    model = quantize(tiny_model(0), "int4", kernels="torch")
+    model = quantize(tiny_model(0), "int4", tuning=CpuTuning(int_kernels="torch"))
     layers = [m for m in model.modules() if isinstance(m, (Int4Linear, Int8Linear))]
     assert layers and not any(m.native for m in layers)
     assert model.layers[0].attn.qkv.scales_and_zeros.dtype == torch.bfloat16
-    native = quantize(tiny_model(0), "int4", kernels="native")
+    native = quantize(tiny_model(0), "int4", tuning=CpuTuning(int_kernels="native"))
     assert all(m.native for m in native.modules() if isinstance(m, (Int4Linear, Int8Linear)))
 
 
