@@ -97,14 +97,13 @@ def _built(cache_dir) -> Path:
     """The compiled library for this source and these flags, compiling it if needed."""
     from .loading import cache_root  # loading imports the models, which import this module
 
-    source = SOURCE.read_bytes()
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    path = cache_root(cache_dir) / "kernels" / f"cpu_kernels-{key}.so"
+    if path.exists():  # built before: no compiler needed
+        return path
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
         raise RuntimeError("no C++ compiler (g++) to build them with")
-    key = hashlib.sha256(source + " ".join(FLAGS).encode()).hexdigest()[:16]
-    path = cache_root(cache_dir) / "kernels" / f"cpu_kernels-{key}.so"
-    if path.exists():
-        return path
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, partial = tempfile.mkstemp(suffix=".so", dir=path.parent)  # processes may build at once
     os.close(fd)
@@ -118,10 +117,6 @@ def _built(cache_dir) -> Path:
         if os.path.exists(partial):
             os.unlink(partial)
     return path
-
-
-def _ptr(t: torch.Tensor) -> int:
-    return t.data_ptr()
 
 
 def int4_linear(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
