@@ -12,8 +12,8 @@ of `speculative/` take their values as parameters.
   layers on specserve's products, `packed` keeps such passes on them (row-exact, slower),
   the others take BLAS.
 - SPECSERVE_CPU_KERNELS: who multiplies int8/int4 weights on the CPU, `auto` (the
-  default: specserve's own on a CPU whose best instructions are AVX2, torch's where it has
-  AVX-512), `native` (specserve's own on any AVX2 CPU) or `torch`.
+  default: specserve's own on an x86 CPU with AVX2 or AVX-512, torch's on one with AMX),
+  `native` (specserve's own on any AVX2 CPU) or `torch`.
 - SPECSERVE_CACHE_DIR: the cache of converted models and distillation data
   (unset or empty: ~/.cache/specserve).
 - SPECSERVE_CLUSTER_SECRET: the secret every internal call carries, when the

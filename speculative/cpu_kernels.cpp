@@ -1,5 +1,6 @@
 // Weight-only int4 and int8 matrix products for x86 CPUs with AVX2 and FMA, on float32
-// activations (speculative/cpu_kernels.py builds and loads this file).
+// activations (speculative/cpu_kernels.py builds and loads this file). Built with AVX-512
+// (F, BW, VL, DQ) the products take 16 inputs a vector and decode int4 by table lookup.
 //
 // Every output y[m, n] is computed by one thread with one fixed sequence of operations,
 // whatever the number of rows m beside it and however the work is split: a row scores the
@@ -46,6 +47,59 @@ inline __m256 int8_weights(const int8_t* q, int j) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * j))));
 }
 
+#if defined(__AVX512F__)
+
+inline float hsum(__m512 v) {  // the halves added, then as hsum(__m256)
+  return hsum(_mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1)));
+}
+
+// R rows against output channel n, 16 inputs a vector. Each row sums with two accumulators,
+// one for inputs 0-15 of every group, one for 16-31, over the groups in order, added at the
+// end: the operations a row gets do not depend on R, so every tiling gives it the same result.
+// An int4 block's 16 possible weights d * q + m are computed once (exactly as the AVX2 build
+// computes each) and its codes index them: a lookup a vector instead of a conversion and an FMA.
+template <int R, Kind kKind>
+void channel(const float* x, int64_t k, const void* weight, const float* scale, int64_t n, int64_t out, float* y) {
+  const int64_t groups = k / kGroup;
+  const __m512 codes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 2; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const float* xg = x + g * kGroup;
+    __m512 w[2];
+    if (kKind == kInt4) {
+      const Q4Block& block = static_cast<const Q4Block*>(weight)[n * groups + g];
+      const __m512 table = _mm512_fmadd_ps(_mm512_set1_ps(block.d), codes, _mm512_set1_ps(block.m));
+      // The lookup reads an index's low four bits: byte i's low nibble, then (shifted) its high one.
+      const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block.q)));
+      w[0] = _mm512_permutexvar_ps(q, table);
+      w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table);
+    } else {
+      const int8_t* q = static_cast<const int8_t*>(weight) + n * k + g * kGroup;
+      for (int j = 0; j < 2; ++j)
+        w[j] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * j))));
+      if (kKind == kInt8Group) {  // w = d * q, exact in float32 for a float16 d
+        const __m512 d = _mm512_set1_ps(scale[n * groups + g]);
+        for (int j = 0; j < 2; ++j) w[j] = _mm512_mul_ps(d, w[j]);
+      }
+    }
+    for (int j = 0; j < 2; ++j)
+      for (int r = 0; r < R; ++r)
+        acc[r][j] = _mm512_fmadd_ps(w[j], _mm512_loadu_ps(xg + r * k + 16 * j), acc[r][j]);
+  }
+  for (int r = 0; r < R; ++r) {
+    const float total = hsum(_mm512_add_ps(acc[r][0], acc[r][1]));
+    y[r * out + n] = kKind == kInt8Channel ? scale[n] * total : total;
+  }
+}
+
+// Rows a channel's weights are decoded for at once, at most: 32 vector registers hold eight
+// rows' sixteen accumulators beside the table and the weights.
+constexpr int kRows = 8;
+
+#else
+
 // R rows against output channel n. Each row sums with two accumulators, one for inputs 0-7
 // and 16-23 of every group, one for 8-15 and 24-31, over the groups in order, added at the
 // end: the operations a row gets do not depend on R, so every tiling gives it the same result.
@@ -85,6 +139,8 @@ void channel(const float* x, int64_t k, const void* weight, const float* scale, 
 // slower). A pass's rows go in tiles as even as can be (6 rows: 3 and 3).
 constexpr int kRows = 5;
 
+#endif
+
 template <Kind kKind>
 void linear(const float* x, int64_t rows, int64_t k, const void* weight, const float* scale, int64_t out, float* y) {
 #pragma omp parallel for schedule(static)
@@ -94,6 +150,11 @@ void linear(const float* x, int64_t rows, int64_t k, const void* weight, const f
       const float* xr = x + r * k;
       float* yr = y + r * out;
       switch (rows - r < tile ? rows - r : tile) {
+#if defined(__AVX512F__)
+        case 8: channel<8, kKind>(xr, k, weight, scale, n, out, yr); break;
+        case 7: channel<7, kKind>(xr, k, weight, scale, n, out, yr); break;
+        case 6: channel<6, kKind>(xr, k, weight, scale, n, out, yr); break;
+#endif
         case 5: channel<5, kKind>(xr, k, weight, scale, n, out, yr); break;
         case 4: channel<4, kKind>(xr, k, weight, scale, n, out, yr); break;
         case 3: channel<3, kKind>(xr, k, weight, scale, n, out, yr); break;

@@ -1,15 +1,16 @@
 """specserve's own int4 and int8 weight-only products for x86 CPUs with AVX2 (cpu_kernels.cpp).
 
-torch's CPU kernels for these take bfloat16 activations, and without AVX-512 they read the
-weights at a fraction of the memory's speed (docs/BENCHMARKS.md). These take float32
-activations as they are and give each row the same result whatever the rows beside it (the
-lossless contract). The source is compiled with the system's C++ compiler on first use, a
-second or two, and kept in the cache directory (`speculative.loading.cache_root`).
+torch's CPU kernels for these take bfloat16 activations, and on the AMD EPYCs measured
+(AVX2, and AVX-512 without AMX) they are slower than these (docs/BENCHMARKS.md). These take
+float32 activations as they are and give each row the same result whatever the rows beside
+it (the lossless contract). The source is compiled with the system's C++ compiler on first
+use, a second or two, for AVX-512 where torch finds it and AVX2 otherwise, and kept in the
+cache directory (`speculative.loading.cache_root`).
 
 Who multiplies (`preferred`, `CpuTuning.int_kernels`, SPECSERVE_CPU_KERNELS at the edge):
-`auto` these on a CPU whose best instructions are AVX2, torch's where it has AVX-512 (there
-torch's are fast) or where these cannot be built (no compiler, no AVX2, not x86: a warning
-says so); `native` these on any AVX2 CPU, an error if they cannot be built; `torch` torch's.
+`auto` these, except on a CPU with AMX (there torch's were measured fast and these were not
+measured) or where these cannot be built (no compiler, no AVX2, not x86: a warning says so);
+`native` these on any AVX2 CPU, an error if they cannot be built; `torch` torch's.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 GROUP = 32  # inputs per int4 group and per step of every product
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC"]
+AVX512_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]  # what torch's AVX512 capability means
 CHOICES = ("auto", "native", "torch")  # who multiplies (module doc)
 
 _library: ctypes.CDLL | None = None
@@ -46,13 +48,21 @@ def preferred(choice: str = "auto", cache_dir: str | os.PathLike | None = None) 
     """Whether int8/int4 layers on the CPU take the native products, by `choice` (module doc)."""
     if choice not in CHOICES:
         raise ValueError(f"CPU kernels: choice must be one of {', '.join(CHOICES)}, got {choice!r}")
-    if choice == "torch" or (choice == "auto" and torch.backends.cpu.get_cpu_capability() != "AVX2"):
+    if choice == "torch" or (choice == "auto" and has_amx()):
         return False
     if available(cache_dir):
         return True
     if choice == "native":
         raise RuntimeError(f"specserve's CPU kernels were asked for (native), but they cannot load: {_error}")
     return False
+
+
+def has_amx() -> bool:
+    """Whether this CPU has AMX tiles (Linux's /proc/cpuinfo; False where it cannot tell)."""
+    try:
+        return " amx_tile" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
 
 
 def fits(in_features: int) -> bool:
@@ -77,6 +87,11 @@ def _cpu_supported() -> bool:
     return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 
 
+def build_flags() -> list[str]:
+    """The compiler's flags for this CPU: AVX-512 where torch finds it, else AVX2."""
+    return FLAGS + AVX512_FLAGS if torch.backends.cpu.get_cpu_capability() == "AVX512" else FLAGS
+
+
 def _load(cache_dir) -> ctypes.CDLL:
     if not _cpu_supported():
         raise RuntimeError(f"needs an x86-64 CPU with AVX2, this one is {platform.machine()} "
@@ -97,7 +112,8 @@ def _built(cache_dir) -> Path:
     """The compiled library for this source and these flags, compiling it if needed."""
     from .loading import cache_root  # loading imports the models, which import this module
 
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    flags = build_flags()
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode()).hexdigest()[:16]
     path = cache_root(cache_dir) / "kernels" / f"cpu_kernels-{key}.so"
     if path.exists():  # built before: no compiler needed
         return path
@@ -108,7 +124,7 @@ def _built(cache_dir) -> Path:
     fd, partial = tempfile.mkstemp(suffix=".so", dir=path.parent)  # processes may build at once
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *FLAGS, "-o", partial, str(SOURCE)], capture_output=True, text=True,
+        done = subprocess.run([compiler, *flags, "-o", partial, str(SOURCE)], capture_output=True, text=True,
                               timeout=300)
         if done.returncode:
             raise RuntimeError(f"{compiler} failed (exit {done.returncode}): {done.stderr.strip()[-2000:]}")

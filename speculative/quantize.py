@@ -9,10 +9,10 @@ stay in the model's float dtype (`Transformer.dtype`, the embedding's). The weig
   GGUF's blocks as they are (speculative/gguf_blocks.py reads them; Q4_0's w = d*(q - 8)
   is m = -8d); `quantize_int4` quantises any other float weight.
 
-On an x86 CPU with AVX2 but not AVX-512 the products are specserve's own
-(speculative/cpu_kernels.py; `quantize`'s `kernels` picks): float32 activations as they are,
-the weights exactly d * q + m. Elsewhere they are PyTorch's weight-packed kernels on bfloat16
-activations: `_weight_int8pack_mm`, and for int4 `_weight_int4pack_mm_for_cpu` on a CPU,
+On an x86 CPU with AVX2 or AVX-512 but not AMX the products are specserve's own
+(speculative/cpu_kernels.py; `quantize`'s `tuning.int_kernels` picks): float32 activations as
+they are, the weights exactly d * q + m. Elsewhere they are PyTorch's weight-packed kernels on
+bfloat16 activations: `_weight_int8pack_mm`, and for int4 `_weight_int4pack_mm_for_cpu` on a CPU,
 `_weight_int4pack_mm` on CUDA, in torch's int4 format w = (q - 8) * scale + zero
 (scale = d, zero = m + 8d).
 

@@ -53,8 +53,8 @@ def test_int8_product_scales_each_channel():
 
 @pytest.mark.parametrize("kind", ["int4", "int8"])
 def test_a_row_gets_the_same_bits_in_every_tiling(kind):
-    """Rows are decoded against a channel's weights up to five at a time; a row's sum must not
-    depend on how many share its tile, nor where it sits in it."""
+    """Rows are decoded against a channel's weights up to five at a time (eight in the AVX-512
+    build); a row's sum must not depend on how many share its tile, nor where it sits in it."""
     q, d, m = gguf_like_int4(40, 576, seed=2)
     layer = Int4Linear(q, d, m, torch.float32, native=True) if kind == "int4" else \
         Int8Linear(torch.randint(-127, 128, (40, 576), dtype=torch.int8), torch.rand(40) * 0.01, native=True)
@@ -97,12 +97,19 @@ def test_torch_kernels_where_asked():
     assert all(m.native for m in native.modules() if isinstance(m, (Int4Linear, Int8Linear)))
 
 
+def test_auto_takes_ours_except_on_a_cpu_with_amx(monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "has_amx", lambda: False)
+    assert cpu_kernels.preferred("auto")
+    monkeypatch.setattr(cpu_kernels, "has_amx", lambda: True)
+    assert not cpu_kernels.preferred("auto") and cpu_kernels.preferred("native")
+
+
 @pytest.fixture
 def unbuildable(monkeypatch):
     """The kernels loaded anew on first use, with a compiler that fails."""
     monkeypatch.setattr(cpu_kernels, "_library", None)
     monkeypatch.setattr(cpu_kernels, "_error", None)
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    monkeypatch.setattr(cpu_kernels, "has_amx", lambda: False)
     monkeypatch.setenv("CXX", "/bin/false")
 
 
