@@ -45,20 +45,25 @@ def tiny_in(precision: str, seed: int = 0, logit_scale: float = 1.0):
 @pytest.mark.parametrize("layer", ["bfloat16", "int8/float32", "int8/bfloat16", "int4/float32", "int4/bfloat16"])
 def test_a_row_scores_the_same_whatever_rows_are_beside_it(layer):
     """Each layer's rows are independent of the rows beside them (float32 BLAS's are not:
-    PackedLinear's docs; bfloat16's are up to BF16_EXACT_ROWS rows, hence RowSlicedLinear)."""
+    PackedLinear's docs; bfloat16's are up to BF16_EXACT_ROWS rows, and one row is summed
+    unlike several on some CPUs, hence RowSlicedLinear). The default model's q/k/v and down shapes."""
     torch.manual_seed(0)
     mode, _, act = layer.partition("/")
     dtype = getattr(torch, act or mode)
-    linear = torch.nn.Linear(576, 960, bias=False)
-    module = {"int8": lambda: Int8Linear.quantized(linear, dtype), "int4": lambda: Int4Linear.quantized(linear, dtype),
-              "bfloat16": lambda: RowSlicedLinear(linear.to(dtype))}[mode]()
-    x = torch.randn(48, 576).to(dtype)
-    with torch.inference_mode():
-        together = module(x)
-        for rows in (1, 2, 3, 4, 7, 16, 48):
-            for start in (0, 1):
-                alone = module(x[start:start + rows])
-                assert torch.equal(alone, together[start:start + rows]), f"{rows} rows from {start}"
+    for inputs, outputs in ((576, 960), (1536, 576)):
+        linear = torch.nn.Linear(inputs, outputs, bias=False)
+        module = {"int8": lambda: Int8Linear.quantized(linear, dtype),
+                  "int4": lambda: Int4Linear.quantized(linear, dtype),
+                  "bfloat16": lambda: RowSlicedLinear(linear.to(dtype))}[mode]()
+        x = torch.randn(48, inputs).to(dtype)
+        with torch.inference_mode():
+            together = module(x)
+            for rows in (2, 3, 4, 7, 16, 33, 47):
+                for start in (0, 1):
+                    alone = module(x[start:start + rows])
+                    assert torch.equal(alone, together[start:start + rows]), f"{inputs}: {rows} rows from {start}"
+            for row in range(48):
+                assert torch.equal(module(x[row:row + 1]), together[row:row + 1]), f"{inputs}: row {row} alone"
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
