@@ -148,12 +148,22 @@ class Attention(nn.Module):
         q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv * self.head_dim
         self.qkv = nn.Linear(cfg.hidden_size, q_dim + 2 * kv_dim, bias=cfg.attention_bias)
         self.o = nn.Linear(q_dim, cfg.hidden_size, bias=False)
+        # RoPE, the cache append and float64 attention of one sequence's short pass in one
+        # call, where the int models' CPU kernels run (speculative/quantize.py installs
+        # speculative.cpu_kernels.attend): eager PyTorch spends a dozen operators on it.
+        self.fused_attention = None
 
     def forward(self, x, cos, sin, k_cache, v_cache, starts, mask, packing=None):
         qkv = self.qkv(x)
         if packing is not None:  # real tokens only [N, D]: attention works on the padded rows
             qkv = packing.unpack(qkv)
         b, t, _ = qkv.shape
+        if self.fused_attention is not None and b == 1 and packing is None and mask is not None \
+                and t <= FUSED_ATTENTION_MAX_TOKENS and k_cache.dtype == torch.float64 and qkv.dtype == torch.float32 \
+                and k_cache[0].is_contiguous() and v_cache[0].is_contiguous():
+            out = self.fused_attention(qkv.reshape(t, -1).contiguous(), cos.reshape(t, -1), sin.reshape(t, -1),
+                                       k_cache[0], v_cache[0], starts[0], mask.reshape(t, -1), self.n_heads)
+            return self.o(out.view(b, t, -1))
         heads = qkv.view(b, t, -1, self.head_dim).transpose(1, 2)  # q, k and v heads [B, H, T, D]
         roped = self.n_heads + self.n_kv
         qk = heads[:, :roped]  # RoPE on queries and keys at once: half the small ops
@@ -315,6 +325,9 @@ class Transformer(nn.Module):
         return self.lm_head(self.norm(x)).float()
 
 
+# passes of more new tokens attend through SDPA even where a fused attention is installed
+# (a long prompt appended to a conversation: SDPA's blocked kernel is faster there)
+FUSED_ATTENTION_MAX_TOKENS = 64
 # a causal pass of at least this many tokens from an empty cache attends without a mask,
 # skipping the hidden blocks (shorter ones gain nothing worth the check)
 CAUSAL_MIN_TOKENS = 64

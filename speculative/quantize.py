@@ -259,7 +259,8 @@ def quantize(model, mode: str, int4_blocks: dict[str, tuple] | None = None, tuni
     arguments taken from a 4-bit GGUF; other int4 layers are quantised from their weights.
     Its "lm_head", (q, d) of a Q8_0 head, makes the int8 head those blocks as they are where
     the native CPU product runs (torch's int8 kernel takes one scale per channel only); there
-    a float32 model's norms run on it too (`NativeRMSNorm`).
+    a float32 model's norms run on it too (`NativeRMSNorm`), and its short passes' attention
+    (`Attention.fused_attention`).
     `tuning.int_kernels`: who multiplies on a CPU (`speculative.cpu_kernels.preferred`, built
     under `cache_dir`); `tuning.long_rows` "packed" keeps passes of over PACKED_CHUNK_ROWS
     rows on specserve's products (row-exact, slower) instead of BLAS.
@@ -306,6 +307,8 @@ def quantize(model, mode: str, int4_blocks: dict[str, tuple] | None = None, tuni
     if native and model.dtype == torch.float32 and model.config.hidden_size % 8 == 0:
         for layer in model.layers:
             layer.attn_norm, layer.mlp_norm = NativeRMSNorm(layer.attn_norm), NativeRMSNorm(layer.mlp_norm)
+            if cpu_kernels.attends(model.config.head_dim):
+                layer.attn.fused_attention = cpu_kernels.attend
         model.norm = NativeRMSNorm(model.norm)
     model.precision = mode
     model.attention_dtype = torch.float64  # so a verified token rounds as it does alone (model.py)

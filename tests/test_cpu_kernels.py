@@ -140,3 +140,73 @@ def test_rms_norm_is_torchs_up_to_rounding_and_row_exact():
         together = native(x)
         assert torch.allclose(together, torch.nn.functional.rms_norm(x, (576,), norm.weight, 1e-5), rtol=1e-5, atol=1e-6)
         assert torch.equal(native(x[1:, 3:4]), together[1:, 3:4])
+
+
+def sdpa_attention(qkv, cos, sin, k_cache, v_cache, start, mask, n_heads):
+    """Attention.forward's own path for one sequence: RoPE in float32, SDPA in float64."""
+    t, d = qkv.shape[0], k_cache.shape[-1]
+    n_kv = k_cache.shape[0]
+    heads = qkv.view(1, t, -1, d).transpose(1, 2)
+    qk = heads[:, :n_heads + n_kv]
+    qk = qk * cos + torch.roll(qk, d // 2, -1) * sin
+    k_cache, v_cache = k_cache.clone(), v_cache.clone()
+    k_cache[:, start:start + t] = qk[0, n_heads:]
+    v_cache[:, start:start + t] = heads[0, n_heads + n_kv:]
+    span = mask.shape[-1]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        qk[:, :n_heads].double(), k_cache[None, :, :span], v_cache[None, :, :span], attn_mask=mask, enable_gqa=True)
+    return out.float().transpose(1, 2).reshape(t, -1), k_cache, v_cache
+
+
+def attention_case(t, start, n_heads=9, n_kv=3, d=64, seed=4):
+    gen = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(t, (n_heads + 2 * n_kv) * d, generator=gen)
+    angles = torch.rand(t, d // 2, generator=gen) * 6
+    cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((-angles, angles), -1).sin()
+    k_cache = torch.zeros(n_kv, 64, d, dtype=torch.float64)
+    v_cache = torch.zeros_like(k_cache)
+    k_cache[:, :start] = torch.randn(n_kv, start, d, generator=gen, dtype=torch.float64)
+    v_cache[:, :start] = torch.randn(n_kv, start, d, generator=gen, dtype=torch.float64)
+    return qkv, cos, sin, k_cache, v_cache
+
+
+def additive(allowed):
+    return torch.zeros(allowed.shape, dtype=torch.float64).masked_fill_(~allowed, float("-inf"))
+
+
+@pytest.mark.parametrize("d", [8, 64])
+def test_fused_attention_is_sdpas_and_writes_the_same_cache(d):
+    """cpu_kernels.attend against Attention.forward's SDPA path, on a tree's mask: the cache
+    entries bit for bit (the same float32 RoPE), the outputs to float64 rounding."""
+    t, start = 6, 20
+    qkv, cos, sin, k_cache, v_cache = attention_case(t, start, d=d)
+    tree = torch.tensor([[1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 0, 1, 0, 0, 0],
+                         [1, 1, 0, 1, 0, 0], [1, 0, 1, 0, 1, 0], [1, 1, 0, 1, 0, 1]], dtype=torch.bool)
+    mask = additive(torch.cat((torch.ones(t, start, dtype=torch.bool), tree), 1))
+    expected, k_expected, v_expected = sdpa_attention(qkv, cos, sin, k_cache, v_cache, start, mask, 9)
+    got = cpu_kernels.attend(qkv, cos, sin, k_cache, v_cache, start, mask, 9)
+    assert torch.equal(k_cache, k_expected) and torch.equal(v_cache, v_expected)
+    assert torch.allclose(got, expected, rtol=1e-6, atol=1e-7)
+
+
+def test_fused_attention_gives_a_token_what_it_gets_alone():
+    """The lossless contract's need: a query verified beside others (a tree, unseen slots
+    masked) gets the bits it gets when its path is decoded one token at a time."""
+    t, start = 5, 30
+    qkv, cos, sin, k_cache, v_cache = attention_case(t, start)
+    tree = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 0, 1, 1, 0], [1, 0, 1, 1, 1]],
+                        dtype=torch.bool)
+    together = cpu_kernels.attend(qkv, cos, sin, k_cache.clone(), v_cache.clone(), start,
+                                  additive(torch.cat((torch.ones(t, start, dtype=torch.bool), tree), 1)), 9)
+    path = [0, 2, 3, 4]  # a branch, decoded alone token by token
+    for step, node in enumerate(path):
+        alone = cpu_kernels.attend(qkv[node:node + 1], cos[node:node + 1], sin[node:node + 1], k_cache, v_cache,
+                                   start + step, additive(torch.ones(1, start + step + 1, dtype=torch.bool)), 9)
+        assert torch.equal(alone[0], together[node]), node
+
+
+def test_int_models_attend_fused_only_where_it_applies():
+    model = quantize(tiny_model(0), "int4", tuning=CpuTuning(int_kernels="native"))
+    assert all(layer.attn.fused_attention is cpu_kernels.attend for layer in model.layers)
+    assert all(layer.attn.fused_attention is None
+               for layer in quantize(tiny_model(0), "int4", tuning=CpuTuning(int_kernels="torch")).layers)
