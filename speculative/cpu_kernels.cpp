@@ -216,8 +216,8 @@ void rms_norm(const float* x, int64_t rows, int64_t k, const float* weight, floa
 // and sin [t, d] are RoPE's at its position, sin's first half negated (model.py): queries and
 // keys are rotated in float32 as Attention.forward rotates them, x * cos + roll(x, d/2) * sin,
 // then widened. The keys and values go to slots start..start+t-1 of the caches [n_kv,
-// max_len, d]; d a multiple of 4, at most kMaxHeadDim; each query then attends to slots 0..span-1 where the additive mask [t, span]
-// is not -inf. out [t, n_heads * d] float32.
+// max_len, d] (d a multiple of 4, at most kMaxHeadDim); each query then attends to the slots
+// 0..span-1 where the additive mask [t, span] is not -inf. out [t, n_heads * d] float32.
 // A query's output is one thread's fixed sequence of operations over the slots it may see,
 // in slot order, whatever t: a token verified beside others attends as it does alone.
 void attend(const float* qkv, int64_t t, int64_t n_heads, int64_t n_kv, int64_t d, const float* cos,
