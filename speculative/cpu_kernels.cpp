@@ -167,82 +167,14 @@ void linear(const float* x, int64_t rows, int64_t k, const void* weight, const f
 
 constexpr int64_t kMaxHeadDim = 256;
 
-inline __m256d load4(const double* p) { return _mm256_loadu_pd(p); }
-inline __m256d load4(const float* p) { return _mm256_cvtps_pd(_mm_loadu_ps(p)); }  // widened, exactly
-
-// q . k over d values (d a multiple of 4), in double: four accumulators taking turns, added in a fixed order.
-template <typename T>
-inline double dot(const double* q, const T* k, int64_t d) {
+// q . k over d doubles (d a multiple of 4): four accumulators taking turns, added in a fixed order.
+inline double dot(const double* q, const double* k, int64_t d) {
   __m256d acc[4] = {_mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd()};
   for (int64_t j = 0; j < d; j += 4)
-    acc[(j / 4) % 4] = _mm256_fmadd_pd(_mm256_loadu_pd(q + j), load4(k + j), acc[(j / 4) % 4]);
+    acc[(j / 4) % 4] = _mm256_fmadd_pd(_mm256_loadu_pd(q + j), _mm256_loadu_pd(k + j), acc[(j / 4) % 4]);
   const __m256d v = _mm256_add_pd(_mm256_add_pd(acc[0], acc[1]), _mm256_add_pd(acc[2], acc[3]));
   __m128d s = _mm_add_pd(_mm256_castpd256_pd128(v), _mm256_extractf128_pd(v, 1));
   return _mm_cvtsd_f64(_mm_add_sd(s, _mm_unpackhi_pd(s, s)));
-}
-
-// Attention of t new tokens of one sequence, computed in float64 over a cache of T (float64,
-// the int models' attention dtype, or float32).
-// qkv [t, (n_heads + 2 n_kv) * d] float32 holds each token's query, key and value heads; cos
-// and sin [t, d] are RoPE's at its position, sin's first half negated (model.py): queries and
-// keys are rotated in float32 as Attention.forward rotates them, x * cos + roll(x, d/2) * sin,
-// then widened. The keys and values go to slots start..start+t-1 of the caches [n_kv,
-// max_len, d] (d a multiple of 4, at most kMaxHeadDim); each query then attends to the slots
-// 0..span-1 where the additive mask [t, span] is not -inf. out [t, n_heads * d] float32.
-// A query's output is one thread's fixed sequence of operations over the slots it may see,
-// in slot order, whatever t: a token verified beside others attends as it does alone.
-template <typename T>
-void attention(const float* qkv, int64_t t, int64_t n_heads, int64_t n_kv, int64_t d, const float* cos,
-               const float* sin, T* k_cache, T* v_cache, int64_t max_len, int64_t start, const T* mask, int64_t span,
-               float* out) {
-  const int64_t width = (n_heads + 2 * n_kv) * d, half = d / 2, group = n_heads / n_kv;
-  const double scale = 1.0 / sqrt(static_cast<double>(d));
-  double* queries = new double[t * n_heads * d];
-  for (int64_t i = 0; i < t; ++i) {
-    const float *row = qkv + i * width, *c = cos + i * d, *sn = sin + i * d;
-    for (int64_t h = 0; h < n_heads + 2 * n_kv; ++h) {
-      const float* x = row + h * d;
-      for (int64_t j = 0; j < d; ++j) {
-        if (h >= n_heads + n_kv) {
-          v_cache[((h - n_heads - n_kv) * max_len + start + i) * d + j] = static_cast<T>(x[j]);
-          continue;
-        }
-        const float a = x[j] * c[j], b = x[j < half ? j + half : j - half] * sn[j], roped = a + b;
-        if (h < n_heads) queries[(i * n_heads + h) * d + j] = roped;
-        else k_cache[((h - n_heads) * max_len + start + i) * d + j] = static_cast<T>(roped);
-      }
-    }
-  }
-  double* scores = new double[t * n_heads * span];
-#pragma omp parallel for schedule(static) collapse(2) if (t * n_heads * span > 4096)
-  for (int64_t i = 0; i < t; ++i) {
-    for (int64_t h = 0; h < n_heads; ++h) {
-      const double* q = queries + (i * n_heads + h) * d;
-      const T *keys = k_cache + (h / group) * max_len * d, *values = v_cache + (h / group) * max_len * d;
-      const T* allowed = mask + i * span;
-      double* score = scores + (i * n_heads + h) * span;
-      double top = -INFINITY;
-      for (int64_t s = 0; s < span; ++s) {
-        if (allowed[s] == -INFINITY) continue;
-        score[s] = dot(q, keys + s * d, d) * scale + static_cast<double>(allowed[s]);
-        top = fmax(top, score[s]);
-      }
-      double total = 0;
-      float* o = out + (i * n_heads + h) * d;
-      double acc[kMaxHeadDim] = {0};
-      for (int64_t s = 0; s < span; ++s) {
-        if (allowed[s] == -INFINITY) continue;
-        const double p = exp(score[s] - top);
-        total += p;
-        const __m256d pv = _mm256_set1_pd(p);
-        for (int64_t j = 0; j < d; j += 4)
-          _mm256_storeu_pd(acc + j, _mm256_fmadd_pd(pv, load4(values + s * d + j), _mm256_loadu_pd(acc + j)));
-      }
-      for (int64_t j = 0; j < d; ++j) o[j] = static_cast<float>(acc[j] / total);
-    }
-  }
-  delete[] scores;
-  delete[] queries;
 }
 
 }  // namespace
@@ -279,17 +211,69 @@ void rms_norm(const float* x, int64_t rows, int64_t k, const float* weight, floa
   }
 }
 
-// attention() over a float64 cache and mask, and over a float32 one.
+// Attention of t new tokens of one sequence in float64, the int models' attention dtype.
+// qkv [t, (n_heads + 2 n_kv) * d] float32 holds each token's query, key and value heads; cos
+// and sin [t, d] are RoPE's at its position, sin's first half negated (model.py): queries and
+// keys are rotated in float32 as Attention.forward rotates them, x * cos + roll(x, d/2) * sin,
+// then widened. The keys and values go to slots start..start+t-1 of the caches [n_kv,
+// max_len, d] (d a multiple of 4, at most kMaxHeadDim); each query then attends to the slots
+// 0..span-1 where the additive mask [t, span] is not -inf. out [t, n_heads * d] float32.
+// A query's output is one thread's fixed sequence of operations over the slots it may see,
+// in slot order, whatever t: a token verified beside others attends as it does alone.
 void attend(const float* qkv, int64_t t, int64_t n_heads, int64_t n_kv, int64_t d, const float* cos,
             const float* sin, double* k_cache, double* v_cache, int64_t max_len, int64_t start, const double* mask,
             int64_t span, float* out) {
-  attention(qkv, t, n_heads, n_kv, d, cos, sin, k_cache, v_cache, max_len, start, mask, span, out);
-}
-
-void attend_f32(const float* qkv, int64_t t, int64_t n_heads, int64_t n_kv, int64_t d, const float* cos,
-                const float* sin, float* k_cache, float* v_cache, int64_t max_len, int64_t start, const float* mask,
-                int64_t span, float* out) {
-  attention(qkv, t, n_heads, n_kv, d, cos, sin, k_cache, v_cache, max_len, start, mask, span, out);
+  const int64_t width = (n_heads + 2 * n_kv) * d, half = d / 2, group = n_heads / n_kv;
+  const double scale = 1.0 / sqrt(static_cast<double>(d));
+  double* queries = new double[t * n_heads * d];
+  for (int64_t i = 0; i < t; ++i) {
+    const float *row = qkv + i * width, *c = cos + i * d, *sn = sin + i * d;
+    for (int64_t h = 0; h < n_heads + 2 * n_kv; ++h) {
+      const float* x = row + h * d;
+      double* to = h < n_heads ? queries + (i * n_heads + h) * d
+                   : h < n_heads + n_kv ? k_cache + ((h - n_heads) * max_len + start + i) * d
+                                        : v_cache + ((h - n_heads - n_kv) * max_len + start + i) * d;
+      for (int64_t j = 0; j < d; ++j) {
+        if (h >= n_heads + n_kv) {
+          to[j] = x[j];
+          continue;
+        }
+        const float rotated_in = x[j < half ? j + half : j - half];
+        const float a = x[j] * c[j], b = rotated_in * sn[j];
+        to[j] = static_cast<double>(a + b);
+      }
+    }
+  }
+  double* scores = new double[t * n_heads * span];
+#pragma omp parallel for schedule(static) collapse(2) if (t * n_heads * span > 4096)
+  for (int64_t i = 0; i < t; ++i) {
+    for (int64_t h = 0; h < n_heads; ++h) {
+      const double* q = queries + (i * n_heads + h) * d;
+      const double *keys = k_cache + (h / group) * max_len * d, *values = v_cache + (h / group) * max_len * d;
+      const double* allowed = mask + i * span;
+      double* score = scores + (i * n_heads + h) * span;
+      double top = -INFINITY;
+      for (int64_t s = 0; s < span; ++s) {
+        if (allowed[s] == -INFINITY) continue;
+        score[s] = dot(q, keys + s * d, d) * scale + allowed[s];
+        top = fmax(top, score[s]);
+      }
+      double total = 0;
+      float* o = out + (i * n_heads + h) * d;
+      double acc[kMaxHeadDim] = {0};
+      for (int64_t s = 0; s < span; ++s) {
+        if (allowed[s] == -INFINITY) continue;
+        const double p = exp(score[s] - top);
+        total += p;
+        const __m256d pv = _mm256_set1_pd(p);
+        for (int64_t j = 0; j < d; j += 4)
+          _mm256_storeu_pd(acc + j, _mm256_fmadd_pd(pv, _mm256_loadu_pd(values + s * d + j), _mm256_loadu_pd(acc + j)));
+      }
+      for (int64_t j = 0; j < d; ++j) o[j] = static_cast<float>(acc[j] / total);
+    }
+  }
+  delete[] scores;
+  delete[] queries;
 }
 
 // w [out, k] = the Q4_1 blocks' weights in float32, each d * q + m as the products compute it.

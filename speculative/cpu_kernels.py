@@ -1,5 +1,5 @@
 """specserve's own int4 and int8 weight-only products for x86 CPUs with AVX2 (cpu_kernels.cpp),
-the int models' RMSNorm, and short passes' attention (float64 arithmetic), each one call.
+and the int models' RMSNorm and short passes' float64 attention, each one call.
 
 torch's CPU kernels for these take bfloat16 activations, and on the AMD EPYCs measured
 (AVX2, and AVX-512 without AMX) they are slower than these (docs/BENCHMARKS.md). These take
@@ -104,9 +104,8 @@ def _load(cache_dir) -> ctypes.CDLL:
     lib.int8_linear.argtypes = [ptr, i64, i64, ptr, ptr, ctypes.c_int, i64, ptr]
     lib.int4_dequantize.argtypes = [i64, ptr, i64, ptr]
     lib.rms_norm.argtypes = [ptr, i64, i64, ptr, ctypes.c_float, ptr]
-    lib.attend.argtypes = lib.attend_f32.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, i64, i64, ptr, i64,
-                                                     ptr]
-    for fn in (lib.int4_linear, lib.int8_linear, lib.int4_dequantize, lib.rms_norm, lib.attend, lib.attend_f32):
+    lib.attend.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, i64, i64, ptr, i64, ptr]
+    for fn in (lib.int4_linear, lib.int8_linear, lib.int4_dequantize, lib.rms_norm, lib.attend):
         fn.restype = None
     return lib
 
@@ -182,16 +181,16 @@ def attends(head_dim: int) -> bool:
 
 def attend(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
            start: int, mask: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """One sequence's attention for t new tokens, computed in float64 (cpu_kernels.cpp's `attention`).
+    """One sequence's attention for t new tokens in float64 (cpu_kernels.cpp's `attend`).
 
     qkv [t, (n_heads + 2 n_kv) * d] float32; cos, sin [t, d] float32 (model.Transformer's
-    rope tables at the tokens' positions); k_cache, v_cache [n_kv, max_len, d] float64 or
-    float32, written at slots start..start+t-1; mask [t, span] in the cache's dtype, 0 or
-    -inf. Returns [t, n_heads * d] float32, each query's output the one it gets alone."""
+    rope tables at the tokens' positions); k_cache, v_cache [n_kv, max_len, d] float64,
+    written at slots start..start+t-1; mask [t, span] float64, 0 or -inf. Returns
+    [t, n_heads * d] float32, each query's output the one it gets alone."""
     t = qkv.shape[0]
     n_kv, max_len, d = k_cache.shape
     out = torch.empty(t, n_heads * d, dtype=torch.float32)
-    (_library.attend if k_cache.dtype == torch.float64 else _library.attend_f32)(qkv.data_ptr(), t, n_heads, n_kv, d, cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(),
+    _library.attend(qkv.data_ptr(), t, n_heads, n_kv, d, cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(),
                     v_cache.data_ptr(), max_len, start, mask.data_ptr(), mask.shape[-1], out.data_ptr())
     return out
 

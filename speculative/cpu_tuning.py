@@ -29,7 +29,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import cpu_kernels
 from .cpu_kernels import CHOICES
 from .model import Transformer
 
@@ -64,9 +63,7 @@ class CpuTuning:
     `long_rows`: the path of passes over PACKED_CHUNK_ROWS rows: `blas`, `packed` (in
     slices), or `auto`, whichever this CPU runs faster (measured). `int_kernels`: who
     multiplies int8/int4 weights (`speculative.cpu_kernels.preferred`), applied when
-    `speculative.loading.load` quantises; `torch` also keeps a float32 model's attention
-    on PyTorch's operators, where otherwise specserve's fused attention runs
-    (`Attention.fused_attention`)."""
+    `speculative.loading.load` quantises."""
 
     packed_linear: bool = True
     one_row: str = "auto"
@@ -87,9 +84,8 @@ class CpuTuning:
 
 def apply_cpu_tuning(model: Transformer, tuning: CpuTuning = CpuTuning()) -> bool:
     """Tune an inference-only model on the CPU: prepack every linear layer of a float32
-    model (`PackedLinear`), attend its short passes in specserve's fused attention where
-    it builds, and pad one-row passes of 2-3 tokens to PAD_ROWS_TO unless the packed
-    layers run 2-3 rows by BLAS. Returns whether the layers were packed:
+    model (`PackedLinear`), and pad one-row passes of 2-3 tokens to PAD_ROWS_TO unless
+    the packed layers run 2-3 rows by BLAS. Returns whether the layers were packed:
     False, leaving them as they are (and padding short rows), for another device or
     dtype, a torch without oneDNN's packed linear, or `tuning.packed_linear` off; an int8
     or int4 model's layers stay as they are, unpadded. The
@@ -101,11 +97,6 @@ def apply_cpu_tuning(model: Transformer, tuning: CpuTuning = CpuTuning()) -> boo
     if model.device.type == "cpu" and type(model) is Transformer:
         model.__class__ = PaddedShortRows  # the same model, its forward wrapped
         model.pad_short_rows = not int_layers
-    if (model.device.type == "cpu" and model.dtype == torch.float32 and not int_layers
-            and tuning.int_kernels != "torch" and cpu_kernels.attends(model.config.head_dim)
-            and cpu_kernels.available()):
-        for layer in model.layers:  # the int models' is installed by quantize
-            layer.attn.fused_attention = cpu_kernels.attend
     ops = torch.ops.mkldnn
     usable = (tuning.packed_linear and not int_layers and model.device.type == "cpu" and model.dtype == torch.float32
               and torch.backends.mkldnn.is_available()

@@ -148,8 +148,8 @@ class Attention(nn.Module):
         q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv * self.head_dim
         self.qkv = nn.Linear(cfg.hidden_size, q_dim + 2 * kv_dim, bias=cfg.attention_bias)
         self.o = nn.Linear(q_dim, cfg.hidden_size, bias=False)
-        # RoPE, the cache append and attention of one sequence's short pass in one call, on a
-        # CPU where specserve's kernels run (speculative/quantize.py and cpu_tuning.py install
+        # RoPE, the cache append and float64 attention of one sequence's short pass in one
+        # call, where the int models' CPU kernels run (speculative/quantize.py installs
         # speculative.cpu_kernels.attend): eager PyTorch spends a dozen operators on it.
         self.fused_attention = None
 
@@ -159,8 +159,7 @@ class Attention(nn.Module):
             qkv = packing.unpack(qkv)
         b, t, _ = qkv.shape
         if self.fused_attention is not None and b == 1 and packing is None and mask is not None \
-                and t <= FUSED_ATTENTION_MAX_TOKENS and qkv.dtype == torch.float32 \
-                and k_cache.dtype in (torch.float32, torch.float64) \
+                and t <= FUSED_ATTENTION_MAX_TOKENS and k_cache.dtype == torch.float64 and qkv.dtype == torch.float32 \
                 and k_cache[0].is_contiguous() and v_cache[0].is_contiguous():
             out = self.fused_attention(qkv.reshape(t, -1).contiguous(), cos.reshape(t, -1), sin.reshape(t, -1),
                                        k_cache[0], v_cache[0], starts[0], mask.reshape(t, -1), self.n_heads)

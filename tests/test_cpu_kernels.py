@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from speculative import cpu_kernels
-from speculative.cpu_tuning import PACKED_CHUNK_ROWS, CpuTuning, apply_cpu_tuning
+from speculative.cpu_tuning import PACKED_CHUNK_ROWS, CpuTuning
 from speculative.quantize import Int4Linear, Int8Linear, NativeRMSNorm, quantize
 from tiny import tiny_model
 
@@ -158,68 +158,57 @@ def sdpa_attention(qkv, cos, sin, k_cache, v_cache, start, mask, n_heads):
     return out.float().transpose(1, 2).reshape(t, -1), k_cache, v_cache
 
 
-def attention_case(t, start, n_heads=9, n_kv=3, d=64, seed=4, dtype=torch.float64):
+def attention_case(t, start, n_heads=9, n_kv=3, d=64, seed=4):
     gen = torch.Generator().manual_seed(seed)
     qkv = torch.randn(t, (n_heads + 2 * n_kv) * d, generator=gen)
     angles = torch.rand(t, d // 2, generator=gen) * 6
     cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((-angles, angles), -1).sin()
-    k_cache = torch.zeros(n_kv, 64, d, dtype=dtype)
+    k_cache = torch.zeros(n_kv, 64, d, dtype=torch.float64)
     v_cache = torch.zeros_like(k_cache)
-    k_cache[:, :start] = torch.randn(n_kv, start, d, generator=gen).to(dtype)
-    v_cache[:, :start] = torch.randn(n_kv, start, d, generator=gen).to(dtype)
+    k_cache[:, :start] = torch.randn(n_kv, start, d, generator=gen, dtype=torch.float64)
+    v_cache[:, :start] = torch.randn(n_kv, start, d, generator=gen, dtype=torch.float64)
     return qkv, cos, sin, k_cache, v_cache
 
 
-def additive(allowed, dtype=torch.float64):
-    return torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
+def additive(allowed):
+    return torch.zeros(allowed.shape, dtype=torch.float64).masked_fill_(~allowed, float("-inf"))
 
 
 @pytest.mark.parametrize("d", [8, 64])
-@pytest.mark.parametrize("cache", [torch.float64, torch.float32])
-def test_fused_attention_is_sdpas_and_writes_the_same_cache(d, cache):
-    """cpu_kernels.attend against Attention.forward's SDPA path in float64, on a tree's mask,
-    bit for bit: the cache entries (the same float32 RoPE) and the outputs, which differ in
-    float64's low bits only and round to the same float32. So an int model's sequence
-    attends alike alone (fused) and in a batch of several (SDPA). A float32 cache is read
-    widened to float64, exactly: the same arithmetic, the same outputs."""
+def test_fused_attention_is_sdpas_and_writes_the_same_cache(d):
+    """cpu_kernels.attend against Attention.forward's SDPA path, on a tree's mask, bit for bit:
+    the cache entries (the same float32 RoPE) and the outputs, which differ in float64's low
+    bits only and round to the same float32. So a sequence attends alike alone (fused) and in
+    a batch of several (SDPA)."""
     t, start = 6, 20
-    qkv, cos, sin, k_cache, v_cache = attention_case(t, start, d=d, dtype=cache)
+    qkv, cos, sin, k_cache, v_cache = attention_case(t, start, d=d)
     tree = torch.tensor([[1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 0, 1, 0, 0, 0],
                          [1, 1, 0, 1, 0, 0], [1, 0, 1, 0, 1, 0], [1, 1, 0, 1, 0, 1]], dtype=torch.bool)
-    allowed = torch.cat((torch.ones(t, start, dtype=torch.bool), tree), 1)
-    expected, k_expected, v_expected = sdpa_attention(qkv, cos, sin, k_cache.double(), v_cache.double(), start,
-                                                      additive(allowed), 9)
-    got = cpu_kernels.attend(qkv, cos, sin, k_cache, v_cache, start, additive(allowed, cache), 9)
-    assert torch.equal(k_cache.double(), k_expected) and torch.equal(v_cache.double(), v_expected)
+    mask = additive(torch.cat((torch.ones(t, start, dtype=torch.bool), tree), 1))
+    expected, k_expected, v_expected = sdpa_attention(qkv, cos, sin, k_cache, v_cache, start, mask, 9)
+    got = cpu_kernels.attend(qkv, cos, sin, k_cache, v_cache, start, mask, 9)
+    assert torch.equal(k_cache, k_expected) and torch.equal(v_cache, v_expected)
     assert torch.equal(got, expected)
 
 
-@pytest.mark.parametrize("cache", [torch.float64, torch.float32])
-def test_fused_attention_gives_a_token_what_it_gets_alone(cache):
+def test_fused_attention_gives_a_token_what_it_gets_alone():
     """The lossless contract's need: a query verified beside others (a tree, unseen slots
     masked) gets the bits it gets when its path is decoded one token at a time."""
     t, start = 5, 30
-    qkv, cos, sin, k_cache, v_cache = attention_case(t, start, dtype=cache)
+    qkv, cos, sin, k_cache, v_cache = attention_case(t, start)
     tree = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 0, 1, 1, 0], [1, 0, 1, 1, 1]],
                         dtype=torch.bool)
     together = cpu_kernels.attend(qkv, cos, sin, k_cache.clone(), v_cache.clone(), start,
-                                  additive(torch.cat((torch.ones(t, start, dtype=torch.bool), tree), 1), cache), 9)
+                                  additive(torch.cat((torch.ones(t, start, dtype=torch.bool), tree), 1)), 9)
     path = [0, 2, 3, 4]  # a branch, decoded alone token by token
     for step, node in enumerate(path):
         alone = cpu_kernels.attend(qkv[node:node + 1], cos[node:node + 1], sin[node:node + 1], k_cache, v_cache,
-                                   start + step, additive(torch.ones(1, start + step + 1, dtype=torch.bool), cache), 9)
+                                   start + step, additive(torch.ones(1, start + step + 1, dtype=torch.bool)), 9)
         assert torch.equal(alone[0], together[node]), node
 
 
-def test_models_attend_fused_only_where_it_applies():
+def test_int_models_attend_fused_only_where_it_applies():
     model = quantize(tiny_model(0), "int4", tuning=CpuTuning(int_kernels="native"))
     assert all(layer.attn.fused_attention is cpu_kernels.attend for layer in model.layers)
     assert all(layer.attn.fused_attention is None
                for layer in quantize(tiny_model(0), "int4", tuning=CpuTuning(int_kernels="torch")).layers)
-    for kernels, fused in (("auto", cpu_kernels.attend), ("torch", None)):
-        model = tiny_model(0)
-        apply_cpu_tuning(model, CpuTuning(int_kernels=kernels))
-        assert all(layer.attn.fused_attention is fused for layer in model.layers), kernels
-    bfloat16 = tiny_model(0).to(torch.bfloat16)
-    apply_cpu_tuning(bfloat16)
-    assert all(layer.attn.fused_attention is None for layer in bfloat16.layers)
