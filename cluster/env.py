@@ -11,9 +11,10 @@ of `speculative/` take their values as parameters.
   `auto` (the default: whichever this CPU runs faster), `blas` or `packed`; for int8/int4
   layers on specserve's products, `packed` keeps such passes on them (row-exact, slower),
   the others take BLAS.
-- SPECSERVE_CPU_KERNELS: who multiplies int8/int4 weights on the CPU, `auto` (the
-  default: specserve's own on an x86 CPU with AVX2 or AVX-512, torch's on one with AMX),
-  `native` (specserve's own on any AVX2 CPU) or `torch`.
+- SPECSERVE_CPU_KERNELS: who multiplies on the CPU, int8/int4 weights and float32
+  models' linear layers (with their norms), `auto` (the default: specserve's own on an
+  x86 CPU with AVX2 or AVX-512, torch's on one with AMX), `native` (specserve's own on
+  any AVX2 CPU) or `torch` (torch's, and oneDNN's prepacked float32 layers).
 - SPECSERVE_CACHE_DIR: the cache of converted models and distillation data
   (unset or empty: ~/.cache/specserve).
 - SPECSERVE_CLUSTER_SECRET: the secret every internal call carries, when the
@@ -25,18 +26,18 @@ from __future__ import annotations
 
 import os
 
-from speculative.cpu_tuning import INT_KERNELS, LONG_ROWS_PATHS, ONE_ROW_PATHS, SHORT_ROWS_PATHS, CpuTuning
+from speculative.cpu_tuning import KERNELS, LONG_ROWS_PATHS, ONE_ROW_PATHS, SHORT_ROWS_PATHS, CpuTuning
 
 
 def cpu_tuning_from_env() -> CpuTuning:
     """SPECSERVE_PACKED_LINEAR and the paths through packed layers, SPECSERVE_ONE_ROW_LINEAR,
     SPECSERVE_SHORT_ROWS_LINEAR and SPECSERVE_LONG_ROWS_LINEAR, and SPECSERVE_CPU_KERNELS
     (see module doc); the paths are only read when packing is on."""
-    int_kernels = os.environ.get("SPECSERVE_CPU_KERNELS", "auto")
-    if int_kernels not in INT_KERNELS:
-        raise ValueError(f"SPECSERVE_CPU_KERNELS must be auto, native or torch, got {int_kernels!r}")
+    kernels = os.environ.get("SPECSERVE_CPU_KERNELS", "auto")
+    if kernels not in KERNELS:
+        raise ValueError(f"SPECSERVE_CPU_KERNELS must be auto, native or torch, got {kernels!r}")
     if os.environ.get("SPECSERVE_PACKED_LINEAR", "1") == "0":
-        return CpuTuning(packed_linear=False, int_kernels=int_kernels)
+        return CpuTuning(packed_linear=False, kernels=kernels)
     one_row = os.environ.get("SPECSERVE_ONE_ROW_LINEAR", "auto")
     if one_row not in ONE_ROW_PATHS:
         raise ValueError(f"SPECSERVE_ONE_ROW_LINEAR must be auto, blas or packed, got {one_row!r}")
@@ -46,7 +47,7 @@ def cpu_tuning_from_env() -> CpuTuning:
     long_rows = os.environ.get("SPECSERVE_LONG_ROWS_LINEAR", "auto")
     if long_rows not in LONG_ROWS_PATHS:
         raise ValueError(f"SPECSERVE_LONG_ROWS_LINEAR must be auto, blas or packed, got {long_rows!r}")
-    return CpuTuning(one_row=one_row, short_rows=short_rows, long_rows=long_rows, int_kernels=int_kernels)
+    return CpuTuning(one_row=one_row, short_rows=short_rows, long_rows=long_rows, kernels=kernels)
 
 
 def cache_dir_from_env() -> str | None:

@@ -1,6 +1,7 @@
-// Weight-only int4 and int8 matrix products for x86 CPUs with AVX2 and FMA, on float32
-// activations (speculative/cpu_kernels.py builds and loads this file). Built with AVX-512
-// (F, BW, VL, DQ) the products take 16 inputs a vector and decode int4 by table lookup.
+// Weight-only int4 and int8 matrix products, and float32 ones on prepacked weights, for x86
+// CPUs with AVX2 and FMA, on float32 activations (speculative/cpu_kernels.py builds and loads
+// this file). Built with AVX-512 (F, BW, VL, DQ) the products take 16 inputs a vector and
+// decode int4 by table lookup.
 //
 // Every output y[m, n] is computed by one thread with one fixed sequence of operations,
 // whatever the number of rows m beside it and however the work is split: a row scores the
@@ -165,6 +166,52 @@ void linear(const float* x, int64_t rows, int64_t k, const void* weight, const f
   }
 }
 
+// float32: C output channels against R rows at once, so that each input vector loaded meets C
+// weight vectors and each weight vector R inputs. Every output sums with one accumulator over
+// its inputs in order, then hsum: the operations an output gets depend neither on C nor on R.
+// The weights are packed [out / C][k / 16][C][16] (`float32_pack`), so that a tile's weights
+// are one stream, read once a pass: a tile's rows take turns over weights the cache holds.
+#if defined(__AVX512F__)
+using F32Vec = __m512;
+constexpr int kF32Lanes = 16, kF32Rows = 4;  // 16 accumulators, 4 weights and an input in 32 registers
+inline F32Vec f32_load(const float* p) { return _mm512_loadu_ps(p); }
+inline F32Vec f32_fma(F32Vec a, F32Vec b, F32Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline F32Vec f32_zero() { return _mm512_setzero_ps(); }
+#else
+using F32Vec = __m256;
+constexpr int kF32Lanes = 8, kF32Rows = 2;  // 8 accumulators, 4 weights and an input in 16 registers
+inline F32Vec f32_load(const float* p) { return _mm256_loadu_ps(p); }
+inline F32Vec f32_fma(F32Vec a, F32Vec b, F32Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline F32Vec f32_zero() { return _mm256_setzero_ps(); }
+#endif
+constexpr int kF32Channels = 4, kF32Chunk = 16;
+// How far ahead of its reads a tile asks for its weights, into L2 (floats): without it the
+// arithmetic of a pass of several rows and the stream from memory took turns instead of
+// overlapping (docs/DESIGN-NOTES.md, CPU cost model).
+constexpr int64_t kF32Prefetch = 4096;
+
+template <int R>
+void f32_tile(const float* x, int64_t k, const float* w, int64_t n, int64_t out, float* y) {
+  constexpr int C = kF32Channels;
+  F32Vec acc[C][R];
+  for (int c = 0; c < C; ++c)
+    for (int r = 0; r < R; ++r) acc[c][r] = f32_zero();
+  const float* tile = w + n * k;
+  for (int64_t i = 0; i < k; i += kF32Lanes) {
+    const float* wi = tile + (i / kF32Chunk) * kF32Chunk * C + i % kF32Chunk;
+    for (int c = 0; c < C; ++c) _mm_prefetch(reinterpret_cast<const char*>(wi + kF32Prefetch + c * kF32Chunk),
+                                             _MM_HINT_T1);
+    F32Vec wv[C];
+    for (int c = 0; c < C; ++c) wv[c] = f32_load(wi + c * kF32Chunk);
+    for (int r = 0; r < R; ++r) {
+      const F32Vec xv = f32_load(x + r * k + i);
+      for (int c = 0; c < C; ++c) acc[c][r] = f32_fma(wv[c], xv, acc[c][r]);
+    }
+  }
+  for (int c = 0; c < C; ++c)
+    for (int r = 0; r < R; ++r) y[r * out + n + c] = hsum(acc[c][r]);
+}
+
 constexpr int64_t kMaxHeadDim = 256;
 
 // q . k over d doubles (d a multiple of 4): four accumulators taking turns, added in a fixed order.
@@ -192,6 +239,34 @@ void int8_linear(const float* x, int64_t rows, int64_t k, const int8_t* q, const
                  int64_t out, float* y) {
   if (grouped) linear<kInt8Group>(x, rows, k, q, scale, out, y);
   else linear<kInt8Channel>(x, rows, k, q, scale, out, y);
+}
+
+// packed [out / 4][k / 16][4][16] = w [out, k] float32, for float32_linear. out a multiple of 4, k of 16.
+void float32_pack(const float* w, int64_t out, int64_t k, float* packed) {
+  for (int64_t n = 0; n < out; ++n)
+    for (int64_t i = 0; i < k; ++i)
+      packed[(n / kF32Channels) * kF32Channels * k + (i / kF32Chunk) * kF32Chunk * kF32Channels +
+             (n % kF32Channels) * kF32Chunk + i % kF32Chunk] = w[n * k + i];
+}
+
+// y [rows, out] = x [rows, k] @ W.T, W as float32_pack packed it. Rows go in tiles as even as can be.
+void float32_linear(const float* x, int64_t rows, int64_t k, const float* packed, int64_t out, float* y) {
+  const int64_t tiles = (rows + kF32Rows - 1) / kF32Rows, tile = (rows + tiles - 1) / tiles;
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < out; n += kF32Channels) {
+    for (int64_t r = 0; r < rows; r += tile) {
+      const float* xr = x + r * k;
+      float* yr = y + r * out;
+      switch (rows - r < tile ? rows - r : tile) {
+#if defined(__AVX512F__)
+        case 4: f32_tile<4>(xr, k, packed, n, out, yr); break;
+        case 3: f32_tile<3>(xr, k, packed, n, out, yr); break;
+#endif
+        case 2: f32_tile<2>(xr, k, packed, n, out, yr); break;
+        default: f32_tile<1>(xr, k, packed, n, out, yr); break;
+      }
+    }
+  }
 }
 
 // y [rows, k] = weight * x / sqrt(mean(x^2) + eps), row by row (RMSNorm); k a multiple of 8.

@@ -1,14 +1,16 @@
-"""specserve's own int4 and int8 weight-only products for x86 CPUs with AVX2 (cpu_kernels.cpp),
-and the int models' RMSNorm and short passes' float64 attention, each one call.
+"""specserve's own int4 and int8 weight-only products, and float32 products on weights it
+prepacks, for x86 CPUs with AVX2 (cpu_kernels.cpp), and the int models' RMSNorm and short
+passes' float64 attention, each one call.
 
-torch's CPU kernels for these take bfloat16 activations, and on the AMD EPYCs measured
-(AVX2, and AVX-512 without AMX) they are slower than these (docs/BENCHMARKS.md). These take
+torch's CPU kernels for int weights take bfloat16 activations, and on the AMD EPYCs measured
+(AVX2, and AVX-512 without AMX) they are slower than these (docs/BENCHMARKS.md); for float32,
+oneDNN's prepacked product is slower than these for passes of a few rows. These take
 float32 activations as they are and give each row the same result whatever the rows beside
 it (the lossless contract). The source is compiled with the system's C++ compiler on first
 use, a second or two, for AVX-512 where torch finds it and AVX2 otherwise, and kept in the
 cache directory (`speculative.loading.cache_root`).
 
-Who multiplies (`preferred`, `CpuTuning.int_kernels`, SPECSERVE_CPU_KERNELS at the edge):
+Who multiplies (`preferred`, `CpuTuning.kernels`, SPECSERVE_CPU_KERNELS at the edge):
 `auto` these, except on a CPU with AMX (there torch's were measured fast and these were not
 measured) or where these cannot be built (no compiler, no AVX2, not x86: a warning says so);
 `native` these on any AVX2 CPU, an error if they cannot be built; `torch` torch's.
@@ -46,7 +48,7 @@ def available(cache_dir: str | os.PathLike | None = None) -> bool:
 
 
 def preferred(choice: str = "auto", cache_dir: str | os.PathLike | None = None) -> bool:
-    """Whether int8/int4 layers on the CPU take the native products, by `choice` (module doc)."""
+    """Whether linear layers on the CPU take the native products, by `choice` (module doc)."""
     if choice not in CHOICES:
         raise ValueError(f"CPU kernels: choice must be one of {', '.join(CHOICES)}, got {choice!r}")
     if choice == "torch" or (choice == "auto" and has_amx()):
@@ -70,6 +72,13 @@ def fits(in_features: int) -> bool:
     return in_features % GROUP == 0
 
 
+FLOAT32_CHANNELS = 4  # output channels a float32 product takes at once (kF32Channels)
+
+
+def float32_fits(out_features: int, in_features: int) -> bool:
+    return fits(in_features) and out_features % FLOAT32_CHANNELS == 0
+
+
 def library(cache_dir: str | os.PathLike | None = None) -> ctypes.CDLL | None:
     """The loaded products, or None (once, a warning says why) where they cannot load."""
     global _library, _error
@@ -78,7 +87,7 @@ def library(cache_dir: str | os.PathLike | None = None) -> ctypes.CDLL | None:
             _library = _load(cache_dir)
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             _error = str(e)
-            log.warning("specserve's CPU kernels are unavailable (%s): int4/int8 layers use torch's", e)
+            log.warning("specserve's CPU kernels are unavailable (%s): linear layers use torch's", e)
     return _library
 
 
@@ -103,9 +112,12 @@ def _load(cache_dir) -> ctypes.CDLL:
     lib.int4_linear.argtypes = [ptr, i64, i64, ptr, i64, ptr]
     lib.int8_linear.argtypes = [ptr, i64, i64, ptr, ptr, ctypes.c_int, i64, ptr]
     lib.int4_dequantize.argtypes = [i64, ptr, i64, ptr]
+    lib.float32_linear.argtypes = [ptr, i64, i64, ptr, i64, ptr]
+    lib.float32_pack.argtypes = [ptr, i64, i64, ptr]
     lib.rms_norm.argtypes = [ptr, i64, i64, ptr, ctypes.c_float, ptr]
     lib.attend.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, i64, i64, ptr, i64, ptr]
-    for fn in (lib.int4_linear, lib.int8_linear, lib.int4_dequantize, lib.rms_norm, lib.attend):
+    for fn in (lib.float32_pack, lib.float32_linear, lib.int4_linear, lib.int8_linear, lib.int4_dequantize,
+               lib.rms_norm, lib.attend):
         fn.restype = None
     return lib
 
@@ -142,6 +154,23 @@ def int4_linear(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     rows, k = x.shape
     y = torch.empty(rows, blocks.shape[0], dtype=torch.float32)
     _library.int4_linear(x.data_ptr(), rows, k, blocks.data_ptr(), blocks.shape[0], y.data_ptr())
+    return y
+
+
+def float32_pack(w: torch.Tensor) -> torch.Tensor:
+    """w [out, in] float32 (`float32_fits`) in the layout `float32_linear` reads: [out / 4, in / 16,
+    4, 16], a tile of 4 output channels' weights one stream. Viewed as [out, in]."""
+    out, k = w.shape
+    packed = torch.empty(out * k, dtype=torch.float32)
+    _library.float32_pack(w.contiguous().data_ptr(), out, k, packed.data_ptr())
+    return packed.view(out, k)
+
+
+def float32_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """x [rows, in] float32 contiguous @ W.T, W [out, in] as `float32_pack` packed it."""
+    rows, k = x.shape
+    y = torch.empty(rows, packed.shape[0], dtype=torch.float32)
+    _library.float32_linear(x.data_ptr(), rows, k, packed.data_ptr(), packed.shape[0], y.data_ptr())
     return y
 
 

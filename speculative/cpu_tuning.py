@@ -4,11 +4,12 @@ The model in `model.py` computes the same thing without it; this module only
 makes its passes cheaper on a CPU, and is installed onto a loaded model the way
 parallelism is applied to a plain one:
 
-- the linear layers are prepacked in oneDNN's blocked layout (`PackedLinear`):
-  CPU BLAS multiplies a few rows inefficiently, and a pass of several new tokens
-  (what verifying a draft is) costs much less prepacked. One row, and 2-3 rows,
-  take whichever path this CPU runs faster, measured once per process
-  (`_blas_wins`);
+- the linear layers are prepacked: CPU BLAS multiplies a few rows inefficiently,
+  and a pass of several new tokens (what verifying a draft is) costs much less
+  prepacked. Where specserve's own CPU products run (`speculative.cpu_kernels`,
+  `CpuTuning.kernels`) they are packed for those (`NativeLinear`), else in
+  oneDNN's blocked layout (`PackedLinear`), whose one row, and 2-3 rows, take
+  whichever path this CPU runs faster, measured once per process (`_blas_wins`);
 - where 2-3 rows are cheaper packed, one row of 2-3 new tokens is padded to
   PAD_ROWS_TO tokens;
 - passes longer than PACKED_CHUNK_ROWS rows (long prefills) take whichever of BLAS
@@ -29,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import cpu_kernels
 from .cpu_kernels import CHOICES
 from .model import Transformer
 
@@ -40,7 +42,7 @@ PAD_ROWS_TO = 4
 ONE_ROW_PATHS = ("auto", "blas", "packed")
 SHORT_ROWS_PATHS = ("auto", "blas", "padded")
 LONG_ROWS_PATHS = ("auto", "blas", "packed")
-INT_KERNELS = CHOICES  # who multiplies int8/int4 weights (speculative/cpu_kernels.py)
+KERNELS = CHOICES  # who multiplies on the CPU (speculative/cpu_kernels.py)
 
 # oneDNN keeps a primitive, with scratch memory sized by its rows, for every shape it meets
 # (up to 1,024 of them): a server whose passes took every row count up to a prompt's length
@@ -61,15 +63,16 @@ class CpuTuning:
     `padded` to PAD_ROWS_TO rows through the packed layers (a pass of one row and 2-3
     new tokens is padded), or `auto`, whichever this CPU runs faster (measured).
     `long_rows`: the path of passes over PACKED_CHUNK_ROWS rows: `blas`, `packed` (in
-    slices), or `auto`, whichever this CPU runs faster (measured). `int_kernels`: who
-    multiplies int8/int4 weights (`speculative.cpu_kernels.preferred`), applied when
-    `speculative.loading.load` quantises."""
+    slices), or `auto`, whichever this CPU runs faster (measured). `kernels`: who
+    multiplies (`speculative.cpu_kernels.preferred`): specserve's own products or
+    torch's, for int8/int4 weights when `speculative.loading.load` quantises and for
+    the float32 layers `packed_linear` packs (`NativeLinear` or `PackedLinear`)."""
 
     packed_linear: bool = True
     one_row: str = "auto"
     short_rows: str = "auto"
     long_rows: str = "auto"
-    int_kernels: str = "auto"
+    kernels: str = "auto"
 
     def __post_init__(self):
         if self.one_row not in ONE_ROW_PATHS:
@@ -78,17 +81,18 @@ class CpuTuning:
             raise ValueError(f"short_rows must be auto, blas or padded, got {self.short_rows!r}")
         if self.long_rows not in LONG_ROWS_PATHS:
             raise ValueError(f"long_rows must be auto, blas or packed, got {self.long_rows!r}")
-        if self.int_kernels not in INT_KERNELS:
-            raise ValueError(f"int_kernels must be auto, native or torch, got {self.int_kernels!r}")
+        if self.kernels not in KERNELS:
+            raise ValueError(f"kernels must be auto, native or torch, got {self.kernels!r}")
 
 
 def apply_cpu_tuning(model: Transformer, tuning: CpuTuning = CpuTuning()) -> bool:
     """Tune an inference-only model on the CPU: prepack every linear layer of a float32
-    model (`PackedLinear`), and pad one-row passes of 2-3 tokens to PAD_ROWS_TO unless
-    the packed layers run 2-3 rows by BLAS. Returns whether the layers were packed:
-    False, leaving them as they are (and padding short rows), for another device or
-    dtype, a torch without oneDNN's packed linear, or `tuning.packed_linear` off; an int8
-    or int4 model's layers stay as they are, unpadded. The
+    model (`NativeLinear` where specserve's products run, `PackedLinear` otherwise), and
+    pad one-row passes of 2-3 tokens to PAD_ROWS_TO where oneDNN's packed layers run 2-3
+    rows packed. Returns whether the layers were packed: False, leaving them as they are
+    (and padding short rows), for another device or dtype, a torch without oneDNN's packed
+    linear and no native products, or `tuning.packed_linear` off; an int8 or int4 model's
+    layers stay as they are, unpadded. The
     model remembers `tuning` (`tuning_of`). Not for training."""
     model.cpu_tuning = tuning
     # weight-only int layers (speculative/quantize.py) keep their own kernels, whose cost grows
@@ -97,30 +101,65 @@ def apply_cpu_tuning(model: Transformer, tuning: CpuTuning = CpuTuning()) -> boo
     if model.device.type == "cpu" and type(model) is Transformer:
         model.__class__ = PaddedShortRows  # the same model, its forward wrapped
         model.pad_short_rows = not int_layers
+    if not (tuning.packed_linear and not int_layers and model.device.type == "cpu"
+            and model.dtype == torch.float32):
+        return False
+    native = cpu_kernels.preferred(tuning.kernels)
     ops = torch.ops.mkldnn
-    usable = (tuning.packed_linear and not int_layers and model.device.type == "cpu" and model.dtype == torch.float32
-              and torch.backends.mkldnn.is_available()
-              and hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise"))
-    if not usable:
+    if not native and not (torch.backends.mkldnn.is_available() and hasattr(ops, "_reorder_linear_weight")
+                           and hasattr(ops, "_linear_pointwise")):
         return False
     for layer in model.layers:
-        layer.attn.qkv, layer.attn.o = _packed(layer.attn.qkv), _packed(layer.attn.o)
-        layer.mlp.gate_up, layer.mlp.down = _packed(layer.mlp.gate_up), _packed(layer.mlp.down)
+        attn, mlp = layer.attn, layer.mlp
+        attn.qkv, attn.o = _prepacked(attn.qkv, native), _prepacked(attn.o, native)
+        mlp.gate_up, mlp.down = _prepacked(mlp.gate_up, native), _prepacked(mlp.down, native)
     if isinstance(model.lm_head, nn.Linear):  # not a tensor-parallel rank's missing head (speculative/tp.py)
-        model.lm_head = PackedLinear(model.lm_head)  # a packed copy: the embedding stays for lookups
+        model.lm_head = _prepacked(model.lm_head, native)  # a packed copy: the embedding stays for lookups
+    if native:
+        native_norms(model)
     packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
-    one_blas = _blas_wins(packed, 1, 1) if tuning.one_row == "auto" else tuning.one_row == "blas"
-    # 3 rows: of the short ones, the dearer for BLAS
-    short_blas = (_blas_wins(packed, 3, PAD_ROWS_TO) if tuning.short_rows == "auto"
-                  else tuning.short_rows == "blas")
+    one_blas = short_blas = False  # NativeLinear layers take every short pass as it is
+    if packed:
+        one_blas = _blas_wins(packed, 1, 1) if tuning.one_row == "auto" else tuning.one_row == "blas"
+        # 3 rows: of the short ones, the dearer for BLAS
+        short_blas = (_blas_wins(packed, 3, PAD_ROWS_TO) if tuning.short_rows == "auto"
+                      else tuning.short_rows == "blas")
     # compute-bound: one layer's products time it as well as the whole model's, and steadily
-    first_layer = [m for m in model.layers[0].modules() if isinstance(m, PackedLinear)]
+    first_layer = [m for m in model.layers[0].modules() if isinstance(m, (PackedLinear, NativeLinear))]
     long_blas = (_blas_wins(first_layer, LONG_ROWS_TIMED, LONG_ROWS_TIMED, repeats=3) if tuning.long_rows == "auto"
                  else tuning.long_rows == "blas")
-    for m in packed:
-        m.one_row_blas, m.short_rows_blas, m.long_rows_blas = one_blas, short_blas, long_blas
+    for m in model.modules():
+        if isinstance(m, (PackedLinear, NativeLinear)):
+            m.long_rows_blas = long_blas
+        if isinstance(m, PackedLinear):
+            m.one_row_blas, m.short_rows_blas = one_blas, short_blas
     if isinstance(model, PaddedShortRows):
-        model.pad_short_rows = not short_blas
+        model.pad_short_rows = bool(packed) and not short_blas
+    return True
+
+
+class NativeRMSNorm(nn.Module):
+    """`model.RMSNorm` of float32 rows by specserve's CPU product: one call where PyTorch runs
+    about six operators, each row alone (row-exact). A float32 or int model's norms, where
+    its products are specserve's (`native_norms`)."""
+
+    def __init__(self, norm: nn.Module):
+        super().__init__()
+        self.weight, self.eps = norm.weight, norm.eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1]).contiguous()
+        return cpu_kernels.rms_norm(rows, self.weight, self.eps).view(x.shape)
+
+
+def native_norms(model: Transformer) -> bool:
+    """Put a float32 model's RMSNorms on specserve's product (`NativeRMSNorm`) where its
+    hidden size fits it; whether they were."""
+    if model.config.hidden_size % 8:
+        return False
+    for layer in model.layers:
+        layer.attn_norm, layer.mlp_norm = NativeRMSNorm(layer.attn_norm), NativeRMSNorm(layer.mlp_norm)
+    model.norm = NativeRMSNorm(model.norm)
     return True
 
 
@@ -136,10 +175,45 @@ def tuning_of(model: Transformer) -> CpuTuning:
     return getattr(model, "cpu_tuning", None) or CpuTuning()
 
 
-def _packed(layer: nn.Module) -> nn.Module:
-    """`layer` prepacked if it is a float `nn.Linear`; a weight-only quantised layer
+def _prepacked(layer: nn.Module, native: bool) -> nn.Module:
+    """`layer` prepacked if it is a float `nn.Linear`: for specserve's products where `native`
+    and its shape fits them, else for oneDNN's; a weight-only quantised layer
     (speculative/quantize.py) keeps its own packed kernel."""
-    return PackedLinear(layer) if isinstance(layer, nn.Linear) else layer
+    if not isinstance(layer, nn.Linear):
+        return layer
+    if native and cpu_kernels.float32_fits(layer.out_features, layer.in_features):
+        return NativeLinear(layer)
+    return PackedLinear(layer)
+
+
+class NativeLinear(nn.Module):
+    """`nn.Linear` for CPU float32 inference on specserve's own products
+    (`speculative.cpu_kernels.float32_linear`), its weight packed for them.
+
+    Measured against oneDNN's packed layer on the AMD EPYC with AVX-512, they cost less
+    for passes of every row count measured, 1 to 64 (docs/DESIGN-NOTES.md), and give
+    each row the same result at every row count. Passes over PACKED_CHUNK_ROWS rows (long
+    prefills) take BLAS instead where `apply_cpu_tuning` measured it faster
+    (`long_rows_blas`). The results differ from `nn.Linear`'s by float32 rounding only."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight.detach()
+        self.packed = cpu_kernels.float32_pack(self.weight)
+        self.bias = None if linear.bias is None else linear.bias.detach()
+        self.long_rows_blas = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        if rows > PACKED_CHUNK_ROWS and self.long_rows_blas:
+            return F.linear(x, self.weight, self.bias)
+        return self._packed(x)
+
+    def _packed(self, x: torch.Tensor) -> torch.Tensor:
+        y = cpu_kernels.float32_linear(x.reshape(-1, self.in_features).contiguous(), self.packed)
+        y = y if self.bias is None else y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features)
 
 
 class PackedLinear(nn.Module):
@@ -200,14 +274,15 @@ def packed_rows(n: int) -> int:
     return -(-n // step) * step
 
 
-# (the layers' (out, in, bias), torch threads, rows, packed rows) -> seconds of a sweep by
+# (the layers' (kind, out, in, bias), torch threads, rows, packed rows) -> seconds of a sweep by
 # (BLAS, packed), measured once a process
 _path_seconds: dict[tuple, tuple[float, float]] = {}
 
 
-def _blas_wins(layers: Sequence[PackedLinear], rows: int, packed_rows: int, repeats: int = 5) -> bool:
-    """Whether `rows` rows through all of `layers` cost less by BLAS than `packed_rows`
-    rows (what the packed path runs them as) by oneDNN's packed path on this CPU.
+def _blas_wins(layers: Sequence[nn.Module], rows: int, packed_rows: int, repeats: int = 5) -> bool:
+    """Whether `rows` rows through all of `layers` (`PackedLinear` or `NativeLinear`) cost
+    less by BLAS than `packed_rows` rows (what the packed path runs them as) by their
+    packed path on this CPU.
 
     Timed as a forward meets the layers: a sweep calls every layer once, in order, by
     one path, so each weight comes from memory as it does in a pass. (A layer called
@@ -216,8 +291,8 @@ def _blas_wins(layers: Sequence[PackedLinear], rows: int, packed_rows: int, repe
     forward faster, docs/DESIGN-NOTES.md.) The two paths' sweeps alternate; the median
     of `repeats` each. One path for every layer: switching between the two inside a
     forward cost more than either."""
-    key = (tuple((m.out_features, m.in_features, m.bias is not None) for m in layers), torch.get_num_threads(),
-           rows, packed_rows)
+    key = (tuple((type(m).__name__, m.out_features, m.in_features, m.bias is not None) for m in layers),
+           torch.get_num_threads(), rows, packed_rows)
     if key not in _path_seconds:
         blas_in = {m.in_features: torch.randn(rows, m.in_features) for m in layers}
         packed_in = {m.in_features: torch.randn(packed_rows, m.in_features) for m in layers}

@@ -10,7 +10,7 @@ stay in the model's float dtype (`Transformer.dtype`, the embedding's). The weig
   is m = -8d); `quantize_int4` quantises any other float weight.
 
 On an x86 CPU with AVX2 or AVX-512 but not AMX the products are specserve's own
-(speculative/cpu_kernels.py; `quantize`'s `tuning.int_kernels` picks): float32 activations as
+(speculative/cpu_kernels.py; `quantize`'s `tuning.kernels` picks): float32 activations as
 they are, the weights exactly d * q + m. Elsewhere they are PyTorch's weight-packed kernels on
 bfloat16 activations: `_weight_int8pack_mm`, and for int4 `_weight_int4pack_mm_for_cpu` on a CPU,
 `_weight_int4pack_mm` on CUDA, in torch's int4 format w = (q - 8) * scale + zero
@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import cpu_kernels
-from .cpu_tuning import PACKED_CHUNK_ROWS, CpuTuning, tuning_of
+from .cpu_tuning import PACKED_CHUNK_ROWS, CpuTuning, native_norms, tuning_of
 from .model import Transformer
 
 MODES = ("int8", "int4")  # weight-only quantised
@@ -193,20 +193,6 @@ class Int4Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-class NativeRMSNorm(nn.Module):
-    """`model.RMSNorm` of float32 rows by specserve's CPU product: one call where PyTorch runs
-    about six operators, each row alone (row-exact). An int model's norms, where its
-    products are specserve's."""
-
-    def __init__(self, norm: nn.Module):
-        super().__init__()
-        self.weight, self.eps = norm.weight, norm.eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1]).contiguous()
-        return cpu_kernels.rms_norm(rows, self.weight, self.eps).view(x.shape)
-
-
 class RowSlicedLinear(nn.Module):
     """A bfloat16 `nn.Linear` run BF16_EXACT_ROWS rows at a time, so that each row's result
     is the one it gets alone (a pass of up to that many rows runs as one call). One row runs
@@ -261,7 +247,7 @@ def quantize(model, mode: str, int4_blocks: dict[str, tuple] | None = None, tuni
     the native CPU product runs (torch's int8 kernel takes one scale per channel only); there
     a float32 model's norms run on it too (`NativeRMSNorm`), and its short passes' attention
     (`Attention.fused_attention`).
-    `tuning.int_kernels`: who multiplies on a CPU (`speculative.cpu_kernels.preferred`, built
+    `tuning.kernels`: who multiplies on a CPU (`speculative.cpu_kernels.preferred`, built
     under `cache_dir`); `tuning.long_rows` "packed" keeps passes of over PACKED_CHUNK_ROWS
     rows on specserve's products (row-exact, slower) instead of BLAS.
     """
@@ -281,7 +267,7 @@ def quantize(model, mode: str, int4_blocks: dict[str, tuple] | None = None, tuni
         raise ValueError(f"quantize: mode must be one of bfloat16, {', '.join(MODES)}, got {mode!r}")
     dtype = KERNEL_DTYPE
     blocks = int4_blocks or {}
-    native = model.device.type == "cpu" and cpu_kernels.preferred(tuning.int_kernels, cache_dir)
+    native = model.device.type == "cpu" and cpu_kernels.preferred(tuning.kernels, cache_dir)
     for i, layer in enumerate(model.layers):
         for part in LINEAR_PARTS:
             owner_name, attr = part.split(".")
@@ -304,12 +290,10 @@ def quantize(model, mode: str, int4_blocks: dict[str, tuple] | None = None, tuni
     for m in model.modules():
         if isinstance(m, (Int4Linear, Int8Linear)):
             m.long_rows_blas = tuning.long_rows != "packed"
-    if native and model.dtype == torch.float32 and model.config.hidden_size % 8 == 0:
+    if native and model.dtype == torch.float32 and native_norms(model):
         for layer in model.layers:
-            layer.attn_norm, layer.mlp_norm = NativeRMSNorm(layer.attn_norm), NativeRMSNorm(layer.mlp_norm)
             if cpu_kernels.attends(model.config.head_dim):
                 layer.attn.fused_attention = cpu_kernels.attend
-        model.norm = NativeRMSNorm(model.norm)
     model.precision = mode
     model.attention_dtype = torch.float64  # so a verified token rounds as it does alone (model.py)
     return model

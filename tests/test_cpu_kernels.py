@@ -1,16 +1,19 @@
-"""specserve's own int4/int8 CPU products (speculative/cpu_kernels.py): right, row-exact,
-and replaced by torch's kernels, with a warning, where they cannot be built."""
+"""specserve's own int4/int8 and float32 CPU products (speculative/cpu_kernels.py): right,
+row-exact, and replaced by torch's kernels, with a warning, where they cannot be built."""
 
 from __future__ import annotations
 
+import copy
 import logging
 
 import pytest
 import torch
 
-from speculative import cpu_kernels
-from speculative.cpu_tuning import PACKED_CHUNK_ROWS, CpuTuning
-from speculative.quantize import Int4Linear, Int8Linear, NativeRMSNorm, quantize
+from speculative import cpu_kernels, cpu_tuning
+from speculative.cpu_tuning import LONG_ROWS_TIMED, PACKED_CHUNK_ROWS, CpuTuning, NativeLinear, NativeRMSNorm, \
+    PackedLinear, apply_cpu_tuning
+from speculative.model import attention_mask, causal_ancestors
+from speculative.quantize import Int4Linear, Int8Linear, quantize
 from tiny import tiny_model
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="needs an x86 CPU with AVX2 and a C++ compiler")
@@ -67,6 +70,83 @@ def test_a_row_gets_the_same_bits_in_every_tiling(kind):
                 assert torch.equal(layer(x[start:start + rows]), together[start:start + rows]), (start, rows)
 
 
+@pytest.mark.parametrize("shape", [(4, 32), (100, 576), (576, 1536)])
+def test_float32_product_is_the_weights_times_the_input(shape):
+    out, k = shape
+    torch.manual_seed(0)
+    w = torch.randn(out, k)
+    x = torch.randn(9, k)
+    got = cpu_kernels.float32_linear(x, cpu_kernels.float32_pack(w))
+    assert torch.allclose(got.double(), x.double() @ w.double().t(), rtol=1e-5, atol=1e-4)
+
+
+def test_a_float32_row_gets_the_same_bits_in_every_tiling():
+    """Rows go through 4 output channels' weights up to four at a time (two in the AVX2 build);
+    a row's sum must not depend on how many share its tile, nor where it sits in it."""
+    torch.manual_seed(2)
+    layer = NativeLinear(torch.nn.Linear(576, 40))
+    x = torch.randn(23, 576)
+    with torch.inference_mode():
+        together = layer(x)
+        for start in range(0, 12):
+            for rows in range(1, 12):
+                assert torch.equal(layer(x[start:start + rows]), together[start:start + rows]), (start, rows)
+        assert torch.equal(layer(x[None]), together[None])  # a batch's rows as one pass
+
+
+def test_float32_models_take_our_products_where_asked_and_score_like_the_plain_model(monkeypatch):
+    """apply_cpu_tuning with our kernels packs every float32 layer for them and puts the norms on
+    them: only long passes are timed (BLAS against ours), short passes run as they are (no
+    padding), and the logits are the plain model's up to float32 rounding; with torch's
+    kernels, oneDNN's packed layers and torch's norms."""
+    asked = []
+
+    def measured(layers, rows, packed_rows, repeats=5):
+        asked.append((rows, {type(m) for m in layers}))
+        return False
+
+    monkeypatch.setattr(cpu_tuning, "_blas_wins", measured)
+    plain = tiny_model(0)
+    tuned = copy.deepcopy(plain)
+    assert apply_cpu_tuning(tuned, CpuTuning(kernels="native"))
+    layers = [m for m in tuned.modules() if isinstance(m, (NativeLinear, PackedLinear))]
+    assert len(layers) == 4 * len(tuned.layers) + 1 and all(isinstance(m, NativeLinear) for m in layers)
+    assert asked == [(LONG_ROWS_TIMED, {NativeLinear})]
+    assert tuned.pad_short_rows is False
+    assert isinstance(tuned.norm, NativeRMSNorm) and isinstance(tuned.layers[0].mlp_norm, NativeRMSNorm)
+    tokens = torch.tensor([[1, 2, 3, 4, 5, 6]])
+    with torch.inference_mode():
+        want, got = (model(tokens, torch.arange(6)[None], model.new_cache(6), attention_mask(0, causal_ancestors(6)))
+                     for model in (plain, tuned))
+    assert torch.allclose(got, want, atol=1e-4)
+    other = copy.deepcopy(plain)
+    apply_cpu_tuning(other, CpuTuning(kernels="torch"))
+    assert all(isinstance(m, PackedLinear) for m in (other.lm_head, other.layers[0].mlp.down))
+    assert not any(isinstance(m, NativeRMSNorm) for m in other.modules())
+
+
+def test_float32_layers_our_products_cannot_take_stay_oneDNNs():
+    """Our float32 product takes whole tiles of 4 output channels and inputs in steps of 32."""
+    assert cpu_tuning._prepacked(torch.nn.Linear(64, 8), native=True).__class__ is NativeLinear
+    assert cpu_tuning._prepacked(torch.nn.Linear(64, 6), native=True).__class__ is PackedLinear
+    assert cpu_tuning._prepacked(torch.nn.Linear(48, 8), native=True).__class__ is PackedLinear
+    assert cpu_tuning._prepacked(torch.nn.Linear(64, 8), native=False).__class__ is PackedLinear
+
+
+@pytest.mark.parametrize("long_rows_blas", [True, False])
+def test_long_float32_passes_take_the_path_chosen(long_rows_blas, monkeypatch):
+    layer = NativeLinear(torch.nn.Linear(64, 8))
+    layer.long_rows_blas = long_rows_blas
+    rows_seen = []
+    blas = torch.nn.functional.linear
+    monkeypatch.setattr(cpu_tuning.F, "linear", lambda x, *a: rows_seen.append(x.numel() // x.shape[-1]) or blas(x, *a))
+    with torch.inference_mode():
+        for n in (PACKED_CHUNK_ROWS, PACKED_CHUNK_ROWS + 1):
+            x = torch.randn(1, n, 64)
+            assert torch.allclose(layer(x), blas(x, layer.weight, layer.bias), atol=1e-5)
+    assert rows_seen == ([PACKED_CHUNK_ROWS + 1] if long_rows_blas else [])
+
+
 def test_long_passes_multiply_the_dequantised_weights_by_blas():
     """Past PACKED_CHUNK_ROWS rows (a long prefill) the layer multiplies float32 weights by
     BLAS: the same weights, so the same values up to float32 rounding."""
@@ -81,19 +161,19 @@ def test_long_passes_multiply_the_dequantised_weights_by_blas():
     layer.long_rows_blas = False  # SPECSERVE_LONG_ROWS_LINEAR=packed: row-exact at any length
     with torch.inference_mode():
         assert torch.equal(layer(x)[-5:], layer(x[-5:]))
-    model = quantize(tiny_model(0), "int4", tuning=CpuTuning(int_kernels="native", long_rows="packed"))
+    model = quantize(tiny_model(0), "int4", tuning=CpuTuning(kernels="native", long_rows="packed"))
     assert not any(m.long_rows_blas for m in model.modules() if isinstance(m, Int4Linear))
 
 
 def test_torch_kernels_where_asked():
-    """`quantize` with `CpuTuning(int_kernels="torch")`, what SPECSERVE_CPU_KERNELS=torch asks for
+    """`quantize` with `CpuTuning(kernels="torch")`, what SPECSERVE_CPU_KERNELS=torch asks for
     (cluster.env), and "native"."""
     assert not cpu_kernels.preferred("torch")
-    model = quantize(tiny_model(0), "int4", tuning=CpuTuning(int_kernels="torch"))
+    model = quantize(tiny_model(0), "int4", tuning=CpuTuning(kernels="torch"))
     layers = [m for m in model.modules() if isinstance(m, (Int4Linear, Int8Linear))]
     assert layers and not any(m.native for m in layers)
     assert model.layers[0].attn.qkv.scales_and_zeros.dtype == torch.bfloat16
-    native = quantize(tiny_model(0), "int4", tuning=CpuTuning(int_kernels="native"))
+    native = quantize(tiny_model(0), "int4", tuning=CpuTuning(kernels="native"))
     assert all(m.native for m in native.modules() if isinstance(m, (Int4Linear, Int8Linear)))
 
 
@@ -208,7 +288,7 @@ def test_fused_attention_gives_a_token_what_it_gets_alone():
 
 
 def test_int_models_attend_fused_only_where_it_applies():
-    model = quantize(tiny_model(0), "int4", tuning=CpuTuning(int_kernels="native"))
+    model = quantize(tiny_model(0), "int4", tuning=CpuTuning(kernels="native"))
     assert all(layer.attn.fused_attention is cpu_kernels.attend for layer in model.layers)
     assert all(layer.attn.fused_attention is None
-               for layer in quantize(tiny_model(0), "int4", tuning=CpuTuning(int_kernels="torch")).layers)
+               for layer in quantize(tiny_model(0), "int4", tuning=CpuTuning(kernels="torch")).layers)

@@ -43,9 +43,9 @@ def test_cpu_tuning_from_env(monkeypatch):
         monkeypatch.setenv(var, "auto")
     for choice in ("auto", "native", "torch"):  # read whether packing is on or not
         monkeypatch.setenv("SPECSERVE_CPU_KERNELS", choice)
-        assert cpu_tuning_from_env().int_kernels == choice
+        assert cpu_tuning_from_env().kernels == choice
         monkeypatch.setenv("SPECSERVE_PACKED_LINEAR", "0")
-        assert cpu_tuning_from_env() == CpuTuning(packed_linear=False, int_kernels=choice)
+        assert cpu_tuning_from_env() == CpuTuning(packed_linear=False, kernels=choice)
         monkeypatch.setenv("SPECSERVE_PACKED_LINEAR", "1")
     monkeypatch.setenv("SPECSERVE_CPU_KERNELS", "fast")
     with pytest.raises(ValueError, match="SPECSERVE_CPU_KERNELS must be auto, native or torch, got 'fast'"):

@@ -1,7 +1,8 @@
 """CPU tuning (speculative.cpu_tuning): prepacked linear layers give the same logits as
 the plain model, the paths of one row, of 2-3 rows and of long passes are chosen by what
 this CPU does faster, and a short row runs padded (or by BLAS, unpadded) with the plain
-model's results."""
+model's results. oneDNN's packed layers (`PackedLinear`, what `kernels="torch"` asks for);
+specserve's own (`NativeLinear`) are tested in test_cpu_kernels.py."""
 
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ def test_packed_model_scores_like_the_plain_one(one_row_blas, short_rows_blas, m
         return one_row_blas if rows == 1 else short_rows_blas if rows == 3 else not short_rows_blas
 
     monkeypatch.setattr(cpu_tuning, "_blas_wins", measured)
-    if not apply_cpu_tuning(packed):
+    if not apply_cpu_tuning(packed, CpuTuning(kernels="torch")):
         pytest.skip("this torch has no oneDNN packed linear")
     every, first_layer = 4 * len(packed.layers) + 1, 4
     # one row as it is; 3 rows against their padded 4; a long pass through the first layer
@@ -66,7 +67,7 @@ def test_short_rows_take_the_path_chosen_and_score_like_the_plain_model(short_ro
     logits and cache."""
     plain = tiny_model(0)
     tuned = copy.deepcopy(plain)
-    if not apply_cpu_tuning(tuned, CpuTuning(short_rows=short_rows)):
+    if not apply_cpu_tuning(tuned, CpuTuning(short_rows=short_rows, kernels="torch")):
         pytest.skip("this torch has no oneDNN packed linear")
     prefix, new = [1, 2, 3], [4, 5, 6][:t]
     caches = []
@@ -98,7 +99,7 @@ def test_long_passes_take_the_path_chosen_and_score_like_the_plain_layer(long_ro
     float32 rounding. Shorter passes stay packed whatever the choice."""
     plain = tiny_model(0, max_positions=2 * PACKED_CHUNK_ROWS)
     tuned = copy.deepcopy(plain)
-    if not apply_cpu_tuning(tuned, CpuTuning(long_rows=long_rows)):
+    if not apply_cpu_tuning(tuned, CpuTuning(long_rows=long_rows, kernels="torch")):
         pytest.skip("this torch has no oneDNN packed linear")
     layer = tuned.layers[0].mlp.gate_up
     assert layer.long_rows_blas is (long_rows == "blas")
