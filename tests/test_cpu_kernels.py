@@ -54,20 +54,26 @@ def test_int8_product_scales_each_channel():
     assert torch.allclose(cpu_kernels.int8_linear(x, q, scales).double(), expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["int4", "int8"])
+@pytest.mark.parametrize("kind", ["int4", "int8", "float32"])
 def test_a_row_gets_the_same_bits_in_every_tiling(kind):
-    """Rows are decoded against a channel's weights up to five at a time (eight in the AVX-512
-    build); a row's sum must not depend on how many share its tile, nor where it sits in it."""
+    """int rows are decoded against a channel's weights up to five at a time (eight in the AVX-512
+    build), float32 rows go through 4 channels' weights up to four at a time (two with AVX2); a
+    row's sum must not depend on how many share its tile, nor where it sits in it."""
     q, d, m = gguf_like_int4(40, 576, seed=2)
-    layer = Int4Linear(q, d, m, torch.float32, native=True) if kind == "int4" else \
-        Int8Linear(torch.randint(-127, 128, (40, 576), dtype=torch.int8), torch.rand(40) * 0.01, native=True)
-    assert layer.native
+    if kind == "int4":
+        layer = Int4Linear(q, d, m, torch.float32, native=True)
+    elif kind == "int8":
+        layer = Int8Linear(torch.randint(-127, 128, (40, 576), dtype=torch.int8), torch.rand(40) * 0.01, native=True)
+    else:
+        layer = NativeLinear(torch.nn.Linear(576, 40))
+    assert getattr(layer, "native", True)
     x = torch.randn(23, 576)
     with torch.inference_mode():
         together = layer(x)
         for start in range(0, 12):
             for rows in range(1, 12):
                 assert torch.equal(layer(x[start:start + rows]), together[start:start + rows]), (start, rows)
+        assert torch.equal(layer(x[None]), together[None])  # a batch's rows as one pass
 
 
 @pytest.mark.parametrize("shape", [(4, 32), (100, 576), (576, 1536)])
@@ -78,20 +84,6 @@ def test_float32_product_is_the_weights_times_the_input(shape):
     x = torch.randn(9, k)
     got = cpu_kernels.float32_linear(x, cpu_kernels.float32_pack(w))
     assert torch.allclose(got.double(), x.double() @ w.double().t(), rtol=1e-5, atol=1e-4)
-
-
-def test_a_float32_row_gets_the_same_bits_in_every_tiling():
-    """Rows go through 4 output channels' weights up to four at a time (two in the AVX2 build);
-    a row's sum must not depend on how many share its tile, nor where it sits in it."""
-    torch.manual_seed(2)
-    layer = NativeLinear(torch.nn.Linear(576, 40))
-    x = torch.randn(23, 576)
-    with torch.inference_mode():
-        together = layer(x)
-        for start in range(0, 12):
-            for rows in range(1, 12):
-                assert torch.equal(layer(x[start:start + rows]), together[start:start + rows]), (start, rows)
-        assert torch.equal(layer(x[None]), together[None])  # a batch's rows as one pass
 
 
 def test_float32_models_take_our_products_where_asked_and_score_like_the_plain_model(monkeypatch):
