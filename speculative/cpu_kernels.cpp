@@ -144,6 +144,7 @@ constexpr int kRows = 5;
 
 template <Kind kKind>
 void linear(const float* x, int64_t rows, int64_t k, const void* weight, const float* scale, int64_t out, float* y) {
+  if (rows <= 0) return;  // the tiling below divides by the number of tiles
 #pragma omp parallel for schedule(static)
   for (int64_t n = 0; n < out; ++n) {
     const int64_t tiles = (rows + kRows - 1) / kRows, tile = (rows + tiles - 1) / tiles;
@@ -251,6 +252,7 @@ void float32_pack(const float* w, int64_t out, int64_t k, float* packed) {
 
 // y [rows, out] = x [rows, k] @ W.T, W as float32_pack packed it. Rows go in tiles as even as can be.
 void float32_linear(const float* x, int64_t rows, int64_t k, const float* packed, int64_t out, float* y) {
+  if (rows <= 0) return;  // the tiling below divides by the number of tiles
   const int64_t tiles = (rows + kF32Rows - 1) / kF32Rows, tile = (rows + tiles - 1) / tiles;
 #pragma omp parallel for schedule(static)
   for (int64_t n = 0; n < out; n += kF32Channels) {

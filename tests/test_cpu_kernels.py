@@ -76,6 +76,17 @@ def test_a_row_gets_the_same_bits_in_every_tiling(kind):
         assert torch.equal(layer(x[None]), together[None])  # a batch's rows as one pass
 
 
+@pytest.mark.parametrize("kind", ["int4", "int8", "float32"])
+def test_a_pass_of_no_rows_gives_no_rows(kind):
+    """An empty pass (a batch whose rows hold no tokens) returns an empty result, not a crash."""
+    q, d, m = gguf_like_int4(8, 64)
+    layer = {"int4": lambda: Int4Linear(q, d, m, torch.float32, native=True),
+             "int8": lambda: Int8Linear(torch.ones(8, 64, dtype=torch.int8), torch.ones(8), native=True),
+             "float32": lambda: NativeLinear(torch.nn.Linear(64, 8))}[kind]()
+    with torch.inference_mode():
+        assert layer(torch.empty(1, 0, 64)).shape == (1, 0, 8)
+
+
 @pytest.mark.parametrize("shape", [(4, 32), (100, 576), (576, 1536)])
 def test_float32_product_is_the_weights_times_the_input(shape):
     out, k = shape
