@@ -11,7 +11,11 @@
 // w = scale * q, one scale per output channel, or one per group of 32 inputs (GGUF's Q8_0).
 #include <immintrin.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
+
+#include <algorithm>
+#include <vector>
 
 namespace {
 
@@ -214,6 +218,7 @@ void f32_tile(const float* x, int64_t k, const float* w, int64_t n, int64_t out,
 }
 
 constexpr int64_t kMaxHeadDim = 256;
+constexpr int64_t kMaxQueries = 1024;  // of one row and kv head in a pass: heads per kv head x tokens
 
 // q . k over d doubles (d a multiple of 4): four accumulators taking turns, added in a fixed order.
 inline double dot(const double* q, const double* k, int64_t d) {
@@ -223,6 +228,231 @@ inline double dot(const double* q, const double* k, int64_t d) {
   const __m256d v = _mm256_add_pd(_mm256_add_pd(acc[0], acc[1]), _mm256_add_pd(acc[2], acc[3]));
   __m128d s = _mm_add_pd(_mm256_castpd256_pd128(v), _mm256_extractf128_pd(v, 1));
   return _mm_cvtsd_f64(_mm_add_sd(s, _mm_unpackhi_pd(s, s)));
+}
+
+constexpr float kExpPolynomial[] = {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f,
+                                     5.0000001201e-1f};  // after 1.9875691500e-4, highest power first
+
+// e^x of a vector (x <= 0 here: scores less the top one), Cephes' expf: x = n ln2 + r, e^r by a
+// degree-6 polynomial, 2^n into the exponent; below -87.3 (under float's normal range) 0.
+#if defined(__AVX512F__)
+inline F32Vec f32_exp(F32Vec x) {
+  const __m512 low = _mm512_set1_ps(-87.33654f);
+  const __mmask16 tiny = _mm512_cmp_ps_mask(x, low, _CMP_LT_OQ);
+  x = _mm512_max_ps(x, low);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  for (float c : kExpPolynomial) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~tiny), _mm512_scalef_ps(p, n));
+}
+inline F32Vec f32_set1(float v) { return _mm512_set1_ps(v); }
+inline F32Vec f32_add(F32Vec a, F32Vec b) { return _mm512_add_ps(a, b); }
+inline F32Vec f32_sub(F32Vec a, F32Vec b) { return _mm512_sub_ps(a, b); }
+inline F32Vec f32_div(F32Vec a, F32Vec b) { return _mm512_div_ps(a, b); }
+inline void f32_store(float* p, F32Vec v) { _mm512_storeu_ps(p, v); }
+#else
+inline F32Vec f32_exp(F32Vec x) {
+  const __m256 low = _mm256_set1_ps(-87.33654f);
+  const __m256 tiny = _mm256_cmp_ps(x, low, _CMP_LT_OQ);
+  x = _mm256_max_ps(x, low);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  for (float c : kExpPolynomial) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i power = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(tiny, _mm256_mul_ps(p, _mm256_castsi256_ps(power)));
+}
+inline F32Vec f32_set1(float v) { return _mm256_set1_ps(v); }
+inline F32Vec f32_add(F32Vec a, F32Vec b) { return _mm256_add_ps(a, b); }
+inline F32Vec f32_sub(F32Vec a, F32Vec b) { return _mm256_sub_ps(a, b); }
+inline F32Vec f32_div(F32Vec a, F32Vec b) { return _mm256_div_ps(a, b); }
+inline void f32_store(float* p, F32Vec v) { _mm256_storeu_ps(p, v); }
+#endif
+
+// One query's score of one slot: q . k * scale + its additive mask. float64: four accumulators
+// taking turns (`dot`); float32: one accumulator of vectors, then hsum.
+inline double score(const double* q, const double* k, int64_t d, double scale, double allowed) {
+  return dot(q, k, d) * scale + allowed;
+}
+inline float score(const float* q, const float* k, int64_t d, float scale, float allowed) {
+  F32Vec acc = f32_zero();
+  for (int64_t c = 0; c < d; c += kF32Lanes) acc = f32_fma(f32_load(q + c), f32_load(k + c), acc);
+  return hsum(acc) * scale + allowed;
+}
+
+// The weights e^(score - top) of one query's n scores, in place, and their total. float64: one
+// by one, summed in order; float32: a vector at a time (scores has room for n rounded up to a
+// vector), summed into one accumulator of vectors, then hsum.
+inline double weigh(double* scores, int64_t n, double top) {
+  double total = 0;
+  for (int64_t j = 0; j < n; ++j) total += scores[j] = exp(scores[j] - top);
+  return total;
+}
+inline float weigh(float* scores, int64_t n, float top) {
+  const int64_t padded = (n + kF32Lanes - 1) / kF32Lanes * kF32Lanes;
+  for (int64_t j = n; j < padded; ++j) scores[j] = -INFINITY;  // weigh 0
+  const F32Vec top_v = f32_set1(top);
+  F32Vec totals = f32_zero();
+  for (int64_t j = 0; j < padded; j += kF32Lanes) {
+    const F32Vec p = f32_exp(f32_sub(f32_load(scores + j), top_v));
+    f32_store(scores + j, p);
+    totals = f32_add(totals, p);
+  }
+  return hsum(totals);
+}
+
+// acc [d] += p[j] * values[slots[j]] [d] for each of n slots in turn, lane by lane, the head
+// dimension in chunks of at most 8 vectors, whose sums stay in registers over the slots.
+template <int V>
+void accumulate_chunk(double* acc, const double* ps, const int32_t* slots, int64_t n, const double* values,
+                      int64_t d) {
+  __m256d a[V];
+  for (int c = 0; c < V; ++c) a[c] = _mm256_loadu_pd(acc + 4 * c);
+  for (int64_t j = 0; j < n; ++j) {
+    const __m256d p = _mm256_set1_pd(ps[j]);
+    const double* v = values + slots[j] * d;
+    for (int c = 0; c < V; ++c) a[c] = _mm256_fmadd_pd(p, _mm256_loadu_pd(v + 4 * c), a[c]);
+  }
+  for (int c = 0; c < V; ++c) _mm256_storeu_pd(acc + 4 * c, a[c]);
+}
+template <int V>
+void accumulate_chunk(float* acc, const float* ps, const int32_t* slots, int64_t n, const float* values, int64_t d) {
+  F32Vec a[V];
+  for (int c = 0; c < V; ++c) a[c] = f32_load(acc + c * kF32Lanes);
+  for (int64_t j = 0; j < n; ++j) {
+    const F32Vec p = f32_set1(ps[j]);
+    const float* v = values + slots[j] * d;
+    for (int c = 0; c < V; ++c) a[c] = f32_fma(p, f32_load(v + c * kF32Lanes), a[c]);
+  }
+  for (int c = 0; c < V; ++c) f32_store(acc + c * kF32Lanes, a[c]);
+}
+template <typename T>
+void accumulate(T* acc, const T* ps, const int32_t* slots, int64_t n, const T* values, int64_t d) {
+  constexpr int64_t lanes = sizeof(T) == sizeof(double) ? 4 : kF32Lanes;  // an __m256d's, or an F32Vec's
+  int64_t i = 0;
+  for (; i + 8 * lanes <= d; i += 8 * lanes) accumulate_chunk<8>(acc + i, ps, slots, n, values + i, d);
+  for (; i + 4 * lanes <= d; i += 4 * lanes) accumulate_chunk<4>(acc + i, ps, slots, n, values + i, d);
+  for (; i < d; i += lanes) accumulate_chunk<1>(acc + i, ps, slots, n, values + i, d);
+}
+
+// A thread's scratch for attend_queries, kept between calls: the passes are many and alike.
+template <typename T>
+struct Scratch {
+  std::vector<T> scores, acc, top, total;
+  std::vector<int32_t> slots;
+  std::vector<int64_t> count, cursor;
+  void fit(int64_t m, int64_t stride, int64_t d) {
+    if (static_cast<int64_t>(scores.size()) < m * stride) scores.resize(m * stride), slots.resize(m * stride);
+    if (static_cast<int64_t>(acc.size()) < m * d) acc.resize(m * d);
+    if (static_cast<int64_t>(top.size()) < m) top.resize(m), total.resize(m), count.resize(m), cursor.resize(m);
+  }
+};
+
+// Whether any of n mask entries (n a multiple of 8) lets a query see its slot: the padding of a
+// pass's narrower rows sees one slot each, and skips the rest of its row a block at a time.
+inline bool any_allowed(const float* mask, int64_t n) {
+  const __m256 hidden = _mm256_set1_ps(-INFINITY);
+  for (int64_t s = 0; s < n; s += 8)
+    if (_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(mask + s), hidden, _CMP_NEQ_OQ))) return true;
+  return false;
+}
+inline bool any_allowed(const double* mask, int64_t n) {
+  const __m256d hidden = _mm256_set1_pd(-INFINITY);
+  for (int64_t s = 0; s < n; s += 4)
+    if (_mm256_movemask_pd(_mm256_cmp_pd(_mm256_loadu_pd(mask + s), hidden, _CMP_NEQ_OQ))) return true;
+  return false;
+}
+
+// Slots whose keys, then values, every query of an attend_queries call reads in turn while the
+// cache holds them: 16 KB of keys of d = 64 floats.
+constexpr int64_t kSlotBlock = 64;
+
+// The attention of m queries that share one kv head (of one row): query q's scores go over the
+// slots below `limit` where its additive mask row masks[q] is not -inf, in slot order, then
+// softmax, then the values likewise; out[q] [d] float32. The queries take turns at each block
+// of slots, so its keys and values are read from memory once for all of them, and each query's
+// own operations are those it gets alone: a token attends the same in any batch, beside any rows
+// and queries, whatever the batch's span or width (the lossless contract).
+template <typename T>
+void attend_queries(const T* const* qs, const T* const* masks, int64_t m, int64_t limit, const T* keys,
+                    const T* values, int64_t d, T scale, float* const* outs) {
+  static thread_local Scratch<T> scratch;
+  const int64_t stride = limit + kF32Lanes;
+  scratch.fit(m, stride, d);
+  T *scores = scratch.scores.data(), *acc = scratch.acc.data(), *top = scratch.top.data();
+  int32_t* slots = scratch.slots.data();
+  int64_t *count = scratch.count.data(), *cursor = scratch.cursor.data();
+  for (int64_t q = 0; q < m; ++q) count[q] = 0, cursor[q] = 0, top[q] = -INFINITY;
+  for (int64_t first = 0; first < limit; first += kSlotBlock) {
+    const int64_t last = first + kSlotBlock < limit ? first + kSlotBlock : limit;
+    for (int64_t q = 0; q < m; ++q) {
+      T* sc = scores + q * stride;
+      int32_t* seen = slots + q * stride;
+      if (last - first == kSlotBlock && !any_allowed(masks[q] + first, kSlotBlock)) continue;
+      for (int64_t s = first; s < last; ++s) {
+        if (masks[q][s] == -INFINITY) continue;
+        const T x = score(qs[q], keys + s * d, d, scale, masks[q][s]);
+        sc[count[q]] = x;
+        seen[count[q]++] = static_cast<int32_t>(s);
+        top[q] = x > top[q] ? x : top[q];
+      }
+    }
+  }
+  for (int64_t q = 0; q < m; ++q) scratch.total[q] = weigh(scores + q * stride, count[q], top[q]);
+  for (int64_t i = 0; i < m * d; ++i) acc[i] = 0;
+  for (int64_t first = 0; first < limit; first += kSlotBlock) {
+    const int64_t last = first + kSlotBlock;
+    for (int64_t q = 0; q < m; ++q) {
+      const int32_t* seen = slots + q * stride;
+      int64_t end = cursor[q];
+      while (end < count[q] && seen[end] < last) ++end;
+      accumulate(acc + q * d, scores + q * stride + cursor[q], seen + cursor[q], end - cursor[q], values, d);
+      cursor[q] = end;
+    }
+  }
+  for (int64_t q = 0; q < m; ++q)
+    for (int64_t i = 0; i < d; ++i) outs[q][i] = static_cast<float>(acc[q * d + i] / scratch.total[q]);
+}
+
+// The attention of b rows of t queries each, n_heads a row (`attend_queries` for each row and
+// kv head, its queries split into parts when there are fewer rows and kv heads than threads to
+// keep busy). q_at(r, h, i) and out_at(r, h, i) point at query i of row r's head h and at its
+// output; row r's keys of kv head g at k + r * row_stride + g * head_stride, values likewise;
+// masks [b, t, span], row r's queries seeing slots below min(limits[r], span) at most.
+template <typename T, typename QueryAt, typename OutAt>
+void attend_rows(int64_t b, int64_t t, int64_t n_heads, int64_t n_kv, int64_t d, QueryAt q_at, const T* k,
+                 const T* v, int64_t row_stride, int64_t head_stride, const T* mask, int64_t span,
+                 const int64_t* limits, OutAt out_at) {
+  const int64_t group = n_heads / n_kv, m = group * t;
+  const T scale = static_cast<T>(1.0 / sqrt(static_cast<double>(d)));
+  // each row and kv head's queries in parts when those are too few to keep every thread busy
+  const int64_t threads = omp_get_max_threads(), units = b * n_kv;
+  const int64_t parts = units >= 4 * threads ? 1 : std::min(m, (4 * threads + units - 1) / units);
+  const int64_t per_part = (m + parts - 1) / parts;
+#pragma omp parallel for schedule(dynamic) collapse(3) if (b * t * n_heads * span > 8192)
+  for (int64_t r = 0; r < b; ++r) {
+    for (int64_t g = 0; g < n_kv; ++g) {
+      for (int64_t part = 0; part < parts; ++part) {
+        const T* qs[kMaxQueries];
+        const T* masks[kMaxQueries];
+        float* outs[kMaxQueries];
+        int64_t n = 0;
+        for (int64_t j = part * per_part; j < (part + 1) * per_part && j < m; ++j, ++n) {
+          const int64_t h = g * group + j / t, i = j % t;
+          qs[n] = q_at(r, h, i), outs[n] = out_at(r, h, i), masks[n] = mask + (r * t + i) * span;
+        }
+        if (n) attend_queries(qs, masks, n, limits[r] < span ? limits[r] : span, k + r * row_stride + g * head_stride,
+                              v + r * row_stride + g * head_stride, d, scale, outs);
+      }
+    }
+  }
 }
 
 }  // namespace
@@ -321,36 +551,37 @@ void attend(const float* qkv, int64_t t, int64_t n_heads, int64_t n_kv, int64_t 
       }
     }
   }
-  double* scores = new double[t * n_heads * span];
-#pragma omp parallel for schedule(static) collapse(2) if (t * n_heads * span > 4096)
-  for (int64_t i = 0; i < t; ++i) {
-    for (int64_t h = 0; h < n_heads; ++h) {
-      const double* q = queries + (i * n_heads + h) * d;
-      const double *keys = k_cache + (h / group) * max_len * d, *values = v_cache + (h / group) * max_len * d;
-      const double* allowed = mask + i * span;
-      double* score = scores + (i * n_heads + h) * span;
-      double top = -INFINITY;
-      for (int64_t s = 0; s < span; ++s) {
-        if (allowed[s] == -INFINITY) continue;
-        score[s] = dot(q, keys + s * d, d) * scale + allowed[s];
-        top = fmax(top, score[s]);
-      }
-      double total = 0;
-      float* o = out + (i * n_heads + h) * d;
-      double acc[kMaxHeadDim] = {0};
-      for (int64_t s = 0; s < span; ++s) {
-        if (allowed[s] == -INFINITY) continue;
-        const double p = exp(score[s] - top);
-        total += p;
-        const __m256d pv = _mm256_set1_pd(p);
-        for (int64_t j = 0; j < d; j += 4)
-          _mm256_storeu_pd(acc + j, _mm256_fmadd_pd(pv, _mm256_loadu_pd(values + s * d + j), _mm256_loadu_pd(acc + j)));
-      }
-      for (int64_t j = 0; j < d; ++j) o[j] = static_cast<float>(acc[j] / total);
-    }
-  }
-  delete[] scores;
+  const int64_t no_limit[1] = {span};
+  attend_rows<double>(
+      1, t, n_heads, n_kv, d, [&](int64_t, int64_t h, int64_t i) { return queries + (i * n_heads + h) * d; },
+      k_cache, v_cache, 0, max_len * d, mask, span, no_limit,
+      [&](int64_t, int64_t h, int64_t i) { return out + (i * n_heads + h) * d; });
   delete[] queries;
+}
+
+// Attention of b rows of t new queries each after their keys and values went to the caches:
+// q [b, n_heads, t, d]; row r's kv head g's slot s at k + r * row_stride + g * head_stride + s * d,
+// likewise v; the additive mask [b, t, span] (0 or -inf); row r's queries see slots below
+// limits[r] at most. out [b, t, n_heads * d] float32. Each query's output is the one it gets
+// alone (attend_queries). float32 caches: d a multiple of 16, at most kMaxHeadDim.
+void attend_rows_float32(const float* q, int64_t b, int64_t t, int64_t n_heads, int64_t n_kv, int64_t d,
+                         const float* k, const float* v, int64_t row_stride, int64_t head_stride, const float* mask,
+                         int64_t span, const int64_t* limits, float* out) {
+  attend_rows<float>(
+      b, t, n_heads, n_kv, d, [&](int64_t r, int64_t h, int64_t i) { return q + ((r * n_heads + h) * t + i) * d; },
+      k, v, row_stride, head_stride, mask, span, limits,
+      [&](int64_t r, int64_t h, int64_t i) { return out + ((r * t + i) * n_heads + h) * d; });
+}
+
+// ... float64 caches (the int models'), d a multiple of 4: each query's output the one
+// `attend` gives it alone.
+void attend_rows_float64(const double* q, int64_t b, int64_t t, int64_t n_heads, int64_t n_kv, int64_t d,
+                         const double* k, const double* v, int64_t row_stride, int64_t head_stride,
+                         const double* mask, int64_t span, const int64_t* limits, float* out) {
+  attend_rows<double>(
+      b, t, n_heads, n_kv, d, [&](int64_t r, int64_t h, int64_t i) { return q + ((r * n_heads + h) * t + i) * d; },
+      k, v, row_stride, head_stride, mask, span, limits,
+      [&](int64_t r, int64_t h, int64_t i) { return out + ((r * t + i) * n_heads + h) * d; });
 }
 
 // w [out, k] = the Q4_1 blocks' weights in float32, each d * q + m as the products compute it.

@@ -1,6 +1,7 @@
 """specserve's own int4 and int8 weight-only products, and float32 products on weights it
-prepacks, for x86 CPUs with AVX2 (cpu_kernels.cpp), and the int models' RMSNorm and short
-passes' float64 attention, each one call.
+prepacks, for x86 CPUs with AVX2 (cpu_kernels.cpp), RMSNorm, the int models' short passes'
+float64 attention with RoPE, and the attention of short passes over cached rows (float32
+or float64), each one call.
 
 torch's CPU kernels for int weights take bfloat16 activations, and on the AMD EPYCs measured
 (AVX2, and AVX-512 without AMX) they are slower than these (docs/BENCHMARKS.md); for float32,
@@ -27,6 +28,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
@@ -116,8 +118,10 @@ def _load(cache_dir) -> ctypes.CDLL:
     lib.float32_pack.argtypes = [ptr, i64, i64, ptr]
     lib.rms_norm.argtypes = [ptr, i64, i64, ptr, ctypes.c_float, ptr]
     lib.attend.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, i64, i64, ptr, i64, ptr]
+    lib.attend_rows_float32.argtypes = lib.attend_rows_float64.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr,
+                                                                           i64, i64, ptr, i64, ptr, ptr]
     for fn in (lib.float32_pack, lib.float32_linear, lib.int4_linear, lib.int8_linear, lib.int4_dequantize,
-               lib.rms_norm, lib.attend):
+               lib.rms_norm, lib.attend, lib.attend_rows_float32, lib.attend_rows_float64):
         fn.restype = None
     return lib
 
@@ -201,6 +205,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 MAX_HEAD_DIM = 256  # attend's limit (kMaxHeadDim)
+MAX_QUERIES = 1024  # of one row and kv head in one call (kMaxQueries)
+ATTEND_ROWS_FLOAT32_LANES = 16  # float32 heads go 16 floats a vector (8 in the AVX2 build: 16 suits both)
 
 
 def attends(head_dim: int) -> bool:
@@ -221,6 +227,41 @@ def attend(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: tor
     out = torch.empty(t, n_heads * d, dtype=torch.float32)
     _library.attend(qkv.data_ptr(), t, n_heads, n_kv, d, cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(),
                     v_cache.data_ptr(), max_len, start, mask.data_ptr(), mask.shape[-1], out.data_ptr())
+    return out
+
+
+def attends_rows(head_dim: int, dtype: torch.dtype) -> bool:
+    """Whether `attend_rows` takes heads of this size in a cache of this dtype."""
+    if dtype == torch.float64:
+        return attends(head_dim)
+    return dtype == torch.float32 and head_dim % ATTEND_ROWS_FLOAT32_LANES == 0 and head_dim <= MAX_HEAD_DIM
+
+
+def attend_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, mask: torch.Tensor,
+                limits: Sequence[int]) -> torch.Tensor:
+    """The attention of b rows of t new queries each, their keys and values in the caches already
+    (cpu_kernels.cpp's `attend_rows`), in the caches' dtype (float32 or float64, `attends_rows`).
+
+    q [b, n_heads, t, d] in that dtype; k_cache, v_cache [b, n_kv, max_len, d] (a rows view of
+    the cache, each row's heads and slots contiguous); mask [b, 1, t, span] additive (0 or
+    -inf) in that dtype; row r's queries see slots below limits[r] at most. Returns [b, t,
+    n_heads * d] float32, each query's output the one it gets in any batch: one thread's fixed
+    sequence of operations over the slots its mask row allows."""
+    b, n_heads, t, d = q.shape
+    n_kv, max_len = k_cache.shape[1], k_cache.shape[2]
+    if not attends_rows(d, q.dtype) or k_cache.dtype != q.dtype or mask.dtype != q.dtype:
+        raise ValueError(f"attend_rows: heads of {d} in {q.dtype} (cache {k_cache.dtype}, mask {mask.dtype}) "
+                         "do not fit it")
+    if n_heads // n_kv * t > MAX_QUERIES:
+        raise ValueError(f"attend_rows: {n_heads // n_kv * t} queries of one kv head exceed {MAX_QUERIES}")
+    if k_cache.stride()[1:] != (max_len * d, d, 1) or v_cache.stride() != k_cache.stride():
+        raise ValueError("attend_rows: each cache row's heads and slots must be contiguous")
+    q, mask = q.contiguous(), mask.contiguous()
+    out = torch.empty(b, t, n_heads * d, dtype=torch.float32)
+    bounds = (ctypes.c_int64 * b)(*limits)
+    kernel = _library.attend_rows_float64 if q.dtype == torch.float64 else _library.attend_rows_float32
+    kernel(q.data_ptr(), b, t, n_heads, n_kv, d, k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0),
+           k_cache.stride(1), mask.data_ptr(), mask.shape[-1], bounds, out.data_ptr())
     return out
 
 

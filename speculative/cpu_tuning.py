@@ -87,7 +87,8 @@ class CpuTuning:
 
 def apply_cpu_tuning(model: Transformer, tuning: CpuTuning = CpuTuning()) -> bool:
     """Tune an inference-only model on the CPU: prepack every linear layer of a float32
-    model (`NativeLinear` where specserve's products run, `PackedLinear` otherwise), and
+    model (`NativeLinear` where specserve's products run, with their norms and attention,
+    `PackedLinear` otherwise), and
     pad one-row passes of 2-3 tokens to PAD_ROWS_TO where oneDNN's packed layers run 2-3
     rows packed. Returns whether the layers were packed: False, leaving them as they are
     (and padding short rows), for another device or dtype, a torch without oneDNN's packed
@@ -117,6 +118,7 @@ def apply_cpu_tuning(model: Transformer, tuning: CpuTuning = CpuTuning()) -> boo
         model.lm_head = _prepacked(model.lm_head, native)  # a packed copy: the embedding stays for lookups
     if native:
         native_norms(model)
+        native_attention(model)
     packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
     one_blas = short_blas = False  # NativeLinear layers take every short pass as it is
     if packed:
@@ -160,6 +162,16 @@ def native_norms(model: Transformer) -> bool:
     for layer in model.layers:
         layer.attn_norm, layer.mlp_norm = NativeRMSNorm(layer.attn_norm), NativeRMSNorm(layer.mlp_norm)
     model.norm = NativeRMSNorm(model.norm)
+    return True
+
+
+def native_attention(model: Transformer) -> bool:
+    """Give a model's short passes specserve's attention over cached rows (`Attention.rows_attention`)
+    where its heads and attention dtype fit it; whether they got it."""
+    if not cpu_kernels.attends_rows(model.config.head_dim, model.attention_dtype or model.dtype):
+        return False
+    for layer in model.layers:
+        layer.attn.rows_attention = cpu_kernels.attend_rows
     return True
 
 

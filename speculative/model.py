@@ -152,6 +152,12 @@ class Attention(nn.Module):
         # call, where the int models' CPU kernels run (speculative/quantize.py installs
         # speculative.cpu_kernels.attend): eager PyTorch spends a dozen operators on it.
         self.fused_attention = None
+        # The attention of short passes of any number of rows over their cached slots in one
+        # call, each row over its own slots only, each query as it is alone, where specserve's
+        # CPU kernels run (speculative.cpu_kernels.attend_rows; cpu_tuning and quantize install
+        # it): SDPA pads every row to the batch's longest and gives a row's query other roundings
+        # beside other rows.
+        self.rows_attention = None
 
     def forward(self, x, cos, sin, k_cache, v_cache, starts, mask, packing=None):
         qkv = self.qkv(x)
@@ -178,6 +184,10 @@ class Attention(nn.Module):
             for row, start in enumerate(starts):
                 k_cache[row, :, start:start + t] = k[row]
                 v_cache[row, :, start:start + t] = v[row]
+        if self.rows_attention is not None and mask is not None and t <= FUSED_ATTENTION_MAX_TOKENS \
+                and x.dtype == torch.float32:
+            out = self.rows_attention(q, k_cache[:b], v_cache[:b], mask, [start + t for start in starts])
+            return self.o(out if packing is None else packing.pack(out))
         span, gqa = t if mask is None else mask.shape[-1], self.n_kv != self.n_heads
         if packing is not None and packing.wide:
             out = self._few_wide_rows(q, k_cache, v_cache, starts, mask, packing.wide)

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import cpu_kernels
-from .cpu_tuning import PACKED_CHUNK_ROWS, CpuTuning, native_norms, tuning_of
+from .cpu_tuning import PACKED_CHUNK_ROWS, CpuTuning, NativeRMSNorm, native_attention, native_norms, tuning_of
 from .model import Transformer
 
 MODES = ("int8", "int4")  # weight-only quantised
@@ -246,7 +246,7 @@ def quantize(model, mode: str, int4_blocks: dict[str, tuple] | None = None, tuni
     Its "lm_head", (q, d) of a Q8_0 head, makes the int8 head those blocks as they are where
     the native CPU product runs (torch's int8 kernel takes one scale per channel only); there
     a float32 model's norms run on it too (`NativeRMSNorm`), and its short passes' attention
-    (`Attention.fused_attention`).
+    (`Attention.fused_attention` for one sequence, `Attention.rows_attention` for several).
     `tuning.kernels`: who multiplies on a CPU (`speculative.cpu_kernels.preferred`, built
     under `cache_dir`); `tuning.long_rows` "packed" keeps passes of over PACKED_CHUNK_ROWS
     rows on specserve's products (row-exact, slower) instead of BLAS.
@@ -290,12 +290,13 @@ def quantize(model, mode: str, int4_blocks: dict[str, tuple] | None = None, tuni
     for m in model.modules():
         if isinstance(m, (Int4Linear, Int8Linear)):
             m.long_rows_blas = tuning.long_rows != "packed"
+    model.precision = mode
+    model.attention_dtype = torch.float64  # so a verified token rounds as it does alone (model.py)
     if native and model.dtype == torch.float32 and native_norms(model):
         for layer in model.layers:
             if cpu_kernels.attends(model.config.head_dim):
                 layer.attn.fused_attention = cpu_kernels.attend
-    model.precision = mode
-    model.attention_dtype = torch.float64  # so a verified token rounds as it does alone (model.py)
+        native_attention(model)
     return model
 
 
@@ -328,4 +329,8 @@ def quantized_copy(model, mode: str = "int4"):
     twin.rope_cos, twin.rope_sin = model.rope_cos, model.rope_sin
     quantize(twin, mode, tuning=tuning_of(model))
     twin.attention_dtype = None
+    for layer in twin.layers:  # installed for float64 attention
+        layer.attn.fused_attention = layer.attn.rows_attention = None
+    if any(isinstance(m, NativeRMSNorm) for m in twin.modules()):  # where specserve's kernels run
+        native_attention(twin)
     return twin.requires_grad_(False).eval()

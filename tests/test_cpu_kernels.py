@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from dataclasses import replace
 
 import pytest
 import torch
@@ -12,9 +13,9 @@ import torch
 from speculative import cpu_kernels, cpu_tuning
 from speculative.cpu_tuning import LONG_ROWS_TIMED, PACKED_CHUNK_ROWS, CpuTuning, NativeLinear, NativeRMSNorm, \
     PackedLinear, apply_cpu_tuning
-from speculative.model import attention_mask, causal_ancestors
+from speculative.model import Transformer, attention_mask, causal_ancestors
 from speculative.quantize import Int4Linear, Int8Linear, quantize
-from tiny import tiny_model
+from tiny import TINY, tiny_model
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="needs an x86 CPU with AVX2 and a C++ compiler")
 
@@ -290,8 +291,90 @@ def test_fused_attention_gives_a_token_what_it_gets_alone():
         assert torch.equal(alone[0], together[node]), node
 
 
+def rows_attention_case(dtype, spans=(5, 37, 0, 20), t=4, n_heads=6, n_kv=2, d=16, seed=5):
+    """q [b, n_heads, t, d], caches [b, n_kv, 64, d] and the additive mask [b, 1, t, span] of a
+    pass of rows after `spans` cached slots each: row 0 a tree, row 1 a chain, the others one
+    token and padding (which sees itself only), as verify_batch lays a pass out."""
+    gen = torch.Generator().manual_seed(seed)
+    b, span = len(spans), max(spans) + t
+    q = torch.randn(b, n_heads, t, d, generator=gen, dtype=dtype)
+    k_cache, v_cache = (torch.randn(b, n_kv, 64, d, generator=gen, dtype=dtype) for _ in range(2))
+    allowed = torch.zeros(b, t, span, dtype=torch.bool)
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
+    for r, start in enumerate(spans):
+        allowed[r, :, :start] = True
+        own = tree if r == 0 else causal_ancestors(t) if r == 1 else torch.eye(t, dtype=torch.bool)
+        allowed[r, :, start:start + t] = own
+    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf")).unsqueeze(1)
+    return q, k_cache, v_cache, mask, [start + t for start in spans]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_rows_attention_is_sdpas(dtype):
+    """cpu_kernels.attend_rows against SDPA over the batch's span, rows of different lengths,
+    a tree, a chain and padding: each row sees its own slots only."""
+    q, k_cache, v_cache, mask, limits = rows_attention_case(dtype)
+    span = mask.shape[-1]
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q, k_cache[:, :, :span], v_cache[:, :, :span], attn_mask=mask, enable_gqa=True)
+    want = want.float().transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)
+    got = cpu_kernels.attend_rows(q, k_cache, v_cache, mask, limits)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_rows_attention_gives_each_row_what_it_gets_alone(dtype):
+    """The lossless contract's need: a row's queries get the same bits in a batch as alone, over
+    a span cut to its own slots, whatever the rows beside it; in float64 they are the bits the
+    fused one-sequence attention (`attend`) gives, so an int model's token attends alike alone
+    and in the verifier's batches."""
+    q, k_cache, v_cache, mask, limits = rows_attention_case(dtype)
+    together = cpu_kernels.attend_rows(q, k_cache, v_cache, mask, limits)
+    for r, limit in enumerate(limits):
+        alone = cpu_kernels.attend_rows(q[r:r + 1], k_cache[r:r + 1], v_cache[r:r + 1], mask[r:r + 1, ..., :limit],
+                                        [limit])
+        assert torch.equal(alone[0], together[r]), r
+    if dtype == torch.float64:  # attend's layout: one sequence, RoPE'd queries from qkv (here: cos 1, sin 0)
+        t, d, n_heads, n_kv = q.shape[2], q.shape[3], q.shape[1], k_cache.shape[1]
+        r, start = 1, limits[1] - q.shape[2]
+        qkv = torch.cat((q[r].float().transpose(0, 1).reshape(t, -1),
+                         k_cache[r, :, start:start + t].float().transpose(0, 1).reshape(t, -1),
+                         v_cache[r, :, start:start + t].float().transpose(0, 1).reshape(t, -1)), -1)
+        keys, values = k_cache[r].clone(), v_cache[r].clone()
+        keys[:, start:start + t], values[:, start:start + t] = (c[r, :, start:start + t].float().double()
+                                                                for c in (k_cache, v_cache))
+        q_rounded = q[r:r + 1].float().double()
+        rows = cpu_kernels.attend_rows(q_rounded, keys[None], values[None], mask[r:r + 1, ..., :limits[r]],
+                                       [limits[r]])
+        fused = cpu_kernels.attend(qkv, torch.ones(t, d), torch.zeros(t, d), keys.clone(), values.clone(), start,
+                                   mask[r, 0, :, :limits[r]].contiguous(), n_heads)
+        assert n_kv == keys.shape[0] and torch.equal(fused, rows[0])
+
+
+def test_a_tuned_float32_models_rows_score_in_a_batch_as_alone():
+    """With our kernels a float32 model's batched rows (one padded) get exactly the logits they
+    get alone: the products, the norms and the attention each take a row by itself."""
+    model = Transformer(replace(TINY, head_dim=16)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.3)
+    assert apply_cpu_tuning(model, CpuTuning(kernels="native"))
+    assert all(layer.attn.rows_attention is cpu_kernels.attend_rows for layer in model.layers)
+    rows, real = [[1, 2, 3, 4], [5, 6, 0, 0]], [4, 2]
+    mask = torch.zeros(2, 4, 4, dtype=torch.bool)
+    mask[0] = causal_ancestors(4)
+    mask[1, :2, :2] = causal_ancestors(2)
+    mask[1, 2:, 2:] = torch.eye(2, dtype=torch.bool)  # padding attends to itself only
+    with torch.inference_mode():
+        both = model(torch.tensor(rows), torch.arange(4).expand(2, 4), model.new_cache(8, batch=2), mask, real=real)
+        alone = [model(torch.tensor([r[:n]]), torch.arange(n)[None], model.new_cache(8),
+                       attention_mask(0, causal_ancestors(n)))[0] for r, n in zip(rows, real)]
+    assert torch.equal(both, torch.cat(alone))
+
+
 def test_int_models_attend_fused_only_where_it_applies():
     model = quantize(tiny_model(0), "int4", tuning=CpuTuning(kernels="native"))
-    assert all(layer.attn.fused_attention is cpu_kernels.attend for layer in model.layers)
-    assert all(layer.attn.fused_attention is None
+    assert all(layer.attn.fused_attention is cpu_kernels.attend and layer.attn.rows_attention is cpu_kernels.attend_rows
+               for layer in model.layers)
+    assert all(layer.attn.fused_attention is None and layer.attn.rows_attention is None
                for layer in quantize(tiny_model(0), "int4", tuning=CpuTuning(kernels="torch")).layers)
