@@ -436,7 +436,7 @@ void attend_rows(int64_t b, int64_t t, int64_t n_heads, int64_t n_kv, int64_t d,
   const int64_t threads = omp_get_max_threads(), units = b * n_kv;
   const int64_t parts = units >= 4 * threads ? 1 : std::min(m, (4 * threads + units - 1) / units);
   const int64_t per_part = (m + parts - 1) / parts;
-#pragma omp parallel for schedule(dynamic) collapse(3) if (b * t * n_heads * span > 8192)
+#pragma omp parallel for schedule(dynamic) collapse(3) if (b * t * n_heads * span > 1024)
   for (int64_t r = 0; r < b; ++r) {
     for (int64_t g = 0; g < n_kv; ++g) {
       for (int64_t part = 0; part < parts; ++part) {
@@ -551,11 +551,35 @@ void attend(const float* qkv, int64_t t, int64_t n_heads, int64_t n_kv, int64_t 
       }
     }
   }
-  const int64_t no_limit[1] = {span};
-  attend_rows<double>(
-      1, t, n_heads, n_kv, d, [&](int64_t, int64_t h, int64_t i) { return queries + (i * n_heads + h) * d; },
-      k_cache, v_cache, 0, max_len * d, mask, span, no_limit,
-      [&](int64_t, int64_t h, int64_t i) { return out + (i * n_heads + h) * d; });
+  double* scores = new double[t * n_heads * span];
+#pragma omp parallel for schedule(static) collapse(2) if (t * n_heads * span > 4096)
+  for (int64_t i = 0; i < t; ++i) {
+    for (int64_t h = 0; h < n_heads; ++h) {
+      const double* q = queries + (i * n_heads + h) * d;
+      const double *keys = k_cache + (h / group) * max_len * d, *values = v_cache + (h / group) * max_len * d;
+      const double* allowed = mask + i * span;
+      double* score = scores + (i * n_heads + h) * span;
+      double top = -INFINITY;
+      for (int64_t s = 0; s < span; ++s) {
+        if (allowed[s] == -INFINITY) continue;
+        score[s] = dot(q, keys + s * d, d) * scale + allowed[s];
+        top = fmax(top, score[s]);
+      }
+      double total = 0;
+      float* o = out + (i * n_heads + h) * d;
+      double acc[kMaxHeadDim] = {0};
+      for (int64_t s = 0; s < span; ++s) {
+        if (allowed[s] == -INFINITY) continue;
+        const double p = exp(score[s] - top);
+        total += p;
+        const __m256d pv = _mm256_set1_pd(p);
+        for (int64_t j = 0; j < d; j += 4)
+          _mm256_storeu_pd(acc + j, _mm256_fmadd_pd(pv, _mm256_loadu_pd(values + s * d + j), _mm256_loadu_pd(acc + j)));
+      }
+      for (int64_t j = 0; j < d; ++j) o[j] = static_cast<float>(acc[j] / total);
+    }
+  }
+  delete[] scores;
   delete[] queries;
 }
 

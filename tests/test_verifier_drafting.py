@@ -230,12 +230,24 @@ def test_a_verifier_gone_mid_call_leaves_the_request_to_another(target):
     class Dying(VerifierEngine):
         rounds = 0
 
-        def verify(self, *args, **kwargs):
+        def count_round(self) -> None:
             self.rounds += 1
             if self.rounds == 4:
                 first_server.stop(None)
                 stopped.set()
+
+        def verify(self, *args, **kwargs):
+            self.count_round()
             return super().verify(*args, **kwargs)
+
+        def verify_rounds(self, request_id, tree, context_length, next_tree, *args, **kwargs):
+            self.count_round()  # the Decode call's first round; the others as the worker queues them
+
+            def counted(outcome):
+                self.count_round()
+                return next_tree(outcome)
+
+            return super().verify_rounds(request_id, tree, context_length, counted, *args, **kwargs)
 
     dying, healthy = Dying(target, max_batch=2, max_len=64), VerifierEngine(target, max_batch=2, max_len=64)
     (first_server, first), (second_server, second) = serve_verifier(dying), serve_verifier(healthy)

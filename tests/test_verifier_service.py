@@ -295,6 +295,35 @@ def test_after_decode_the_request_goes_on_and_a_cancelled_decode_stops(tiny):
         assert stub.Release(pb.ReleaseRequest(request_id="r")).released
 
 
+def test_decode_rounds_are_in_every_pass_while_they_last(tiny):
+    """The engine queues each of a Decode call's rounds as the last one's pass ends
+    (`VerifierEngine.verify_rounds`), so two requests decoding at once share every pass once both
+    have started, with no wait for batches: a caller sending each round itself would miss
+    passes that start before it comes back."""
+    params = SamplingParams(max_tokens=60)
+    engine = VerifierEngine(tiny, max_len=96, batch_wait_s=0.0)
+    sizes = {"a": [], "b": []}
+
+    def decode(request_id: str) -> None:
+        engine.prefill(request_id, prompt(3), params)
+        left = iter(range(29))
+        def next_tree(_) -> DraftTree | None:
+            return None if next(left, None) is None else DraftTree()
+
+        for out in engine.verify_rounds(request_id, DraftTree(), None, next_tree):
+            sizes[request_id].append(out.batch_size)
+
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(decode, sizes))
+        for request_id, batch_sizes in sizes.items():
+            assert len(batch_sizes) == 30
+            shared = batch_sizes.index(2)  # from the first pass both were in ...
+            assert batch_sizes[shared:shared + 25] == [2] * 25, (request_id, batch_sizes)  # ... every one after
+    finally:
+        engine.close()
+
+
 def invalid(call, request, field: str) -> str:
     """The details of the INVALID_ARGUMENT error `call(request)` must raise; they name `field`."""
     with pytest.raises(grpc.RpcError) as info:

@@ -20,12 +20,13 @@ import dataclasses
 import itertools
 import logging
 import math
+import queue
 import threading
 import time
 from collections import Counter, deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import torch
 
@@ -172,6 +173,7 @@ class VerifyOutcome:
     candidate_ids: torch.Tensor | None = None
     candidate_probs: torch.Tensor | None = None
     pass_shape: "PassShape | None" = None  # the forward pass it went into
+    drafted: int = 0  # nodes of the tree it verified
 
 
 @dataclass(frozen=True)
@@ -212,6 +214,9 @@ class _Verify:
     candidates: int = 0  # report the target's top-k next tokens at each scored position
     top: tuple[torch.Tensor, torch.Tensor] | None = None  # ... which the pass writes here
     future: Future = field(default_factory=Future)
+    # one of a run of rounds (`VerifierEngine.verify_rounds`): called by the worker with this round's
+    # outcome as its pass ends, the next round to queue at once (None: the rounds end)
+    then: "Callable[[VerifyOutcome], _Verify | None] | None" = None
 
     def keep_top(self, tokens, scores: torch.Tensor) -> None:
         self.top = top_candidates(scores, self.candidates)
@@ -304,6 +309,55 @@ class VerifierEngine:
         `candidates` k, the outcome also holds the target's k likeliest next
         tokens at every scored position (for Token Recycling drafters).
         """
+        return self._submit(self._verify_item(request_id, tree, context_length, deadline, candidates))
+
+    def verify_rounds(self, request_id: str, tree: DraftTree, context_length: int | None,
+               next_tree: Callable[[VerifyOutcome], DraftTree | None], deadline: float | None = None,
+               candidates: int = 0) -> Iterator[VerifyOutcome]:
+        """A request's rounds one after another, each outcome as it comes (a Decode call):
+        `tree` first, as `verify` takes it, then the trees `next_tree` gives. The worker calls
+        `next_tree` with each round's outcome as its pass ends (None: the rounds end) and queues
+        that round at once, so the request is in the very next pass: a caller sending each
+        round itself would come back after the next pass had started, under load often.
+        Raises what `verify` raises; closing the iterator ends the rounds after the one queued."""
+        outcomes: queue.SimpleQueue[Future | None] = queue.SimpleQueue()
+        closed = threading.Event()
+
+        def then(outcome: VerifyOutcome) -> _Verify | None:  # in the worker
+            try:
+                following = None if closed.is_set() else next_tree(outcome)
+                work = None if following is None else self._verify_item(request_id, following, None, deadline,
+                                                                         candidates)
+            except Exception as exc:  # the caller's next_tree failed: its rounds end with its error
+                failed = Future()
+                failed.set_exception(exc)
+                outcomes.put(failed)
+                return None
+            if work is None:
+                outcomes.put(None)
+                return None
+            return on_done(work)
+
+        def on_done(work: _Verify) -> _Verify:
+            work.then = then
+            work.future.add_done_callback(outcomes.put)
+            return work
+
+        first = on_done(self._verify_item(request_id, tree, context_length, deadline, candidates))
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("the verifier engine is closed")
+            self._queue.append(first)
+            self._cond.notify()
+        try:
+            while (done := outcomes.get()) is not None:
+                yield done.result()
+        finally:
+            closed.set()
+
+    def _verify_item(self, request_id: str, tree: DraftTree, context_length: int | None, deadline: float | None,
+                     candidates: int) -> _Verify:
+        """A verify call's work, its arguments checked."""
         if not 0 <= candidates <= MAX_CANDIDATES:
             raise InvalidArgument("candidates", f"must be in [0, {MAX_CANDIDATES}], got {candidates}")
         if 1 + len(tree) > self.max_batch_tokens:
@@ -311,8 +365,7 @@ class VerifierEngine:
                                   f"{self.max_batch_tokens - 1} per request")
         if tree.draw_q is not None:
             tree = dataclasses.replace(tree, draw_q=tree.draw_q.to(self.model.device))
-        return self._submit(_Verify(request_id, tree, context_length,
-                                    math.inf if deadline is None else deadline, candidates))
+        return _Verify(request_id, tree, context_length, math.inf if deadline is None else deadline, candidates)
 
     def release(self, request_id: str) -> bool:
         """Free the request's row and delete its checkpoint; False if no row held it."""
@@ -475,8 +528,13 @@ class VerifierEngine:
             state.last_used = self.clock()
             self._checkpoint(work.request_id, state)
             ids, probs = work.top or (None, None)
-            work.future.set_result(VerifyOutcome(accepted, bonus, len(ready), self._waiting, len(self._requests),
-                                                 ids, probs, shape))
+            outcome = VerifyOutcome(accepted, bonus, len(ready), self._waiting, len(self._requests), ids, probs,
+                                    shape, len(work.tree))
+            work.future.set_result(outcome)
+            following = work.then(outcome) if work.then is not None else None
+            if following is not None:
+                with self._cond:
+                    self._queue.append(following)
 
     def _pass(self, items: list[VerifyItem]) -> list:
         """One verification pass over a batch's rows: what `PassShape.seconds` times."""

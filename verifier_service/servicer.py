@@ -3,7 +3,7 @@ health checking and server reflection so generic tools can probe it."""
 
 from __future__ import annotations
 
-import itertools
+import math
 from typing import Callable, Iterator, TypeVar
 
 import grpc
@@ -81,29 +81,37 @@ class VerifierServicer(pb_grpc.VerifierServicer):
 
     def Decode(self, request: pb.DecodeRequest, context: grpc.ServicerContext) -> Iterator[pb.VerifyResponse]:
         """Round after round on this verifier, each drafted here from the request's text: no
-        hop to a pool or back to the router between them. A round's tokens go out while the
-        next is verified."""
+        hop to a pool or back to the router between them. The engine queues each round as the
+        last one's pass ends (`VerifierEngine.verify_rounds`), while its tokens go out."""
         tokens = _checked(context, lambda: self._decode_tokens(request))
-        left, deadline, eos = request.max_tokens, call_deadline(context), set(request.eos_token_ids)
-        rounds = itertools.count(1)
-        while left > 0 and context.is_active() and (not request.max_rounds or next(rounds) <= request.max_rounds):
+        left, eos = request.max_tokens, set(request.eos_token_ids)
+        rounds_left = request.max_rounds or math.inf  # 0: no limit
+
+        def tree() -> DraftTree:
             params = self.engine.sampling(request.request_id)  # None until the engine restores a checkpoint
             depth = min(request.draft_length, left - 1) if request.drafter == "pld" and params else 0
-            tree = lookup_draft(tokens, depth, self.engine.vocab_size, params is None or params.deterministic)
-            try:
-                out = _checked(context, lambda: self.engine.verify(request.request_id, tree, len(tokens), deadline,
-                                                                   request.candidates))
-            except UnknownRequest:
-                yield pb.VerifyResponse(state_lost=True)
-                return
-            resp = _verdict(out)
-            resp.drafted = len(tree)
-            yield resp
+            return lookup_draft(tokens, depth, self.engine.vocab_size, params is None or params.deterministic)
+
+        def next_tree(out: VerifyOutcome) -> DraftTree | None:  # in the engine's worker, as a pass ends
+            nonlocal left, rounds_left
             new = [*out.accepted, out.bonus]
             tokens.extend(new)
-            left -= len(new)
-            if eos.intersection(new):
-                return
+            left, rounds_left = left - len(new), rounds_left - 1
+            if left <= 0 or rounds_left <= 0 or eos.intersection(new) or not context.is_active():
+                return None
+            return tree()
+
+        rounds = self.engine.verify_rounds(request.request_id, tree(), len(tokens), next_tree, call_deadline(context),
+                                           request.candidates)  # checked as its first round is sent
+        try:
+            while (out := _checked(context, lambda: next(rounds, None))) is not None:
+                resp = _verdict(out)
+                resp.drafted = out.drafted
+                yield resp
+        except UnknownRequest:
+            yield pb.VerifyResponse(state_lost=True)
+        finally:
+            rounds.close()
 
     def _decode_tokens(self, request: pb.DecodeRequest) -> list[int]:
         """Decode's fields checked; its token_ids, to draft from."""
