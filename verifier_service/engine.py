@@ -312,8 +312,8 @@ class VerifierEngine:
         return self._submit(self._verify_item(request_id, tree, context_length, deadline, candidates))
 
     def verify_rounds(self, request_id: str, tree: DraftTree, context_length: int | None,
-               next_tree: Callable[[VerifyOutcome], DraftTree | None], deadline: float | None = None,
-               candidates: int = 0) -> Iterator[VerifyOutcome]:
+                      next_tree: Callable[[VerifyOutcome], DraftTree | None], deadline: float | None = None,
+                      candidates: int = 0) -> Iterator[VerifyOutcome]:
         """A request's rounds one after another, each outcome as it comes (a Decode call):
         `tree` first, as `verify` takes it, then the trees `next_tree` gives. The worker calls
         `next_tree` with each round's outcome as its pass ends (None: the rounds end) and queues
