@@ -233,48 +233,47 @@ inline double dot(const double* q, const double* k, int64_t d) {
 constexpr float kExpPolynomial[] = {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f,
                                      5.0000001201e-1f};  // after 1.9875691500e-4, highest power first
 
-// e^x of a vector (x <= 0 here: scores less the top one), Cephes' expf: x = n ln2 + r, e^r by a
-// degree-6 polynomial, 2^n into the exponent; below -87.3 (under float's normal range) 0.
 #if defined(__AVX512F__)
-inline F32Vec f32_exp(F32Vec x) {
-  const __m512 low = _mm512_set1_ps(-87.33654f);
-  const __mmask16 tiny = _mm512_cmp_ps_mask(x, low, _CMP_LT_OQ);
-  x = _mm512_max_ps(x, low);
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  for (float c : kExpPolynomial) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~tiny), _mm512_scalef_ps(p, n));
-}
 inline F32Vec f32_set1(float v) { return _mm512_set1_ps(v); }
 inline F32Vec f32_add(F32Vec a, F32Vec b) { return _mm512_add_ps(a, b); }
 inline F32Vec f32_sub(F32Vec a, F32Vec b) { return _mm512_sub_ps(a, b); }
+inline F32Vec f32_mul(F32Vec a, F32Vec b) { return _mm512_mul_ps(a, b); }
 inline F32Vec f32_div(F32Vec a, F32Vec b) { return _mm512_div_ps(a, b); }
+inline F32Vec f32_max(F32Vec a, F32Vec b) { return _mm512_max_ps(a, b); }
+inline F32Vec f32_fnma(F32Vec a, F32Vec b, F32Vec c) { return _mm512_fnmadd_ps(a, b, c); }  // c - a * b
+inline F32Vec f32_round(F32Vec x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 inline void f32_store(float* p, F32Vec v) { _mm512_storeu_ps(p, v); }
-#else
-inline F32Vec f32_exp(F32Vec x) {
-  const __m256 low = _mm256_set1_ps(-87.33654f);
-  const __m256 tiny = _mm256_cmp_ps(x, low, _CMP_LT_OQ);
-  x = _mm256_max_ps(x, low);
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  for (float c : kExpPolynomial) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  const __m256i power = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_andnot_ps(tiny, _mm256_mul_ps(p, _mm256_castsi256_ps(power)));
+// p * 2^n (n whole) where x >= low, else 0
+inline F32Vec f32_scaled_above(F32Vec p, F32Vec n, F32Vec x, F32Vec low) {
+  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, low, _CMP_GE_OQ), _mm512_scalef_ps(p, n));
 }
+#else
 inline F32Vec f32_set1(float v) { return _mm256_set1_ps(v); }
 inline F32Vec f32_add(F32Vec a, F32Vec b) { return _mm256_add_ps(a, b); }
 inline F32Vec f32_sub(F32Vec a, F32Vec b) { return _mm256_sub_ps(a, b); }
+inline F32Vec f32_mul(F32Vec a, F32Vec b) { return _mm256_mul_ps(a, b); }
 inline F32Vec f32_div(F32Vec a, F32Vec b) { return _mm256_div_ps(a, b); }
+inline F32Vec f32_max(F32Vec a, F32Vec b) { return _mm256_max_ps(a, b); }
+inline F32Vec f32_fnma(F32Vec a, F32Vec b, F32Vec c) { return _mm256_fnmadd_ps(a, b, c); }  // c - a * b
+inline F32Vec f32_round(F32Vec x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 inline void f32_store(float* p, F32Vec v) { _mm256_storeu_ps(p, v); }
+inline F32Vec f32_scaled_above(F32Vec p, F32Vec n, F32Vec x, F32Vec low) {
+  const __m256i power = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_and_ps(_mm256_cmp_ps(x, low, _CMP_GE_OQ), _mm256_mul_ps(p, _mm256_castsi256_ps(power)));
+}
 #endif
+
+// e^x of a vector (x <= 0 here: scores less the top one), Cephes' expf: x = n ln2 + r, e^r by a
+// degree-6 polynomial, 2^n into the exponent; below -87.3 (under float's normal range) 0.
+inline F32Vec f32_exp(F32Vec x) {
+  const F32Vec low = f32_set1(-87.33654f), kept = f32_max(x, low);
+  const F32Vec n = f32_round(f32_mul(kept, f32_set1(1.44269504088896341f)));
+  const F32Vec r = f32_fnma(n, f32_set1(-2.12194440e-4f), f32_fnma(n, f32_set1(0.693359375f), kept));
+  F32Vec p = f32_set1(1.9875691500e-4f);
+  for (float c : kExpPolynomial) p = f32_fma(p, r, f32_set1(c));
+  p = f32_fma(p, f32_mul(r, r), f32_add(r, f32_set1(1.0f)));
+  return f32_scaled_above(p, n, x, low);
+}
 
 // One query's score of one slot: q . k * scale + its additive mask. float64: four accumulators
 // taking turns (`dot`); float32: one accumulator of vectors, then hsum.
