@@ -422,13 +422,11 @@ void attend_queries(const T* const* qs, const T* const* masks, int64_t m, int64_
 
 // The attention of b rows of t queries each, n_heads a row (`attend_queries` for each row and
 // kv head, its queries split into parts when there are fewer rows and kv heads than threads to
-// keep busy). q_at(r, h, i) and out_at(r, h, i) point at query i of row r's head h and at its
-// output; row r's keys of kv head g at k + r * row_stride + g * head_stride, values likewise;
-// masks [b, t, span], row r's queries seeing slots below min(limits[r], span) at most.
-template <typename T, typename QueryAt, typename OutAt>
-void attend_rows(int64_t b, int64_t t, int64_t n_heads, int64_t n_kv, int64_t d, QueryAt q_at, const T* k,
+// keep busy); the layout of `attend_rows_float32` below.
+template <typename T>
+void attend_rows(const T* q, int64_t b, int64_t t, int64_t n_heads, int64_t n_kv, int64_t d, const T* k,
                  const T* v, int64_t row_stride, int64_t head_stride, const T* mask, int64_t span,
-                 const int64_t* limits, OutAt out_at) {
+                 const int64_t* limits, float* out) {
   const int64_t group = n_heads / n_kv, m = group * t;
   const T scale = static_cast<T>(1.0 / sqrt(static_cast<double>(d)));
   // each row and kv head's queries in parts when those are too few to keep every thread busy
@@ -445,7 +443,8 @@ void attend_rows(int64_t b, int64_t t, int64_t n_heads, int64_t n_kv, int64_t d,
         int64_t n = 0;
         for (int64_t j = part * per_part; j < (part + 1) * per_part && j < m; ++j, ++n) {
           const int64_t h = g * group + j / t, i = j % t;
-          qs[n] = q_at(r, h, i), outs[n] = out_at(r, h, i), masks[n] = mask + (r * t + i) * span;
+          qs[n] = q + ((r * n_heads + h) * t + i) * d, outs[n] = out + ((r * t + i) * n_heads + h) * d;
+          masks[n] = mask + (r * t + i) * span;
         }
         if (n) attend_queries(qs, masks, n, limits[r] < span ? limits[r] : span, k + r * row_stride + g * head_stride,
                               v + r * row_stride + g * head_stride, d, scale, outs);
@@ -590,10 +589,7 @@ void attend(const float* qkv, int64_t t, int64_t n_heads, int64_t n_kv, int64_t 
 void attend_rows_float32(const float* q, int64_t b, int64_t t, int64_t n_heads, int64_t n_kv, int64_t d,
                          const float* k, const float* v, int64_t row_stride, int64_t head_stride, const float* mask,
                          int64_t span, const int64_t* limits, float* out) {
-  attend_rows<float>(
-      b, t, n_heads, n_kv, d, [&](int64_t r, int64_t h, int64_t i) { return q + ((r * n_heads + h) * t + i) * d; },
-      k, v, row_stride, head_stride, mask, span, limits,
-      [&](int64_t r, int64_t h, int64_t i) { return out + ((r * t + i) * n_heads + h) * d; });
+  attend_rows(q, b, t, n_heads, n_kv, d, k, v, row_stride, head_stride, mask, span, limits, out);
 }
 
 // ... float64 caches (the int models'), d a multiple of 4: each query's output the one
@@ -601,10 +597,7 @@ void attend_rows_float32(const float* q, int64_t b, int64_t t, int64_t n_heads, 
 void attend_rows_float64(const double* q, int64_t b, int64_t t, int64_t n_heads, int64_t n_kv, int64_t d,
                          const double* k, const double* v, int64_t row_stride, int64_t head_stride,
                          const double* mask, int64_t span, const int64_t* limits, float* out) {
-  attend_rows<double>(
-      b, t, n_heads, n_kv, d, [&](int64_t r, int64_t h, int64_t i) { return q + ((r * n_heads + h) * t + i) * d; },
-      k, v, row_stride, head_stride, mask, span, limits,
-      [&](int64_t r, int64_t h, int64_t i) { return out + ((r * t + i) * n_heads + h) * d; });
+  attend_rows(q, b, t, n_heads, n_kv, d, k, v, row_stride, head_stride, mask, span, limits, out);
 }
 
 // w [out, k] = the Q4_1 blocks' weights in float32, each d * q + m as the products compute it.
