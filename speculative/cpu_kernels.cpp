@@ -220,14 +220,102 @@ void f32_tile(const float* x, int64_t k, const float* w, int64_t n, int64_t out,
 constexpr int64_t kMaxHeadDim = 256;
 constexpr int64_t kMaxQueries = 1024;  // of one row and kv head in a pass: heads per kv head x tokens
 
-// q . k over d doubles (d a multiple of 4): four accumulators taking turns, added in a fixed order.
-inline double dot(const double* q, const double* k, int64_t d) {
-  __m256d acc[4] = {_mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd()};
-  for (int64_t j = 0; j < d; j += 4)
-    acc[(j / 4) % 4] = _mm256_fmadd_pd(_mm256_loadu_pd(q + j), _mm256_loadu_pd(k + j), acc[(j / 4) % 4]);
-  const __m256d v = _mm256_add_pd(_mm256_add_pd(acc[0], acc[1]), _mm256_add_pd(acc[2], acc[3]));
-  __m128d s = _mm_add_pd(_mm256_castpd256_pd128(v), _mm256_extractf128_pd(v, 1));
+// float64 vectors: 8 lanes with AVX-512, 4 with AVX2 (the int models' attention).
+#if defined(__AVX512F__)
+using F64Vec = __m512d;
+constexpr int64_t kF64Lanes = 8;
+inline F64Vec f64_load(const double* p) { return _mm512_loadu_pd(p); }
+// the first n <= 8 lanes of p, the rest 0
+inline F64Vec f64_load_first(const double* p, int64_t n) { return _mm512_maskz_loadu_pd((1u << n) - 1, p); }
+inline void f64_store(double* p, F64Vec v) { _mm512_storeu_pd(p, v); }
+inline F64Vec f64_set1(double v) { return _mm512_set1_pd(v); }
+inline F64Vec f64_zero() { return _mm512_setzero_pd(); }
+inline F64Vec f64_add(F64Vec a, F64Vec b) { return _mm512_add_pd(a, b); }
+inline F64Vec f64_sub(F64Vec a, F64Vec b) { return _mm512_sub_pd(a, b); }
+inline F64Vec f64_mul(F64Vec a, F64Vec b) { return _mm512_mul_pd(a, b); }
+inline F64Vec f64_div(F64Vec a, F64Vec b) { return _mm512_div_pd(a, b); }
+inline F64Vec f64_max(F64Vec a, F64Vec b) { return _mm512_max_pd(a, b); }
+inline F64Vec f64_fma(F64Vec a, F64Vec b, F64Vec c) { return _mm512_fmadd_pd(a, b, c); }
+inline F64Vec f64_fnma(F64Vec a, F64Vec b, F64Vec c) { return _mm512_fnmadd_pd(a, b, c); }  // c - a * b
+inline F64Vec f64_round(F64Vec x) { return _mm512_roundscale_pd(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline F64Vec f64_scaled_above(F64Vec p, F64Vec n, F64Vec x, F64Vec low) {
+  return _mm512_maskz_mov_pd(_mm512_cmp_pd_mask(x, low, _CMP_GE_OQ), _mm512_scalef_pd(p, n));
+}
+inline __m256d f64_halves(F64Vec v) {
+  return _mm256_add_pd(_mm512_castpd512_pd256(v), _mm512_extractf64x4_pd(v, 1));
+}
+#else
+using F64Vec = __m256d;
+constexpr int64_t kF64Lanes = 4;
+inline F64Vec f64_load(const double* p) { return _mm256_loadu_pd(p); }
+inline F64Vec f64_load_first(const double* p, int64_t n) {
+  return _mm256_maskload_pd(p, _mm256_cmpgt_epi64(_mm256_set1_epi64x(n), _mm256_setr_epi64x(0, 1, 2, 3)));
+}
+inline void f64_store(double* p, F64Vec v) { _mm256_storeu_pd(p, v); }
+inline F64Vec f64_set1(double v) { return _mm256_set1_pd(v); }
+inline F64Vec f64_zero() { return _mm256_setzero_pd(); }
+inline F64Vec f64_add(F64Vec a, F64Vec b) { return _mm256_add_pd(a, b); }
+inline F64Vec f64_sub(F64Vec a, F64Vec b) { return _mm256_sub_pd(a, b); }
+inline F64Vec f64_mul(F64Vec a, F64Vec b) { return _mm256_mul_pd(a, b); }
+inline F64Vec f64_div(F64Vec a, F64Vec b) { return _mm256_div_pd(a, b); }
+inline F64Vec f64_max(F64Vec a, F64Vec b) { return _mm256_max_pd(a, b); }
+inline F64Vec f64_fma(F64Vec a, F64Vec b, F64Vec c) { return _mm256_fmadd_pd(a, b, c); }
+inline F64Vec f64_fnma(F64Vec a, F64Vec b, F64Vec c) { return _mm256_fnmadd_pd(a, b, c); }  // c - a * b
+inline F64Vec f64_round(F64Vec x) { return _mm256_round_pd(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline F64Vec f64_scaled_above(F64Vec p, F64Vec n, F64Vec x, F64Vec low) {  // n in [-1022, 0]
+  const __m256i power = _mm256_slli_epi64(
+      _mm256_add_epi64(_mm256_cvtepi32_epi64(_mm256_cvtpd_epi32(n)), _mm256_set1_epi64x(1023)), 52);
+  return _mm256_and_pd(_mm256_cmp_pd(x, low, _CMP_GE_OQ), _mm256_mul_pd(p, _mm256_castsi256_pd(power)));
+}
+inline __m256d f64_halves(F64Vec v) { return v; }
+#endif
+
+inline double hsum(F64Vec v) {  // a fixed order: to 4 lanes (AVX-512), then (0+2, 1+3), then the pair
+  const __m256d h = f64_halves(v);
+  const __m128d s = _mm_add_pd(_mm256_castpd256_pd128(h), _mm256_extractf128_pd(h, 1));
   return _mm_cvtsd_f64(_mm_add_sd(s, _mm_unpackhi_pd(s, s)));
+}
+
+// q . k over d doubles (d a multiple of 4): four accumulators of vectors taking turns, added
+// in a fixed order; named, not indexed, so that they stay in registers.
+inline double dot(const double* q, const double* k, int64_t d) {
+  constexpr int64_t L = kF64Lanes;
+  F64Vec a0 = f64_zero(), a1 = f64_zero(), a2 = f64_zero(), a3 = f64_zero();
+  int64_t j = 0;
+  for (; j + 4 * L <= d; j += 4 * L) {
+    a0 = f64_fma(f64_load(q + j), f64_load(k + j), a0);
+    a1 = f64_fma(f64_load(q + j + L), f64_load(k + j + L), a1);
+    a2 = f64_fma(f64_load(q + j + 2 * L), f64_load(k + j + 2 * L), a2);
+    a3 = f64_fma(f64_load(q + j + 3 * L), f64_load(k + j + 3 * L), a3);
+  }
+  const int64_t rest = d - j;  // fewer than 4 vectors: each its turn, the last maybe in part
+  const auto turn = [&](int64_t i, F64Vec acc) {  // vector i of the rest, its lanes past d 0
+    const int64_t n = std::min(rest - i * L, L);
+    return f64_fma(f64_load_first(q + j + i * L, n), f64_load_first(k + j + i * L, n), acc);
+  };
+  if (rest > 0) a0 = turn(0, a0);
+  if (rest > L) a1 = turn(1, a1);
+  if (rest > 2 * L) a2 = turn(2, a2);
+  return hsum(f64_add(f64_add(a0, a1), f64_add(a2, a3)));
+}
+
+// e^x of a vector (x <= 0 here: scores less the top one), Cephes' exp: x = n ln2 + r, e^r
+// = 1 + 2 r P(r^2) / (Q(r^2) - r P(r^2)), 2^n into the exponent; below -708.39 (under
+// double's normal range) 0.
+inline F64Vec f64_exp(F64Vec x) {
+  const F64Vec low = f64_set1(-708.39641853226408), kept = f64_max(x, low);
+  const F64Vec n = f64_round(f64_mul(kept, f64_set1(1.4426950408889634074)));
+  const F64Vec r = f64_fnma(n, f64_set1(1.42860682030941723212e-6), f64_fnma(n, f64_set1(6.93145751953125e-1), kept));
+  const F64Vec rr = f64_mul(r, r);
+  F64Vec p = f64_set1(1.26177193074810590878e-4);
+  p = f64_fma(p, rr, f64_set1(3.02994407707441961300e-2));
+  p = f64_mul(f64_fma(p, rr, f64_set1(9.99999999999999999910e-1)), r);
+  F64Vec q = f64_set1(3.00198505138664455042e-6);
+  q = f64_fma(q, rr, f64_set1(2.52448340349684104192e-3));
+  q = f64_fma(q, rr, f64_set1(2.27265548208155028766e-1));
+  q = f64_fma(q, rr, f64_set1(2.00000000000000000009e0));
+  const F64Vec e = f64_fma(f64_set1(2.0), f64_div(p, f64_sub(q, p)), f64_set1(1.0));
+  return f64_scaled_above(e, n, x, low);
 }
 
 constexpr float kExpPolynomial[] = {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f,
@@ -286,13 +374,20 @@ inline float score(const float* q, const float* k, int64_t d, float scale, float
   return hsum(acc) * scale + allowed;
 }
 
-// The weights e^(score - top) of one query's n scores, in place, and their total. float64: one
-// by one, summed in order; float32: a vector at a time (scores has room for n rounded up to a
-// vector), summed into one accumulator of vectors, then hsum.
+// The weights e^(score - top) of one query's n scores, in place, and their total: a vector at a
+// time (scores has room for n rounded up to a vector), summed into one accumulator of vectors,
+// then hsum.
 inline double weigh(double* scores, int64_t n, double top) {
-  double total = 0;
-  for (int64_t j = 0; j < n; ++j) total += scores[j] = exp(scores[j] - top);
-  return total;
+  const int64_t padded = (n + kF64Lanes - 1) / kF64Lanes * kF64Lanes;
+  for (int64_t j = n; j < padded; ++j) scores[j] = -INFINITY;  // weigh 0
+  const F64Vec top_v = f64_set1(top);
+  F64Vec totals = f64_zero();
+  for (int64_t j = 0; j < padded; j += kF64Lanes) {
+    const F64Vec p = f64_exp(f64_sub(f64_load(scores + j), top_v));
+    f64_store(scores + j, p);
+    totals = f64_add(totals, p);
+  }
+  return hsum(totals);
 }
 inline float weigh(float* scores, int64_t n, float top) {
   const int64_t padded = (n + kF32Lanes - 1) / kF32Lanes * kF32Lanes;
@@ -312,14 +407,23 @@ inline float weigh(float* scores, int64_t n, float top) {
 template <int V>
 void accumulate_chunk(double* acc, const double* ps, const int32_t* slots, int64_t n, const double* values,
                       int64_t d) {
-  __m256d a[V];
-  for (int c = 0; c < V; ++c) a[c] = _mm256_loadu_pd(acc + 4 * c);
+  F64Vec a[V];
+  for (int c = 0; c < V; ++c) a[c] = f64_load(acc + c * kF64Lanes);
   for (int64_t j = 0; j < n; ++j) {
-    const __m256d p = _mm256_set1_pd(ps[j]);
+    const F64Vec p = f64_set1(ps[j]);
     const double* v = values + slots[j] * d;
-    for (int c = 0; c < V; ++c) a[c] = _mm256_fmadd_pd(p, _mm256_loadu_pd(v + 4 * c), a[c]);
+    for (int c = 0; c < V; ++c) a[c] = f64_fma(p, f64_load(v + c * kF64Lanes), a[c]);
   }
-  for (int c = 0; c < V; ++c) _mm256_storeu_pd(acc + 4 * c, a[c]);
+  for (int c = 0; c < V; ++c) f64_store(acc + c * kF64Lanes, a[c]);
+}
+// the last lanes < kF64Lanes entries of the head dimension (AVX-512, d not a multiple of 8)
+inline void accumulate_rest(double* acc, const double* ps, const int32_t* slots, int64_t n, const double* values,
+                            int64_t d, int64_t lanes) {
+  F64Vec a = f64_load_first(acc, lanes);
+  for (int64_t j = 0; j < n; ++j) a = f64_fma(f64_set1(ps[j]), f64_load_first(values + slots[j] * d, lanes), a);
+  double out[kF64Lanes];
+  f64_store(out, a);
+  for (int64_t i = 0; i < lanes; ++i) acc[i] = out[i];
 }
 template <int V>
 void accumulate_chunk(float* acc, const float* ps, const int32_t* slots, int64_t n, const float* values, int64_t d) {
@@ -334,11 +438,13 @@ void accumulate_chunk(float* acc, const float* ps, const int32_t* slots, int64_t
 }
 template <typename T>
 void accumulate(T* acc, const T* ps, const int32_t* slots, int64_t n, const T* values, int64_t d) {
-  constexpr int64_t lanes = sizeof(T) == sizeof(double) ? 4 : kF32Lanes;  // an __m256d's, or an F32Vec's
+  constexpr int64_t lanes = sizeof(T) == sizeof(double) ? kF64Lanes : kF32Lanes;
   int64_t i = 0;
   for (; i + 8 * lanes <= d; i += 8 * lanes) accumulate_chunk<8>(acc + i, ps, slots, n, values + i, d);
   for (; i + 4 * lanes <= d; i += 4 * lanes) accumulate_chunk<4>(acc + i, ps, slots, n, values + i, d);
-  for (; i < d; i += lanes) accumulate_chunk<1>(acc + i, ps, slots, n, values + i, d);
+  for (; i + lanes <= d; i += lanes) accumulate_chunk<1>(acc + i, ps, slots, n, values + i, d);
+  if constexpr (sizeof(T) == sizeof(double))
+    if (i < d) accumulate_rest(acc + i, ps, slots, n, values + i, d, d - i);
 }
 
 // A thread's scratch for attend_queries, kept between calls: the passes are many and alike.
@@ -392,16 +498,20 @@ void attend_queries(const T* const* qs, const T* const* masks, int64_t m, int64_
   for (int64_t first = 0; first < limit; first += kSlotBlock) {
     const int64_t last = first + kSlotBlock < limit ? first + kSlotBlock : limit;
     for (int64_t q = 0; q < m; ++q) {
+      const T *query = qs[q], *allowed = masks[q];
+      if (last - first == kSlotBlock && !any_allowed(allowed + first, kSlotBlock)) continue;
       T* sc = scores + q * stride;
       int32_t* seen = slots + q * stride;
-      if (last - first == kSlotBlock && !any_allowed(masks[q] + first, kSlotBlock)) continue;
+      int64_t n = count[q];  // in registers over the block, not through memory slot by slot
+      T highest = top[q];
       for (int64_t s = first; s < last; ++s) {
-        if (masks[q][s] == -INFINITY) continue;
-        const T x = score(qs[q], keys + s * d, d, scale, masks[q][s]);
-        sc[count[q]] = x;
-        seen[count[q]++] = static_cast<int32_t>(s);
-        top[q] = x > top[q] ? x : top[q];
+        if (allowed[s] == -INFINITY) continue;
+        const T x = score(query, keys + s * d, d, scale, allowed[s]);
+        sc[n] = x;
+        seen[n++] = static_cast<int32_t>(s);
+        highest = x > highest ? x : highest;
       }
+      count[q] = n, top[q] = highest;
     }
   }
   for (int64_t q = 0; q < m; ++q) scratch.total[q] = weigh(scores + q * stride, count[q], top[q]);
@@ -421,35 +531,50 @@ void attend_queries(const T* const* qs, const T* const* masks, int64_t m, int64_
 }
 
 // The attention of b rows of t queries each, n_heads a row (`attend_queries` for each row and
-// kv head, its queries split into parts when there are fewer rows and kv heads than threads to
-// keep busy); the layout of `attend_rows_float32` below.
+// kv head); the layout of `attend_rows_float32` below. A row and kv head's queries are split
+// into parts of about an equal share of the pass's work (queries x slots) for each thread to
+// take several of, the largest first: a batch's contexts differ by tens of times, and one long
+// row's heads whole would keep one thread busy while the others wait.
 template <typename T>
 void attend_rows(const T* q, int64_t b, int64_t t, int64_t n_heads, int64_t n_kv, int64_t d, const T* k,
                  const T* v, int64_t row_stride, int64_t head_stride, const T* mask, int64_t span,
                  const int64_t* limits, float* out) {
   const int64_t group = n_heads / n_kv, m = group * t;
   const T scale = static_cast<T>(1.0 / sqrt(static_cast<double>(d)));
-  // each row and kv head's queries in parts when those are too few to keep every thread busy
-  const int64_t threads = omp_get_max_threads(), units = b * n_kv;
-  const int64_t parts = units >= 4 * threads ? 1 : std::min(m, (4 * threads + units - 1) / units);
-  const int64_t per_part = (m + parts - 1) / parts;
-#pragma omp parallel for schedule(dynamic) collapse(3) if (b * t * n_heads * span > 1024)
+  struct Part {
+    int64_t row, kv_head, first, last, work;
+  };
+  std::vector<Part> parts;
+  int64_t work = 0;
+  for (int64_t r = 0; r < b; ++r) work += n_kv * m * (limits[r] < span ? limits[r] : span);
+  const int64_t share = std::max<int64_t>(1, work / (4 * omp_get_max_threads()));
   for (int64_t r = 0; r < b; ++r) {
-    for (int64_t g = 0; g < n_kv; ++g) {
-      for (int64_t part = 0; part < parts; ++part) {
-        const T* qs[kMaxQueries];
-        const T* masks[kMaxQueries];
-        float* outs[kMaxQueries];
-        int64_t n = 0;
-        for (int64_t j = part * per_part; j < (part + 1) * per_part && j < m; ++j, ++n) {
-          const int64_t h = g * group + j / t, i = j % t;
-          qs[n] = q + ((r * n_heads + h) * t + i) * d, outs[n] = out + ((r * t + i) * n_heads + h) * d;
-          masks[n] = mask + (r * t + i) * span;
-        }
-        if (n) attend_queries(qs, masks, n, limits[r] < span ? limits[r] : span, k + r * row_stride + g * head_stride,
-                              v + r * row_stride + g * head_stride, d, scale, outs);
+    const int64_t limit = limits[r] < span ? limits[r] : span;
+    const int64_t pieces = std::min(m, std::max<int64_t>(1, m * limit / share));
+    const int64_t per_piece = (m + pieces - 1) / pieces;
+    for (int64_t g = 0; g < n_kv; ++g)
+      for (int64_t first = 0; first < m; first += per_piece) {
+        const int64_t last = std::min(m, first + per_piece);
+        parts.push_back({r, g, first, last, (last - first) * limit});
       }
+  }
+  std::stable_sort(parts.begin(), parts.end(), [](const Part& x, const Part& y) { return x.work > y.work; });
+  const int64_t n_parts = static_cast<int64_t>(parts.size());
+#pragma omp parallel for schedule(dynamic) if (b * t * n_heads * span > 1024)
+  for (int64_t i = 0; i < n_parts; ++i) {
+    const Part& part = parts[i];
+    const int64_t r = part.row, g = part.kv_head;
+    const T* qs[kMaxQueries];
+    const T* masks[kMaxQueries];
+    float* outs[kMaxQueries];
+    int64_t n = 0;
+    for (int64_t j = part.first; j < part.last; ++j, ++n) {
+      const int64_t h = g * group + j / t, at = j % t;
+      qs[n] = q + ((r * n_heads + h) * t + at) * d, outs[n] = out + ((r * t + at) * n_heads + h) * d;
+      masks[n] = mask + (r * t + at) * span;
     }
+    attend_queries(qs, masks, n, limits[r] < span ? limits[r] : span, k + r * row_stride + g * head_stride,
+                   v + r * row_stride + g * head_stride, d, scale, outs);
   }
 }
 
@@ -549,35 +674,32 @@ void attend(const float* qkv, int64_t t, int64_t n_heads, int64_t n_kv, int64_t 
       }
     }
   }
-  double* scores = new double[t * n_heads * span];
 #pragma omp parallel for schedule(static) collapse(2) if (t * n_heads * span > 4096)
   for (int64_t i = 0; i < t; ++i) {
     for (int64_t h = 0; h < n_heads; ++h) {
+      // attend_queries' operations for one query: the slots it may see, compacted, then weighed
+      static thread_local Scratch<double> scratch;
+      scratch.fit(1, span + kF32Lanes, d);
       const double* q = queries + (i * n_heads + h) * d;
       const double *keys = k_cache + (h / group) * max_len * d, *values = v_cache + (h / group) * max_len * d;
       const double* allowed = mask + i * span;
-      double* score = scores + (i * n_heads + h) * span;
-      double top = -INFINITY;
+      double *score = scratch.scores.data(), *acc = scratch.acc.data(), top = -INFINITY;
+      int32_t* seen = scratch.slots.data();
+      int64_t n = 0;
       for (int64_t s = 0; s < span; ++s) {
         if (allowed[s] == -INFINITY) continue;
-        score[s] = dot(q, keys + s * d, d) * scale + allowed[s];
-        top = fmax(top, score[s]);
+        const double x = dot(q, keys + s * d, d) * scale + allowed[s];
+        score[n] = x;
+        seen[n++] = static_cast<int32_t>(s);
+        top = x > top ? x : top;
       }
-      double total = 0;
+      const double total = weigh(score, n, top);
+      for (int64_t j = 0; j < d; ++j) acc[j] = 0;
+      accumulate(acc, score, seen, n, values, d);
       float* o = out + (i * n_heads + h) * d;
-      double acc[kMaxHeadDim] = {0};
-      for (int64_t s = 0; s < span; ++s) {
-        if (allowed[s] == -INFINITY) continue;
-        const double p = exp(score[s] - top);
-        total += p;
-        const __m256d pv = _mm256_set1_pd(p);
-        for (int64_t j = 0; j < d; j += 4)
-          _mm256_storeu_pd(acc + j, _mm256_fmadd_pd(pv, _mm256_loadu_pd(values + s * d + j), _mm256_loadu_pd(acc + j)));
-      }
       for (int64_t j = 0; j < d; ++j) o[j] = static_cast<float>(acc[j] / total);
     }
   }
-  delete[] scores;
   delete[] queries;
 }
 
