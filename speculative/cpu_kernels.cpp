@@ -648,19 +648,18 @@ void rms_norm(const float* x, int64_t rows, int64_t k, const float* weight, floa
 // then widened. The keys and values go to slots start..start+t-1 of the caches [n_kv,
 // max_len, d] (d a multiple of 4, at most kMaxHeadDim); each query then attends to the slots
 // 0..span-1 where the additive mask [t, span] is not -inf. out [t, n_heads * d] float32.
-// A query's output is one thread's fixed sequence of operations over the slots it may see,
-// in slot order, whatever t: a token verified beside others attends as it does alone.
+// The attention is attend_rows' for one row: a token verified beside others attends as it
+// does alone.
 void attend(const float* qkv, int64_t t, int64_t n_heads, int64_t n_kv, int64_t d, const float* cos,
             const float* sin, double* k_cache, double* v_cache, int64_t max_len, int64_t start, const double* mask,
             int64_t span, float* out) {
-  const int64_t width = (n_heads + 2 * n_kv) * d, half = d / 2, group = n_heads / n_kv;
-  const double scale = 1.0 / sqrt(static_cast<double>(d));
-  double* queries = new double[t * n_heads * d];
+  const int64_t width = (n_heads + 2 * n_kv) * d, half = d / 2;
+  std::vector<double> queries(n_heads * t * d);  // [n_heads, t, d], as attend_rows takes them
   for (int64_t i = 0; i < t; ++i) {
     const float *row = qkv + i * width, *c = cos + i * d, *sn = sin + i * d;
     for (int64_t h = 0; h < n_heads + 2 * n_kv; ++h) {
       const float* x = row + h * d;
-      double* to = h < n_heads ? queries + (i * n_heads + h) * d
+      double* to = h < n_heads ? queries.data() + (h * t + i) * d
                    : h < n_heads + n_kv ? k_cache + ((h - n_heads) * max_len + start + i) * d
                                         : v_cache + ((h - n_heads - n_kv) * max_len + start + i) * d;
       for (int64_t j = 0; j < d; ++j) {
@@ -674,33 +673,8 @@ void attend(const float* qkv, int64_t t, int64_t n_heads, int64_t n_kv, int64_t 
       }
     }
   }
-#pragma omp parallel for schedule(static) collapse(2) if (t * n_heads * span > 4096)
-  for (int64_t i = 0; i < t; ++i) {
-    for (int64_t h = 0; h < n_heads; ++h) {
-      // attend_queries' operations for one query: the slots it may see, compacted, then weighed
-      static thread_local Scratch<double> scratch;
-      scratch.fit(1, span + kF32Lanes, d);
-      const double* q = queries + (i * n_heads + h) * d;
-      const double *keys = k_cache + (h / group) * max_len * d, *values = v_cache + (h / group) * max_len * d;
-      const double* allowed = mask + i * span;
-      double *score = scratch.scores.data(), *acc = scratch.acc.data(), top = -INFINITY;
-      int32_t* seen = scratch.slots.data();
-      int64_t n = 0;
-      for (int64_t s = 0; s < span; ++s) {
-        if (allowed[s] == -INFINITY) continue;
-        const double x = dot(q, keys + s * d, d) * scale + allowed[s];
-        score[n] = x;
-        seen[n++] = static_cast<int32_t>(s);
-        top = x > top ? x : top;
-      }
-      const double total = weigh(score, n, top);
-      for (int64_t j = 0; j < d; ++j) acc[j] = 0;
-      accumulate(acc, score, seen, n, values, d);
-      float* o = out + (i * n_heads + h) * d;
-      for (int64_t j = 0; j < d; ++j) o[j] = static_cast<float>(acc[j] / total);
-    }
-  }
-  delete[] queries;
+  const int64_t limit = start + t;
+  attend_rows(queries.data(), 1, t, n_heads, n_kv, d, k_cache, v_cache, 0, max_len * d, mask, span, &limit, out);
 }
 
 // Attention of b rows of t new queries each after their keys and values went to the caches:

@@ -224,6 +224,8 @@ def attend(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: tor
     [t, n_heads * d] float32, each query's output the one it gets alone."""
     t = qkv.shape[0]
     n_kv, max_len, d = k_cache.shape
+    if n_heads // n_kv * t > MAX_QUERIES:
+        raise ValueError(f"attend: {n_heads // n_kv * t} queries of one kv head exceed {MAX_QUERIES}")
     out = torch.empty(t, n_heads * d, dtype=torch.float32)
     _library.attend(qkv.data_ptr(), t, n_heads, n_kv, d, cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(),
                     v_cache.data_ptr(), max_len, start, mask.data_ptr(), mask.shape[-1], out.data_ptr())
