@@ -288,7 +288,7 @@ inline double dot(const double* q, const double* k, int64_t d) {
     a2 = f64_fma(f64_load(q + j + 2 * L), f64_load(k + j + 2 * L), a2);
     a3 = f64_fma(f64_load(q + j + 3 * L), f64_load(k + j + 3 * L), a3);
   }
-  const int64_t rest = d - j;  // fewer than 4 vectors: each its turn, the last maybe in part
+  const int64_t rest = d - j;  // at most 4 vectors: each its turn, the last maybe in part
   const auto turn = [&](int64_t i, F64Vec acc) {  // vector i of the rest, its lanes past d 0
     const int64_t n = std::min(rest - i * L, L);
     return f64_fma(f64_load_first(q + j + i * L, n), f64_load_first(k + j + i * L, n), acc);
@@ -296,6 +296,7 @@ inline double dot(const double* q, const double* k, int64_t d) {
   if (rest > 0) a0 = turn(0, a0);
   if (rest > L) a1 = turn(1, a1);
   if (rest > 2 * L) a2 = turn(2, a2);
+  if (rest > 3 * L) a3 = turn(3, a3);
   return hsum(f64_add(f64_add(a0, a1), f64_add(a2, a3)));
 }
 

@@ -258,7 +258,7 @@ def additive(allowed):
     return torch.zeros(allowed.shape, dtype=torch.float64).masked_fill_(~allowed, float("-inf"))
 
 
-@pytest.mark.parametrize("d", [8, 12, 64])  # 12: a part vector of doubles with AVX-512
+@pytest.mark.parametrize("d", [8, 12, 28, 64])  # 12, 28: part vectors of doubles with AVX-512
 def test_fused_attention_is_sdpas_and_writes_the_same_cache(d):
     """cpu_kernels.attend against Attention.forward's SDPA path, on a tree's mask, bit for bit:
     the cache entries (the same float32 RoPE) and the outputs, which differ in float64's low
