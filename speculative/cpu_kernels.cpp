@@ -543,23 +543,22 @@ void attend_rows(const T* q, int64_t b, int64_t t, int64_t n_heads, int64_t n_kv
   const int64_t group = n_heads / n_kv, m = group * t;
   const T scale = static_cast<T>(1.0 / sqrt(static_cast<double>(d)));
   struct Part {
-    int64_t row, kv_head, first, last, work;
+    int64_t row, kv_head, first, last, limit;  // queries first..last-1 over slots below limit
+    int64_t work() const { return (last - first) * limit; }
   };
   std::vector<Part> parts;
   int64_t work = 0;
-  for (int64_t r = 0; r < b; ++r) work += n_kv * m * (limits[r] < span ? limits[r] : span);
+  for (int64_t r = 0; r < b; ++r) work += n_kv * m * std::min(limits[r], span);
   const int64_t share = std::max<int64_t>(1, work / (4 * omp_get_max_threads()));
   for (int64_t r = 0; r < b; ++r) {
-    const int64_t limit = limits[r] < span ? limits[r] : span;
+    const int64_t limit = std::min(limits[r], span);
     const int64_t pieces = std::min(m, std::max<int64_t>(1, m * limit / share));
     const int64_t per_piece = (m + pieces - 1) / pieces;
     for (int64_t g = 0; g < n_kv; ++g)
-      for (int64_t first = 0; first < m; first += per_piece) {
-        const int64_t last = std::min(m, first + per_piece);
-        parts.push_back({r, g, first, last, (last - first) * limit});
-      }
+      for (int64_t first = 0; first < m; first += per_piece)
+        parts.push_back({r, g, first, std::min(m, first + per_piece), limit});
   }
-  std::stable_sort(parts.begin(), parts.end(), [](const Part& x, const Part& y) { return x.work > y.work; });
+  std::stable_sort(parts.begin(), parts.end(), [](const Part& x, const Part& y) { return x.work() > y.work(); });
   const int64_t n_parts = static_cast<int64_t>(parts.size());
 #pragma omp parallel for schedule(dynamic) if (b * t * n_heads * span > 1024)
   for (int64_t i = 0; i < n_parts; ++i) {
@@ -574,8 +573,8 @@ void attend_rows(const T* q, int64_t b, int64_t t, int64_t n_heads, int64_t n_kv
       qs[n] = q + ((r * n_heads + h) * t + at) * d, outs[n] = out + ((r * t + at) * n_heads + h) * d;
       masks[n] = mask + (r * t + at) * span;
     }
-    attend_queries(qs, masks, n, limits[r] < span ? limits[r] : span, k + r * row_stride + g * head_stride,
-                   v + r * row_stride + g * head_stride, d, scale, outs);
+    attend_queries(qs, masks, n, part.limit, k + r * row_stride + g * head_stride, v + r * row_stride + g * head_stride,
+                   d, scale, outs);
   }
 }
 
