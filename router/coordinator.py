@@ -16,10 +16,10 @@ verifier drafts from the request's text, which is all prompt lookup reads, and
 streams each round's verdict back, with no hop to a pool or back to the router
 between rounds; the router clips, counts and forwards the rounds as they come.
 Any other request that is not pipelined runs its rounds on the verifier the same
-way while adaptive lengths give none of its drafters a draft through the pools:
-drafted there by prompt lookup if it is one of the request's drafters (at the
-length its control chooses for a draft that asks no pool), else plain (the
-target's candidates come back each round for a drafter that learns from them).
+way while adaptive lengths give none of its pool drafters (all but prompt lookup)
+a draft: drafted there by prompt lookup if it is one of the request's drafters
+(at the length its control chooses for a draft that asks no pool), else plain
+(the target's candidates come back each round for a drafter that learns from them).
 
 A request has one drafter or several. One drafter's tree goes to the
 verifier as it is. Several drafters are all asked each round (at the same
@@ -346,12 +346,13 @@ class _Request:
         elif self.own_rounds:
             yield from self.decode(context)
         else:
-            draft = self.draft(context)
-            if self.plain_on_verifier and not any(draft.budgets):
-                # drafting through the pools does not pay now: rounds on the verifier, drafted
-                # there by prompt lookup (no pool, no hop) if the request has it, else plain
+            draft = self.plan()
+            if self.plain_on_verifier and not self.asks_pools(draft):
+                # no pool drafter's draft pays now: rounds on the verifier, drafted there by
+                # prompt lookup (no pool, no hop) if the request has it, else plain
                 yield from self.decode(context, "pld" if any(k == "pld" for k, _ in self.job.drafters) else "none")
                 return
+            self.draft(context, draft)
             verdict = self.verify(context, draft)
             if verdict is not None:
                 yield self.learn(context, draft, verdict)
@@ -407,14 +408,22 @@ class _Request:
             self.rnd += 1
             yield [*resp.accepted, resp.bonus]
 
-    def draft(self, context: list[int]) -> _Draft:
-        """Each drafter's tree for this round (those drafted ahead, if the last verdict kept
-        them), at the lengths the controls choose for the load, and the tree to verify."""
+    def plan(self) -> _Draft:
+        """This round's draft lengths, as the controls choose them for the load, cut to the room."""
         job = self.job
         room = job.params.max_tokens - len(self.verified) - 1
         lengths = ([job.draft_length] * len(job.drafters) if self.controls is None
                    else [c.length(self.load) for c in self.controls])
-        draft = _Draft(room, lengths, [max(0, min(n, room)) for n in lengths])
+        return _Draft(room, lengths, [max(0, min(n, room)) for n in lengths])
+
+    def asks_pools(self, draft: _Draft) -> bool:
+        """Whether the planned round asks a drafter that only a pool runs: prompt lookup alone
+        is drafted as well by the verifier, without the pool's call and the verify call's hop."""
+        return any(n and kind not in VERIFIER_DRAFTERS for (kind, _), n in zip(self.job.drafters, draft.budgets))
+
+    def draft(self, context: list[int], draft: _Draft) -> None:
+        """Each drafter's tree for the planned round (those drafted ahead, if the last verdict
+        kept them), and the tree to verify."""
         self.stats.record_draft_length(max(draft.budgets))
         if not any(draft.budgets):
             # nothing to draft: the round verifies the bonus token alone, and a tree drafted
@@ -429,7 +438,6 @@ class _Request:
             draft.costs = self.drafting.seconds_per_token(draft.proposals)
             draft.round_cost = self.drafting.overhead(span.seconds, draft.budgets)
         draft.tree = self.drafting.merge(draft.proposals, draft.budgets)
-        return draft
 
     def verify(self, context: list[int], draft: _Draft) -> pb.VerifyResponse | None:
         """The verdict on the round's tree, or None when the request must be prefilled again.

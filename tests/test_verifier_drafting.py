@@ -41,13 +41,15 @@ GREEDY = SamplingParams(max_tokens=30)
 
 
 class CountingPool(DrafterPool):
-    """A pool that counts the Propose calls it answers."""
+    """A pool that counts the Propose calls it answers, and those that ask for a draft (a
+    finished request's output goes to the suffix drafter as a Propose of 0 tokens)."""
 
-    proposals = 0
+    proposals = drafts = 0
 
-    def propose(self, *args, **kwargs):
+    def propose(self, request_id, context_length, new_tokens, max_tokens, *args, **kwargs):
         self.proposals += 1
-        return super().propose(*args, **kwargs)
+        self.drafts += max_tokens > 0
+        return super().propose(request_id, context_length, new_tokens, max_tokens, *args, **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -124,6 +126,30 @@ def test_rounds_no_drafter_is_asked_to_draft_are_plain_rounds_on_the_verifier(ta
     rounds = [o for o in observed if o[1] == 1]
     assert len(rounds) == (GREEDY.max_tokens - 1 if learns else 0)
     assert all(drafter == "recycle" and ids > 0 for drafter, _, ids in observed)
+
+
+def test_rounds_whose_only_draft_is_prompt_lookup_run_on_the_verifier(target, monkeypatch):
+    """A fused request whose adaptive lengths give prompt lookup a draft and its other
+    drafter none: prompt lookup is drafted on the verifier (Decode), the pool is never asked
+    and no round pays a Verify call's hop. The output is the target's."""
+    calls = []
+
+    def counted(self, request, context):
+        calls.append(request.drafter)
+        yield from decode(self, request, context)
+
+    decode = VerifierServicer.Decode
+    monkeypatch.setattr(VerifierServicer, "Decode", counted)
+    pool = CountingPool(target, kinds=["pld", "suffix"])
+    prompt = [1, 2, 3, 4] * 4
+    with loopback(pool, VerifierEngine(target, max_batch=2, max_len=64)) as coordinator:
+        fused = Job(request_id="r", prompt_ids=prompt, params=GREEDY, drafters=(("pld", 1.0), ("suffix", 0.0)),
+                    draft_length=DRAFT_LENGTH, tree_budget=DRAFT_LENGTH, vocab_size=V, eos_token_ids=(),
+                    speculation=SpeculationControl(DRAFT_LENGTH), verifier_drafting=True)
+        tokens, stats = served(coordinator, fused)
+    assert tokens == generate(target, prompt, GREEDY, None, 0, ()).token_ids
+    assert pool.drafts == 0 and calls and set(calls) == {"pld"}
+    assert stats.per_drafter["pld"].accepted == stats.accepted_draft_tokens > 0
 
 
 @pytest.mark.parametrize("verifier_drafting", [True, False])
