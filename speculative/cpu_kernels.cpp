@@ -227,6 +227,9 @@ constexpr int64_t kF64Lanes = 8;
 inline F64Vec f64_load(const double* p) { return _mm512_loadu_pd(p); }
 // the first n <= 8 lanes of p, the rest 0
 inline F64Vec f64_load_first(const double* p, int64_t n) { return _mm512_maskz_loadu_pd((1u << n) - 1, p); }
+// 8 floats of a cache, widened (exactly)
+inline F64Vec f64_load(const float* p) { return _mm512_cvtps_pd(_mm256_loadu_ps(p)); }
+inline F64Vec f64_load_first(const float* p, int64_t n) { return _mm512_cvtps_pd(_mm256_maskz_loadu_ps((1u << n) - 1, p)); }
 inline void f64_store(double* p, F64Vec v) { _mm512_storeu_pd(p, v); }
 inline F64Vec f64_set1(double v) { return _mm512_set1_pd(v); }
 inline F64Vec f64_zero() { return _mm512_setzero_pd(); }
@@ -250,6 +253,10 @@ constexpr int64_t kF64Lanes = 4;
 inline F64Vec f64_load(const double* p) { return _mm256_loadu_pd(p); }
 inline F64Vec f64_load_first(const double* p, int64_t n) {
   return _mm256_maskload_pd(p, _mm256_cmpgt_epi64(_mm256_set1_epi64x(n), _mm256_setr_epi64x(0, 1, 2, 3)));
+}
+inline F64Vec f64_load(const float* p) { return _mm256_cvtps_pd(_mm_loadu_ps(p)); }
+inline F64Vec f64_load_first(const float* p, int64_t n) {
+  return _mm256_cvtps_pd(_mm_maskload_ps(p, _mm_cmpgt_epi32(_mm_set1_epi32(static_cast<int>(n)), _mm_setr_epi32(0, 1, 2, 3))));
 }
 inline void f64_store(double* p, F64Vec v) { _mm256_storeu_pd(p, v); }
 inline F64Vec f64_set1(double v) { return _mm256_set1_pd(v); }
@@ -276,9 +283,10 @@ inline double hsum(F64Vec v) {  // a fixed order: to 4 lanes (AVX-512), then (0+
   return _mm_cvtsd_f64(_mm_add_sd(s, _mm_unpackhi_pd(s, s)));
 }
 
-// q . k over d doubles (d a multiple of 4): four accumulators of vectors taking turns, added
-// in a fixed order; named, not indexed, so that they stay in registers.
-inline double dot(const double* q, const double* k, int64_t d) {
+// q . k over d doubles (d a multiple of 4), k a float32 cache's key widened: four accumulators
+// of vectors taking turns, added in a fixed order; named, not indexed, so that they stay in
+// registers.
+inline double dot(const double* q, const float* k, int64_t d) {
   constexpr int64_t L = kF64Lanes;
   F64Vec a0 = f64_zero(), a1 = f64_zero(), a2 = f64_zero(), a3 = f64_zero();
   int64_t j = 0;
@@ -366,7 +374,7 @@ inline F32Vec f32_exp(F32Vec x) {
 
 // One query's score of one slot: q . k * scale + its additive mask. float64: four accumulators
 // taking turns (`dot`); float32: one accumulator of vectors, then hsum.
-inline double score(const double* q, const double* k, int64_t d, double scale, double allowed) {
+inline double score(const double* q, const float* k, int64_t d, double scale, double allowed) {
   return dot(q, k, d) * scale + allowed;
 }
 inline float score(const float* q, const float* k, int64_t d, float scale, float allowed) {
@@ -406,19 +414,19 @@ inline float weigh(float* scores, int64_t n, float top) {
 // acc [d] += p[j] * values[slots[j]] [d] for each of n slots in turn, lane by lane, the head
 // dimension in chunks of at most 8 vectors, whose sums stay in registers over the slots.
 template <int V>
-void accumulate_chunk(double* acc, const double* ps, const int32_t* slots, int64_t n, const double* values,
+void accumulate_chunk(double* acc, const double* ps, const int32_t* slots, int64_t n, const float* values,
                       int64_t d) {
   F64Vec a[V];
   for (int c = 0; c < V; ++c) a[c] = f64_load(acc + c * kF64Lanes);
   for (int64_t j = 0; j < n; ++j) {
     const F64Vec p = f64_set1(ps[j]);
-    const double* v = values + slots[j] * d;
+    const float* v = values + slots[j] * d;
     for (int c = 0; c < V; ++c) a[c] = f64_fma(p, f64_load(v + c * kF64Lanes), a[c]);
   }
   for (int c = 0; c < V; ++c) f64_store(acc + c * kF64Lanes, a[c]);
 }
 // the last lanes < kF64Lanes entries of the head dimension (AVX-512, d not a multiple of 8)
-inline void accumulate_rest(double* acc, const double* ps, const int32_t* slots, int64_t n, const double* values,
+inline void accumulate_rest(double* acc, const double* ps, const int32_t* slots, int64_t n, const float* values,
                             int64_t d, int64_t lanes) {
   F64Vec a = f64_load_first(acc, lanes);
   for (int64_t j = 0; j < n; ++j) a = f64_fma(f64_set1(ps[j]), f64_load_first(values + slots[j] * d, lanes), a);
@@ -438,7 +446,7 @@ void accumulate_chunk(float* acc, const float* ps, const int32_t* slots, int64_t
   for (int c = 0; c < V; ++c) f32_store(acc + c * kF32Lanes, a[c]);
 }
 template <typename T>
-void accumulate(T* acc, const T* ps, const int32_t* slots, int64_t n, const T* values, int64_t d) {
+void accumulate(T* acc, const T* ps, const int32_t* slots, int64_t n, const float* values, int64_t d) {
   constexpr int64_t lanes = sizeof(T) == sizeof(double) ? kF64Lanes : kF32Lanes;
   int64_t i = 0;
   for (; i + 8 * lanes <= d; i += 8 * lanes) accumulate_chunk<8>(acc + i, ps, slots, n, values + i, d);
@@ -482,13 +490,14 @@ constexpr int64_t kSlotBlock = 64;
 
 // The attention of m queries that share one kv head (of one row): query q's scores go over the
 // slots below `limit` where its additive mask row masks[q] is not -inf, in slot order, then
-// softmax, then the values likewise; out[q] [d] float32. The queries take turns at each block
+// softmax, then the values likewise; out[q] [d] float32. The keys and values are float32 in
+// either dtype: float64 attention widens them as it reads them (they are float32 values). The queries take turns at each block
 // of slots, so its keys and values are read from memory once for all of them, and each query's
 // own operations are those it gets alone: a token attends the same in any batch, beside any rows
 // and queries, whatever the batch's span or width (the lossless contract).
 template <typename T>
-void attend_queries(const T* const* qs, const T* const* masks, int64_t m, int64_t limit, const T* keys,
-                    const T* values, int64_t d, T scale, float* const* outs) {
+void attend_queries(const T* const* qs, const T* const* masks, int64_t m, int64_t limit, const float* keys,
+                    const float* values, int64_t d, T scale, float* const* outs) {
   static thread_local Scratch<T> scratch;
   const int64_t stride = limit + kF32Lanes;
   scratch.fit(m, stride, d);
@@ -537,8 +546,8 @@ void attend_queries(const T* const* qs, const T* const* masks, int64_t m, int64_
 // take several of, the largest first: a batch's contexts differ by tens of times, and one long
 // row's heads whole would keep one thread busy while the others wait.
 template <typename T>
-void attend_rows(const T* q, int64_t b, int64_t t, int64_t n_heads, int64_t n_kv, int64_t d, const T* k,
-                 const T* v, int64_t row_stride, int64_t head_stride, const T* mask, int64_t span,
+void attend_rows(const T* q, int64_t b, int64_t t, int64_t n_heads, int64_t n_kv, int64_t d, const float* k,
+                 const float* v, int64_t row_stride, int64_t head_stride, const T* mask, int64_t span,
                  const int64_t* limits, float* out) {
   const int64_t group = n_heads / n_kv, m = group * t;
   const T scale = static_cast<T>(1.0 / sqrt(static_cast<double>(d)));
@@ -645,13 +654,14 @@ void rms_norm(const float* x, int64_t rows, int64_t k, const float* weight, floa
 // qkv [t, (n_heads + 2 n_kv) * d] float32 holds each token's query, key and value heads; cos
 // and sin [t, d] are RoPE's at its position, sin's first half negated (model.py): queries and
 // keys are rotated in float32 as Attention.forward rotates them, x * cos + roll(x, d/2) * sin,
-// then widened. The keys and values go to slots start..start+t-1 of the caches [n_kv,
-// max_len, d] (d a multiple of 4, at most kMaxHeadDim); each query then attends to the slots
+// the queries then widened. The keys and values go as they are to slots start..start+t-1 of
+// the float32 caches [n_kv, max_len, d] (d a multiple of 4, at most kMaxHeadDim), which the
+// attention widens as it reads them; each query then attends to the slots
 // 0..span-1 where the additive mask [t, span] is not -inf. out [t, n_heads * d] float32.
 // The attention is attend_rows' for one row: a token verified beside others attends as it
 // does alone.
 void attend(const float* qkv, int64_t t, int64_t n_heads, int64_t n_kv, int64_t d, const float* cos,
-            const float* sin, double* k_cache, double* v_cache, int64_t max_len, int64_t start, const double* mask,
+            const float* sin, float* k_cache, float* v_cache, int64_t max_len, int64_t start, const double* mask,
             int64_t span, float* out) {
   const int64_t width = (n_heads + 2 * n_kv) * d, half = d / 2;
   std::vector<double> queries(n_heads * t * d);  // [n_heads, t, d], as attend_rows takes them
@@ -659,17 +669,17 @@ void attend(const float* qkv, int64_t t, int64_t n_heads, int64_t n_kv, int64_t 
     const float *row = qkv + i * width, *c = cos + i * d, *sn = sin + i * d;
     for (int64_t h = 0; h < n_heads + 2 * n_kv; ++h) {
       const float* x = row + h * d;
-      double* to = h < n_heads ? queries.data() + (h * t + i) * d
-                   : h < n_heads + n_kv ? k_cache + ((h - n_heads) * max_len + start + i) * d
-                                        : v_cache + ((h - n_heads - n_kv) * max_len + start + i) * d;
+      if (h >= n_heads + n_kv) {
+        std::copy(x, x + d, v_cache + ((h - n_heads - n_kv) * max_len + start + i) * d);
+        continue;
+      }
+      double* query = h < n_heads ? queries.data() + (h * t + i) * d : nullptr;
+      float* key = h < n_heads ? nullptr : k_cache + ((h - n_heads) * max_len + start + i) * d;
       for (int64_t j = 0; j < d; ++j) {
-        if (h >= n_heads + n_kv) {
-          to[j] = x[j];
-          continue;
-        }
         const float rotated_in = x[j < half ? j + half : j - half];
         const float a = x[j] * c[j], b = rotated_in * sn[j];
-        to[j] = static_cast<double>(a + b);
+        if (query) query[j] = static_cast<double>(a + b);
+        else key[j] = a + b;
       }
     }
   }
@@ -681,17 +691,17 @@ void attend(const float* qkv, int64_t t, int64_t n_heads, int64_t n_kv, int64_t 
 // q [b, n_heads, t, d]; row r's kv head g's slot s at k + r * row_stride + g * head_stride + s * d,
 // likewise v; the additive mask [b, t, span] (0 or -inf); row r's queries see slots below
 // limits[r] at most. out [b, t, n_heads * d] float32. Each query's output is the one it gets
-// alone (attend_queries). float32 caches: d a multiple of 16, at most kMaxHeadDim.
+// alone (attend_queries). float32 attention: d a multiple of 16, at most kMaxHeadDim.
 void attend_rows_float32(const float* q, int64_t b, int64_t t, int64_t n_heads, int64_t n_kv, int64_t d,
                          const float* k, const float* v, int64_t row_stride, int64_t head_stride, const float* mask,
                          int64_t span, const int64_t* limits, float* out) {
   attend_rows(q, b, t, n_heads, n_kv, d, k, v, row_stride, head_stride, mask, span, limits, out);
 }
 
-// ... float64 caches (the int models'), d a multiple of 4: each query's output the one
-// `attend` gives it alone.
+// ... float64 attention (the int models') over float32 caches, d a multiple of 4: each query's
+// output the one `attend` gives it alone.
 void attend_rows_float64(const double* q, int64_t b, int64_t t, int64_t n_heads, int64_t n_kv, int64_t d,
-                         const double* k, const double* v, int64_t row_stride, int64_t head_stride,
+                         const float* k, const float* v, int64_t row_stride, int64_t head_stride,
                          const double* mask, int64_t span, const int64_t* limits, float* out) {
   attend_rows(q, b, t, n_heads, n_kv, d, k, v, row_stride, head_stride, mask, span, limits, out);
 }

@@ -219,13 +219,17 @@ def attend(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: tor
     """One sequence's attention for t new tokens in float64 (cpu_kernels.cpp's `attend`).
 
     qkv [t, (n_heads + 2 n_kv) * d] float32; cos, sin [t, d] float32 (model.Transformer's
-    rope tables at the tokens' positions); k_cache, v_cache [n_kv, max_len, d] float64,
-    written at slots start..start+t-1; mask [t, span] float64, 0 or -inf. Returns
-    [t, n_heads * d] float32, each query's output the one it gets alone."""
+    rope tables at the tokens' positions); k_cache, v_cache [n_kv, max_len, d] float32 (the
+    keys and values are float32 values: the attention widens them as it reads them), written
+    at slots start..start+t-1; mask [t, span] float64, 0 or -inf. Returns [t, n_heads * d]
+    float32, each query's output the one it gets alone."""
     t = qkv.shape[0]
     n_kv, max_len, d = k_cache.shape
     if n_heads // n_kv * t > MAX_QUERIES:
         raise ValueError(f"attend: {n_heads // n_kv * t} queries of one kv head exceed {MAX_QUERIES}")
+    if k_cache.dtype != torch.float32 or v_cache.dtype != torch.float32 or mask.dtype != torch.float64:
+        raise ValueError(f"attend: caches {k_cache.dtype} and {v_cache.dtype}, mask {mask.dtype}: "
+                         "float32 caches and a float64 mask")
     out = torch.empty(t, n_heads * d, dtype=torch.float32)
     _library.attend(qkv.data_ptr(), t, n_heads, n_kv, d, cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(),
                     v_cache.data_ptr(), max_len, start, mask.data_ptr(), mask.shape[-1], out.data_ptr())
@@ -233,7 +237,7 @@ def attend(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: tor
 
 
 def attends_rows(head_dim: int, dtype: torch.dtype) -> bool:
-    """Whether `attend_rows` takes heads of this size in a cache of this dtype."""
+    """Whether `attend_rows` takes heads of this size attending in this dtype."""
     if dtype == torch.float64:
         return attends(head_dim)
     return dtype == torch.float32 and head_dim % ATTEND_ROWS_FLOAT32_LANES == 0 and head_dim <= MAX_HEAD_DIM
@@ -242,16 +246,17 @@ def attends_rows(head_dim: int, dtype: torch.dtype) -> bool:
 def attend_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, mask: torch.Tensor,
                 limits: Sequence[int]) -> torch.Tensor:
     """The attention of b rows of t new queries each, their keys and values in the caches already
-    (cpu_kernels.cpp's `attend_rows`), in the caches' dtype (float32 or float64, `attends_rows`).
+    (cpu_kernels.cpp's `attend_rows`), in the queries' dtype (float32 or float64, `attends_rows`).
 
-    q [b, n_heads, t, d] in that dtype; k_cache, v_cache [b, n_kv, max_len, d] (a rows view of
-    the cache, each row's heads and slots contiguous); mask [b, 1, t, span] additive (0 or
-    -inf) in that dtype; row r's queries see slots below limits[r] at most. Returns [b, t,
+    q [b, n_heads, t, d] in that dtype; k_cache, v_cache [b, n_kv, max_len, d] float32 in
+    either (a rows view of the cache, each row's heads and slots contiguous); mask [b, 1, t,
+    span] additive (0 or -inf) in the queries' dtype; row r's queries see slots below limits[r] at most. Returns [b, t,
     n_heads * d] float32, each query's output the one it gets in any batch: one thread's fixed
     sequence of operations over the slots its mask row allows."""
     b, n_heads, t, d = q.shape
     n_kv, max_len = k_cache.shape[1], k_cache.shape[2]
-    if not attends_rows(d, q.dtype) or k_cache.dtype != q.dtype or mask.dtype != q.dtype:
+    if not attends_rows(d, q.dtype) or k_cache.dtype != torch.float32 or v_cache.dtype != torch.float32 \
+            or mask.dtype != q.dtype:
         raise ValueError(f"attend_rows: heads of {d} in {q.dtype} (cache {k_cache.dtype}, mask {mask.dtype}) "
                          "do not fit it")
     if n_heads // n_kv * t > MAX_QUERIES:

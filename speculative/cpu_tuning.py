@@ -172,6 +172,7 @@ def native_attention(model: Transformer) -> bool:
         return False
     for layer in model.layers:
         layer.attn.rows_attention = cpu_kernels.attend_rows
+    model.cache_dtype = torch.float32  # what it reads in either dtype (Transformer.cache_dtype)
     return True
 
 

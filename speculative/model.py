@@ -158,15 +158,17 @@ class Attention(nn.Module):
         # it): SDPA pads every row to the batch's longest and gives a row's query other roundings
         # beside other rows.
         self.rows_attention = None
+        self.attention_dtype: torch.dtype | None = None  # None: the cache's (Transformer.attention_dtype)
 
     def forward(self, x, cos, sin, k_cache, v_cache, starts, mask, packing=None):
         qkv = self.qkv(x)
         if packing is not None:  # real tokens only [N, D]: attention works on the padded rows
             qkv = packing.unpack(qkv)
         b, t, _ = qkv.shape
+        dtype = self.attention_dtype or k_cache.dtype
         if self.fused_attention is not None and b == 1 and packing is None and mask is not None \
-                and t <= FUSED_ATTENTION_MAX_TOKENS and k_cache.dtype == torch.float64 and qkv.dtype == torch.float32 \
-                and k_cache[0].is_contiguous() and v_cache[0].is_contiguous():
+                and t <= FUSED_ATTENTION_MAX_TOKENS and dtype == torch.float64 and k_cache.dtype == torch.float32 \
+                and qkv.dtype == torch.float32 and k_cache[0].is_contiguous() and v_cache[0].is_contiguous():
             out = self.fused_attention(qkv.reshape(t, -1).contiguous(), cos.reshape(t, -1), sin.reshape(t, -1),
                                        k_cache[0], v_cache[0], starts[0], mask.reshape(t, -1), self.n_heads)
             return self.o(out.view(b, t, -1))
@@ -175,7 +177,7 @@ class Attention(nn.Module):
         qk = heads[:, :roped]  # RoPE on queries and keys at once: half the small ops
         qk = qk * cos + torch.roll(qk, self.head_dim // 2, -1) * sin  # sin's first half negated
         q, k, v = qk[:, :self.n_heads], qk[:, self.n_heads:], heads[:, roped:]
-        q = q.to(k_cache.dtype)  # attention runs in the cache's dtype (Transformer.attention_dtype)
+        q = q.to(dtype)
         if b == 1:  # one copy each: a token's pass is made of many small operators
             start = starts[0]
             k_cache[:1, :, start:start + t] = k
@@ -189,18 +191,22 @@ class Attention(nn.Module):
             out = self.rows_attention(q, k_cache[:b], v_cache[:b], mask, [start + t for start in starts])
             return self.o(out if packing is None else packing.pack(out))
         span, gqa = t if mask is None else mask.shape[-1], self.n_kv != self.n_heads
+        keys, values = k_cache[:b, :, :span], v_cache[:b, :, :span]
+        if keys.dtype != dtype:  # a float32 cache under float64 attention (Transformer.cache_dtype)
+            keys, values = keys.to(dtype), values.to(dtype)
         if packing is not None and packing.wide:
-            out = self._few_wide_rows(q, k_cache, v_cache, starts, mask, packing.wide)
+            out = self._few_wide_rows(q, keys, values, starts, mask, packing.wide)
         else:  # no mask: a causal pass from an empty cache (Transformer.layer_inputs)
-            out = F.scaled_dot_product_attention(q, k_cache[:b, :, :span], v_cache[:b, :, :span], attn_mask=mask,
-                                                 is_causal=mask is None, enable_gqa=gqa)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None,
+                                                 enable_gqa=gqa)
         out = out.to(x.dtype).transpose(1, 2).reshape(b, t, -1)
         return self.o(out if packing is None else packing.pack(out))
 
     def _few_wide_rows(self, q, k_cache, v_cache, starts, mask, wide):
         """Attention when few rows hold more than one real token: every row's first query
         in one call, then each wide row's others alone, over its own slots only, so the
-        narrow rows do not attend for padding (the padded queries' outputs stay zero)."""
+        narrow rows do not attend for padding (the padded queries' outputs stay zero).
+        k_cache and v_cache in q's dtype, at least the mask's span."""
         b, span, gqa = q.shape[0], mask.shape[-1], self.n_kv != self.n_heads
         out = torch.zeros_like(q)
         out[:, :, :1] = F.scaled_dot_product_attention(
@@ -250,7 +256,12 @@ class Transformer(nn.Module):
         # None: the model's dtype. The int modes (speculative/quantize.py) attend in float64:
         # float32 attention of a token in a many-query pass rounds unlike the same token
         # alone, and the bfloat16 cast before each int layer grows that into other tokens.
-        self.attention_dtype: torch.dtype | None = None
+        self.attention_dtype = None
+        # None: the attention dtype. float32 where specserve's CPU attention reads the caches
+        # (cpu_tuning.native_attention): the keys and values are float32 values (float32
+        # activations, RoPE in float32), which float64 attention widens exactly as it reads
+        # them, so the caches hold half the bytes a token's attention reads.
+        self.cache_dtype: torch.dtype | None = None
         cos, sin = self.rope_tables(cfg)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -268,6 +279,16 @@ class Transformer(nn.Module):
             return emb.cos(), sin
 
     @property
+    def attention_dtype(self) -> torch.dtype | None:
+        return self._attention_dtype
+
+    @attention_dtype.setter
+    def attention_dtype(self, dtype: torch.dtype | None) -> None:
+        self._attention_dtype = dtype
+        for layer in self.layers:
+            layer.attn.attention_dtype = dtype
+
+    @property
     def device(self) -> torch.device:
         return self.embed.weight.device
 
@@ -279,7 +300,7 @@ class Transformer(nn.Module):
         cfg = self.config
         kv_heads = self.layers[0].attn.n_kv  # a tensor-parallel shard's own (speculative/tp.py)
         return KVCache(num_layers or cfg.num_layers, batch, kv_heads, max_len, cfg.head_dim, self.device,
-                       self.attention_dtype or self.dtype)
+                       self.cache_dtype or self.attention_dtype or self.dtype)
 
     def layer_inputs(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, mask: torch.Tensor,
                      packed: bool = False):
@@ -296,7 +317,7 @@ class Transformer(nn.Module):
         sin = self.rope_sin[positions].unsqueeze(1).to(x.dtype)
         if not packed and t >= CAUSAL_MIN_TOKENS and max(starts) == 0 and is_causal(mask):
             return x, cos, sin, starts, None
-        return x, cos, sin, starts, additive_mask(mask, cache.k.dtype).unsqueeze(1)
+        return x, cos, sin, starts, additive_mask(mask, self.attention_dtype or cache.k.dtype).unsqueeze(1)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, mask: torch.Tensor,

@@ -328,7 +328,7 @@ def quantized_copy(model, mode: str = "int4"):
     twin.load_state_dict(tensors, assign=True)
     twin.rope_cos, twin.rope_sin = model.rope_cos, model.rope_sin
     quantize(twin, mode, tuning=tuning_of(model))
-    twin.attention_dtype = None
+    twin.attention_dtype = twin.cache_dtype = None
     for layer in twin.layers:  # installed for float64 attention
         layer.attn.fused_attention = layer.attn.rows_attention = None
     if any(isinstance(m, NativeRMSNorm) for m in twin.modules()):  # where specserve's kernels run

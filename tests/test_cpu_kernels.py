@@ -13,7 +13,7 @@ import torch
 from speculative import cpu_kernels, cpu_tuning
 from speculative.cpu_tuning import LONG_ROWS_TIMED, PACKED_CHUNK_ROWS, CpuTuning, NativeLinear, NativeRMSNorm, \
     PackedLinear, apply_cpu_tuning
-from speculative.model import Transformer, attention_mask, causal_ancestors
+from speculative.model import FUSED_ATTENTION_MAX_TOKENS, Transformer, attention_mask, causal_ancestors
 from speculative.quantize import Int4Linear, Int8Linear, quantize
 from tiny import TINY, tiny_model
 
@@ -227,7 +227,8 @@ def test_rms_norm_is_torchs_up_to_rounding_and_row_exact():
 
 
 def sdpa_attention(qkv, cos, sin, k_cache, v_cache, start, mask, n_heads):
-    """Attention.forward's own path for one sequence: RoPE in float32, SDPA in float64."""
+    """Attention.forward's own path for one sequence: RoPE in float32, the float32 caches written,
+    SDPA in float64 over them widened."""
     t, d = qkv.shape[0], k_cache.shape[-1]
     n_kv = k_cache.shape[0]
     heads = qkv.view(1, t, -1, d).transpose(1, 2)
@@ -238,7 +239,8 @@ def sdpa_attention(qkv, cos, sin, k_cache, v_cache, start, mask, n_heads):
     v_cache[:, start:start + t] = heads[0, n_heads + n_kv:]
     span = mask.shape[-1]
     out = torch.nn.functional.scaled_dot_product_attention(
-        qk[:, :n_heads].double(), k_cache[None, :, :span], v_cache[None, :, :span], attn_mask=mask, enable_gqa=True)
+        qk[:, :n_heads].double(), k_cache[None, :, :span].double(), v_cache[None, :, :span].double(), attn_mask=mask,
+        enable_gqa=True)
     return out.float().transpose(1, 2).reshape(t, -1), k_cache, v_cache
 
 
@@ -247,10 +249,10 @@ def attention_case(t, start, n_heads=9, n_kv=3, d=64, seed=4):
     qkv = torch.randn(t, (n_heads + 2 * n_kv) * d, generator=gen)
     angles = torch.rand(t, d // 2, generator=gen) * 6
     cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((-angles, angles), -1).sin()
-    k_cache = torch.zeros(n_kv, 64, d, dtype=torch.float64)
+    k_cache = torch.zeros(n_kv, 64, d)  # float32: float64 attention reads float32 caches
     v_cache = torch.zeros_like(k_cache)
-    k_cache[:, :start] = torch.randn(n_kv, start, d, generator=gen, dtype=torch.float64)
-    v_cache[:, :start] = torch.randn(n_kv, start, d, generator=gen, dtype=torch.float64)
+    k_cache[:, :start] = torch.randn(n_kv, start, d, generator=gen)
+    v_cache[:, :start] = torch.randn(n_kv, start, d, generator=gen)
     return qkv, cos, sin, k_cache, v_cache
 
 
@@ -292,13 +294,14 @@ def test_fused_attention_gives_a_token_what_it_gets_alone():
 
 
 def rows_attention_case(dtype, spans=(5, 37, 0, 20), t=4, n_heads=6, n_kv=2, d=16, seed=5):
-    """q [b, n_heads, t, d], caches [b, n_kv, 64, d] and the additive mask [b, 1, t, span] of a
-    pass of rows after `spans` cached slots each: row 0 a tree, row 1 a chain, the others one
-    token and padding (which sees itself only), as verify_batch lays a pass out."""
+    """q [b, n_heads, t, d] in `dtype`, float32 caches [b, n_kv, 64, d] (in either dtype) and the
+    additive mask [b, 1, t, span] of a pass of rows after `spans` cached slots each: row 0 a
+    tree, row 1 a chain, the others one token and padding (which sees itself only), as
+    verify_batch lays a pass out."""
     gen = torch.Generator().manual_seed(seed)
     b, span = len(spans), max(spans) + t
     q = torch.randn(b, n_heads, t, d, generator=gen, dtype=dtype)
-    k_cache, v_cache = (torch.randn(b, n_kv, 64, d, generator=gen, dtype=dtype) for _ in range(2))
+    k_cache, v_cache = (torch.randn(b, n_kv, 64, d, generator=gen) for _ in range(2))
     allowed = torch.zeros(b, t, span, dtype=torch.bool)
     tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
     for r, start in enumerate(spans):
@@ -316,7 +319,7 @@ def test_rows_attention_is_sdpas(dtype):
     q, k_cache, v_cache, mask, limits = rows_attention_case(dtype)
     span = mask.shape[-1]
     want = torch.nn.functional.scaled_dot_product_attention(
-        q, k_cache[:, :, :span], v_cache[:, :, :span], attn_mask=mask, enable_gqa=True)
+        q, k_cache[:, :, :span].to(dtype), v_cache[:, :, :span].to(dtype), attn_mask=mask, enable_gqa=True)
     want = want.float().transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)
     got = cpu_kernels.attend_rows(q, k_cache, v_cache, mask, limits)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
@@ -338,11 +341,9 @@ def test_rows_attention_gives_each_row_what_it_gets_alone(dtype):
         t, d, n_heads, n_kv = q.shape[2], q.shape[3], q.shape[1], k_cache.shape[1]
         r, start = 1, limits[1] - q.shape[2]
         qkv = torch.cat((q[r].float().transpose(0, 1).reshape(t, -1),
-                         k_cache[r, :, start:start + t].float().transpose(0, 1).reshape(t, -1),
-                         v_cache[r, :, start:start + t].float().transpose(0, 1).reshape(t, -1)), -1)
+                         k_cache[r, :, start:start + t].transpose(0, 1).reshape(t, -1),
+                         v_cache[r, :, start:start + t].transpose(0, 1).reshape(t, -1)), -1)
         keys, values = k_cache[r].clone(), v_cache[r].clone()
-        keys[:, start:start + t], values[:, start:start + t] = (c[r, :, start:start + t].float().double()
-                                                                for c in (k_cache, v_cache))
         q_rounded = q[r:r + 1].float().double()
         rows = cpu_kernels.attend_rows(q_rounded, keys[None], values[None], mask[r:r + 1, ..., :limits[r]],
                                        [limits[r]])
@@ -378,3 +379,30 @@ def test_int_models_attend_fused_only_where_it_applies():
                for layer in model.layers)
     assert all(layer.attn.fused_attention is None and layer.attn.rows_attention is None
                for layer in quantize(tiny_model(0), "int4", tuning=CpuTuning(kernels="torch")).layers)
+
+
+def test_int_models_keep_float32_caches_that_attend_as_float64_ones():
+    """Where specserve's kernels attend, an int model's caches are float32 (its keys and values
+    are float32 values): half the bytes a token's attention reads. The passes that attend by
+    SDPA (passes of more than FUSED_ATTENTION_MAX_TOKENS tokens: a prefill, a continuation)
+    widen them and give the logits the same model gives over float64 caches, bit for bit."""
+    model = quantize(tiny_model(0, max_positions=256), "int4", tuning=CpuTuning(kernels="native"))
+    assert model.new_cache(8).k.dtype == torch.float32 and model.attention_dtype == torch.float64
+    prompt = torch.arange(FUSED_ATTENTION_MAX_TOKENS + 10)[None] % 7 + 1
+    more = torch.arange(FUSED_ATTENTION_MAX_TOKENS + 6)[None] % 5 + 2
+    n, m = prompt.shape[1], more.shape[1]
+
+    def passes(cache):
+        with torch.inference_mode():
+            first = model(prompt, torch.arange(n)[None], cache, attention_mask(0, causal_ancestors(n)))
+            then = model(more, torch.arange(n, n + m)[None], cache, attention_mask(n, causal_ancestors(m)))
+        return first, then
+
+    ours = passes(model.new_cache(n + m + 2))
+    for layer in model.layers:  # SDPA over float64 caches: the int model without the kernels' attention
+        layer.attn.fused_attention = layer.attn.rows_attention = None
+    model.cache_dtype = None
+    wide = model.new_cache(n + m + 2)
+    assert wide.k.dtype == torch.float64
+    for got, want in zip(ours, passes(wide)):
+        assert torch.equal(got, want)
