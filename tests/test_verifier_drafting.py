@@ -64,6 +64,14 @@ def job(prompt: list[int], params: SamplingParams, drafter: str, verifier_drafti
                verifier_drafting=verifier_drafting)
 
 
+def lookup_and_suffix(pld: float, suffix: float, verifier_drafting: bool = True) -> Job:
+    """A request fused from prompt lookup and the suffix drafter, with these reliabilities,
+    adaptive lengths, over a prompt that repeats itself (prompt lookup finds drafts)."""
+    return Job(request_id="r", prompt_ids=[1, 2, 3, 4] * 4, params=GREEDY, drafters=(("pld", pld), ("suffix", suffix)),
+               draft_length=DRAFT_LENGTH, tree_budget=DRAFT_LENGTH, vocab_size=V, eos_token_ids=(),
+               speculation=SpeculationControl(DRAFT_LENGTH), verifier_drafting=verifier_drafting)
+
+
 def served(coordinator: Coordinator, j: Job) -> tuple[list[int], RoundStats]:
     stats = RoundStats()
     return [t for new in coordinator.run(j, stats) for t in new], stats
@@ -141,13 +149,10 @@ def test_rounds_whose_only_draft_is_prompt_lookup_run_on_the_verifier(target, mo
     decode = VerifierServicer.Decode
     monkeypatch.setattr(VerifierServicer, "Decode", counted)
     pool = CountingPool(target, kinds=["pld", "suffix"])
-    prompt = [1, 2, 3, 4] * 4
+    fused = lookup_and_suffix(pld=1.0, suffix=0.0)
     with loopback(pool, VerifierEngine(target, max_batch=2, max_len=64)) as coordinator:
-        fused = Job(request_id="r", prompt_ids=prompt, params=GREEDY, drafters=(("pld", 1.0), ("suffix", 0.0)),
-                    draft_length=DRAFT_LENGTH, tree_budget=DRAFT_LENGTH, vocab_size=V, eos_token_ids=(),
-                    speculation=SpeculationControl(DRAFT_LENGTH), verifier_drafting=True)
         tokens, stats = served(coordinator, fused)
-    assert tokens == generate(target, prompt, GREEDY, None, 0, ()).token_ids
+    assert tokens == generate(target, fused.prompt_ids, GREEDY, None, 0, ()).token_ids
     assert pool.drafts == 0 and calls and set(calls) == {"pld"}
     assert stats.per_drafter["pld"].accepted == stats.accepted_draft_tokens > 0
 
@@ -178,11 +183,9 @@ def test_a_drafted_rounds_verify_hop_counts_only_against_plain_rounds_on_the_ver
     monkeypatch.setattr(engine_module, "verify_batch", slow_pass)
     monkeypatch.setattr(VerifierServicer, "Verify", slow_hop)
     pool = CountingPool(target, kinds=["pld", "suffix"])
-    prompt = [1, 2, 3, 4] * 4
+    fused = lookup_and_suffix(pld=0.9, suffix=0.9, verifier_drafting=verifier_drafting)
+    prompt = fused.prompt_ids
     with loopback(pool, VerifierEngine(target, max_batch=2, max_len=64)) as coordinator:
-        fused = Job(request_id="r", prompt_ids=prompt, params=GREEDY, drafters=(("pld", 0.9), ("suffix", 0.9)),
-                    draft_length=DRAFT_LENGTH, tree_budget=DRAFT_LENGTH, vocab_size=V, eos_token_ids=(),
-                    speculation=SpeculationControl(DRAFT_LENGTH, prior=0.9), verifier_drafting=verifier_drafting)
         tokens, stats = served(coordinator, fused)
         first = len(hops)
         # the next request at the same load starts from the costs the first learned
