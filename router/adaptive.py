@@ -195,21 +195,16 @@ class DraftCostMemory:
     latest a request measured at its load rather than from nothing. Under load a drafted
     round's verify hop is most of a pass; without the memory each request would pay it in its
     first rounds to learn what the last one already knew. Keyed by load, so costs learned
-    in a burst do not stop drafting once the verifier is quiet; at a load not seen yet, a
-    request starts from the highest load below it that was (a hop grows with the load, so
-    those costs are at most the ones it will meet): a burst's requests each arrive at a load
-    one higher than the last's. Thread-safe."""
+    in a burst do not stop drafting once the verifier is quiet. Thread-safe."""
 
     def __init__(self):
         self._costs: dict[tuple[str, int], tuple[float, float]] = {}
         self._lock = threading.Lock()
 
     def start(self, control: SpeculationControl, kind: str, load: int) -> None:
-        """Give a control that has measured nothing yet the latest costs of `kind` at `load`,
-        or else at the highest load below it that has some."""
+        """Give a control that has measured nothing yet the latest costs of `kind` at `load`."""
         with self._lock:
-            below = [seen for k, seen in self._costs if k == kind and seen <= load]
-            costs = self._costs[(kind, max(below))] if below else None
+            costs = self._costs.get((kind, load))
         if costs is not None and control.draft_token_cost == 0 and control.draft_round_cost == 0:
             control.draft_token_cost, control.draft_round_cost = costs
 

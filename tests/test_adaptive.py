@@ -13,7 +13,7 @@ from drafter_service.pool import DrafterPool
 from loopback import loopback
 from protos import specserve_pb2 as pb
 from protos import specserve_pb2_grpc as pb_grpc
-from router.adaptive import DraftCostMemory, PassCostModel, SpeculationControl, expected_tokens
+from router.adaptive import PassCostModel, SpeculationControl, expected_tokens
 from router.servicer import RouterConfig, RouterServicer
 from router.servicer import serve as serve_router
 from tiny import TINY, tiny_model
@@ -254,21 +254,3 @@ def test_a_reported_pass_is_counted_in_one_row_one_token_passes():
         model.observe(("v", i), 1 + i % 4, 1 + i % 4, 1, 0.02 * (1 + 0.5 * (i % 4)))
     learned = SpeculationControl(5, pass_costs=model)
     assert learned.pass_units(3, 3, 1) == pytest.approx(2.0, rel=0.1)
-
-
-def test_a_new_request_starts_from_the_costs_learned_at_its_load_or_the_highest_below():
-    memory = DraftCostMemory()
-    for load, round_cost in ((2, 0.4), (5, 1.5), (9, 3.0)):
-        learnt = SpeculationControl(5, draft_token_cost=0.01 * load, draft_round_cost=round_cost)
-        memory.remember(learnt, "small-general", load)
-    for load, want in ((5, 1.5), (7, 1.5), (12, 3.0), (2, 0.4)):
-        fresh = SpeculationControl(5)
-        memory.start(fresh, "small-general", load)
-        assert fresh.draft_round_cost == want, load
-    quiet, other = SpeculationControl(5), SpeculationControl(5)
-    memory.start(quiet, "small-general", 1)  # costs learned under load do not stop drafting when quiet
-    memory.start(other, "suffix", 5)  # nor another kind's
-    assert quiet.draft_round_cost == other.draft_round_cost == 0.0
-    measured = SpeculationControl(5, draft_round_cost=0.2)
-    memory.start(measured, "small-general", 9)  # a control's own measurements stay
-    assert measured.draft_round_cost == 0.2
