@@ -229,7 +229,9 @@ inline F64Vec f64_load(const double* p) { return _mm512_loadu_pd(p); }
 inline F64Vec f64_load_first(const double* p, int64_t n) { return _mm512_maskz_loadu_pd((1u << n) - 1, p); }
 // 8 floats of a cache, widened (exactly)
 inline F64Vec f64_load(const float* p) { return _mm512_cvtps_pd(_mm256_loadu_ps(p)); }
-inline F64Vec f64_load_first(const float* p, int64_t n) { return _mm512_cvtps_pd(_mm256_maskz_loadu_ps((1u << n) - 1, p)); }
+inline F64Vec f64_load_first(const float* p, int64_t n) {
+  return _mm512_cvtps_pd(_mm256_maskz_loadu_ps((1u << n) - 1, p));
+}
 inline void f64_store(double* p, F64Vec v) { _mm512_storeu_pd(p, v); }
 inline F64Vec f64_set1(double v) { return _mm512_set1_pd(v); }
 inline F64Vec f64_zero() { return _mm512_setzero_pd(); }
@@ -256,7 +258,8 @@ inline F64Vec f64_load_first(const double* p, int64_t n) {
 }
 inline F64Vec f64_load(const float* p) { return _mm256_cvtps_pd(_mm_loadu_ps(p)); }
 inline F64Vec f64_load_first(const float* p, int64_t n) {
-  return _mm256_cvtps_pd(_mm_maskload_ps(p, _mm_cmpgt_epi32(_mm_set1_epi32(static_cast<int>(n)), _mm_setr_epi32(0, 1, 2, 3))));
+  const __m128i first = _mm_cmpgt_epi32(_mm_set1_epi32(static_cast<int>(n)), _mm_setr_epi32(0, 1, 2, 3));
+  return _mm256_cvtps_pd(_mm_maskload_ps(p, first));
 }
 inline void f64_store(double* p, F64Vec v) { _mm256_storeu_pd(p, v); }
 inline F64Vec f64_set1(double v) { return _mm256_set1_pd(v); }
@@ -491,10 +494,11 @@ constexpr int64_t kSlotBlock = 64;
 // The attention of m queries that share one kv head (of one row): query q's scores go over the
 // slots below `limit` where its additive mask row masks[q] is not -inf, in slot order, then
 // softmax, then the values likewise; out[q] [d] float32. The keys and values are float32 in
-// either dtype: float64 attention widens them as it reads them (they are float32 values). The queries take turns at each block
-// of slots, so its keys and values are read from memory once for all of them, and each query's
-// own operations are those it gets alone: a token attends the same in any batch, beside any rows
-// and queries, whatever the batch's span or width (the lossless contract).
+// either dtype: float64 attention widens them as it reads them (they are float32 values). The
+// queries take turns at each block of slots, so its keys and values are read from memory once
+// for all of them, and each query's own operations are those it gets alone: a token attends the
+// same in any batch, beside any rows and queries, whatever the batch's span or width (the
+// lossless contract).
 template <typename T>
 void attend_queries(const T* const* qs, const T* const* masks, int64_t m, int64_t limit, const float* keys,
                     const float* values, int64_t d, T scale, float* const* outs) {

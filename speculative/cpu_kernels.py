@@ -250,9 +250,9 @@ def attend_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, m
 
     q [b, n_heads, t, d] in that dtype; k_cache, v_cache [b, n_kv, max_len, d] float32 in
     either (a rows view of the cache, each row's heads and slots contiguous); mask [b, 1, t,
-    span] additive (0 or -inf) in the queries' dtype; row r's queries see slots below limits[r] at most. Returns [b, t,
-    n_heads * d] float32, each query's output the one it gets in any batch: one thread's fixed
-    sequence of operations over the slots its mask row allows."""
+    span] additive (0 or -inf) in the queries' dtype; row r's queries see slots below
+    limits[r] at most. Returns [b, t, n_heads * d] float32, each query's output the one it gets
+    in any batch: one thread's fixed sequence of operations over the slots its mask row allows."""
     b, n_heads, t, d = q.shape
     n_kv, max_len = k_cache.shape[1], k_cache.shape[2]
     if not attends_rows(d, q.dtype) or k_cache.dtype != torch.float32 or v_cache.dtype != torch.float32 \
