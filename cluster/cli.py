@@ -327,6 +327,9 @@ def cmd_serve(args) -> int:
             check_tp(load_tokenizer(cfg.model, cache_dir=cache_dir_from_env())[1], cfg.verifiers.tensor_parallel)
         except InvalidArgument as e:
             raise InvalidArgument("verifiers.tensor_parallel", str(e).split(": ", 1)[1]) from None
+    from cluster.env import cluster_secret_from_env
+
+    cluster_secret_from_env()  # a bad secret in the environment fails here, not in every service
     from cluster.serve import run
 
     return run(cfg)

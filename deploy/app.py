@@ -61,7 +61,8 @@ class _DrainsWhenStopped:
     registry and let the requests held finish first (cluster.actors._ServiceHost.drain)."""
 
     def __del__(self):
-        self.drain(self.cfg.autoscaling.graceful_shutdown_s)
+        if hasattr(self, "cfg"):  # else the constructor failed: nothing to drain
+            self.drain(self.cfg.autoscaling.graceful_shutdown_s)
 
 
 class _StartsInBackground:

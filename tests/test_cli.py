@@ -52,3 +52,13 @@ def test_bad_input_is_one_line_naming_the_field(args, field):
     assert len(lines) == 1, r.stderr
     assert field in lines[0], lines[0]
     assert "Traceback" not in r.stderr
+
+
+def test_serve_refuses_a_short_cluster_secret_before_starting_anything(monkeypatch):
+    """A secret every service would refuse is one line from `specserve serve`, not a Ray
+    deployment failure after the cluster has started."""
+    monkeypatch.setenv("SPECSERVE_CLUSTER_SECRET", "short")
+    r = specserve("serve")
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "SPECSERVE_CLUSTER_SECRET must be at least 16 characters" in lines[0], r.stderr
