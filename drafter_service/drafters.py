@@ -24,7 +24,7 @@ from speculative.fusion import fuse
 from speculative.ngram import lookup_draft
 from speculative.recycling import RecycledCandidates
 from speculative.sampling import SamplingParams, choice_scores, probabilities, sample
-from speculative.suffix import SuffixIndex, SuffixStream
+from speculative.suffix import SuffixFeed, SuffixIndex, suffix_draft
 from speculative.tree import DraftTree, one_hot
 
 FIRST_CACHE_SLOTS = 256  # a model drafter's first KV cache: most requests fit, and it doubles as they grow
@@ -66,20 +66,12 @@ class SuffixDrafter:
 
     def __init__(self, index: SuffixIndex, vocab_size: int):
         self.index, self.vocab_size = index, vocab_size
-        self.stream = SuffixStream()
-        self.fed: list[int] = []  # the verified context fed so far (its length and last token say if it holds)
+        self.fed = SuffixFeed()
 
     def propose(self, request: DraftRequest) -> DraftTree:
-        known = list(request.known)  # a guess ahead is not fed
-        n = len(self.fed)
-        if len(known) < n or (n and known[n - 1] != self.fed[-1]):  # not our request's context: start over
-            self.stream, self.fed, n = SuffixStream(), [], 0
-        self.index.feed(self.stream, known[n:])
-        self.fed = known
-        tree = self.index.propose(request.context, request.nodes, max_depth=request.depth)
-        if not request.params.deterministic and len(tree):
-            tree.draw_q = one_hot([tree.tokens[node] for node in tree.draw_nodes], self.vocab_size)
-        return tree
+        self.fed.feed(self.index, request.known)  # a guess ahead is not fed
+        return suffix_draft(self.index, request.context, request.nodes, request.depth, self.vocab_size,
+                            request.params.deterministic)
 
 
 class RecyclingDrafter:

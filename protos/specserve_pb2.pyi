@@ -231,7 +231,7 @@ class VerifyRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., tree: _Optional[_Union[DraftTree, _Mapping]] = ..., context_length: _Optional[int] = ..., candidates: _Optional[int] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("accepted", "bonus", "state_lost", "batch_size", "queued", "active_requests", "candidate_ids", "candidate_probs", "pass_id", "pass_seconds", "pass_tokens", "pass_width", "drafted")
+    __slots__ = ("accepted", "bonus", "state_lost", "batch_size", "queued", "active_requests", "candidate_ids", "candidate_probs", "pass_id", "pass_seconds", "pass_tokens", "pass_width", "drafted", "drafted_depth")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     BONUS_FIELD_NUMBER: _ClassVar[int]
     STATE_LOST_FIELD_NUMBER: _ClassVar[int]
@@ -245,6 +245,7 @@ class VerifyResponse(_message.Message):
     PASS_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PASS_WIDTH_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_FIELD_NUMBER: _ClassVar[int]
+    DRAFTED_DEPTH_FIELD_NUMBER: _ClassVar[int]
     accepted: _containers.RepeatedScalarFieldContainer[int]
     bonus: int
     state_lost: bool
@@ -258,10 +259,11 @@ class VerifyResponse(_message.Message):
     pass_tokens: int
     pass_width: int
     drafted: int
-    def __init__(self, accepted: _Optional[_Iterable[int]] = ..., bonus: _Optional[int] = ..., state_lost: _Optional[bool] = ..., batch_size: _Optional[int] = ..., queued: _Optional[int] = ..., active_requests: _Optional[int] = ..., candidate_ids: _Optional[_Iterable[int]] = ..., candidate_probs: _Optional[_Iterable[float]] = ..., pass_id: _Optional[int] = ..., pass_seconds: _Optional[float] = ..., pass_tokens: _Optional[int] = ..., pass_width: _Optional[int] = ..., drafted: _Optional[int] = ...) -> None: ...
+    drafted_depth: int
+    def __init__(self, accepted: _Optional[_Iterable[int]] = ..., bonus: _Optional[int] = ..., state_lost: _Optional[bool] = ..., batch_size: _Optional[int] = ..., queued: _Optional[int] = ..., active_requests: _Optional[int] = ..., candidate_ids: _Optional[_Iterable[int]] = ..., candidate_probs: _Optional[_Iterable[float]] = ..., pass_id: _Optional[int] = ..., pass_seconds: _Optional[float] = ..., pass_tokens: _Optional[int] = ..., pass_width: _Optional[int] = ..., drafted: _Optional[int] = ..., drafted_depth: _Optional[int] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "drafter", "draft_length", "max_tokens", "eos_token_ids", "max_rounds", "candidates")
+    __slots__ = ("request_id", "token_ids", "drafter", "draft_length", "max_tokens", "eos_token_ids", "max_rounds", "candidates", "max_nodes", "namespace")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
@@ -270,6 +272,8 @@ class DecodeRequest(_message.Message):
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     CANDIDATES_FIELD_NUMBER: _ClassVar[int]
+    MAX_NODES_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     drafter: str
@@ -278,7 +282,9 @@ class DecodeRequest(_message.Message):
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     max_rounds: int
     candidates: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., drafter: _Optional[str] = ..., draft_length: _Optional[int] = ..., max_tokens: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_rounds: _Optional[int] = ..., candidates: _Optional[int] = ...) -> None: ...
+    max_nodes: int
+    namespace: str
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., drafter: _Optional[str] = ..., draft_length: _Optional[int] = ..., max_tokens: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_rounds: _Optional[int] = ..., candidates: _Optional[int] = ..., max_nodes: _Optional[int] = ..., namespace: _Optional[str] = ...) -> None: ...
 
 class VerifierStatsRequest(_message.Message):
     __slots__ = ()

@@ -10,16 +10,18 @@ resume) or drafts, verifies and learns, each a step of the request's
 `_Request`; `speculative.stopping.clip` ends the output where the in-process
 loop would.
 
-A request drafted by prompt lookup alone, or decoded plainly, can run its
-rounds on the verifier itself (`Job.verifier_drafting`, the Decode call): the
-verifier drafts from the request's text, which is all prompt lookup reads, and
-streams each round's verdict back, with no hop to a pool or back to the router
-between rounds; the router clips, counts and forwards the rounds as they come.
-Any other request that is not pipelined runs its rounds on the verifier the same
-way while adaptive lengths give none of its pool drafters (all but prompt lookup)
-a draft: drafted there by prompt lookup if it is one of the request's drafters
-(at the length its control chooses for a draft that asks no pool), else plain
-(the target's candidates come back each round for a drafter that learns from them).
+A request drafted by prompt lookup or the suffix drafter, or decoded plainly,
+can run its rounds on the verifier itself (`Job.verifier_drafting`, the Decode
+call): the verifier drafts from the request's text (prompt lookup) or from a
+suffix index of the texts of its requests in the request's memory namespace,
+this one's included (verifier_service.drafting), and streams each round's
+verdict back, with no hop to a pool or back to the router between rounds; the
+router clips, counts and forwards the rounds as they come. Any other request
+that is not pipelined runs its rounds on the verifier the same way while
+adaptive lengths give none of its pool drafters (all but those two) a draft:
+drafted there by the first of its drafters the verifier runs, if any (at the
+length its control chooses for a draft that asks no pool), else plain (the
+target's candidates come back each round for a drafter that learns from them).
 
 A request has one drafter or several. One drafter's tree goes to the
 verifier as it is. Several drafters are all asked each round (at the same
@@ -72,7 +74,7 @@ from protos import specserve_pb2_grpc as pb_grpc
 from protos.convert import params_to_pb, tree_from_pb, tree_to_pb
 from protos.server import CLUSTER_SECRET_METADATA
 from speculative.calibration import Calibration, enabled as calibration_enabled
-from speculative.drafter_kinds import abilities
+from speculative.drafter_kinds import VERIFIER_DRAFTERS, abilities
 from speculative.fusion import fuse
 from speculative.namespaces import DEFAULT_NAMESPACE, Namespaces
 from speculative.pipeline import likeliest_path, reuse_ahead
@@ -93,7 +95,6 @@ log = logging.getLogger(__name__)
 SPARE_SLOTS = 4
 # how often a request waiting for a verifier looks at the registry again
 SERVICE_POLL_S = 0.2
-VERIFIER_DRAFTERS = ("pld", "none")  # what a verifier drafts with itself (Decode)
 # rounds of one Decode call: then the router chooses the draft length again, for the load then
 DECODE_ROUNDS = 16
 MAX_OBSERVED = 4096  # positions kept for a drafter not asked to draft for a while (newest kept)
@@ -205,7 +206,8 @@ class Job:
     speculation: SpeculationControl | None = None  # adaptive draft length; None: always draft_length
     stop_confidence: float = 0.0  # model drafters stop after a token drafted with less confidence
     namespace: str = DEFAULT_NAMESPACE  # the memory its drafters learn in (speculative.namespaces)
-    # prompt lookup alone, or no drafter: the verifier may run the rounds itself (Decode)
+    # rounds only drafters the verifier runs draft (prompt lookup, suffix, none): the verifier
+    # may run them itself (Decode)
     verifier_drafting: bool = False
     # prefill the drafters' pools while the verifier prefills (pools with hardware of their own)
     prefill_pools_ahead: bool = False
@@ -291,7 +293,8 @@ class Coordinator:
                         yield new
                         if finish is not None or job.is_cancelled():
                             break  # closing `rounds` cancels a Decode call still running
-            req.drafting.give_output(job.prompt_ids + req.verified)
+            if not req.own_rounds:  # else the pools were never asked: the verifier's index holds the text
+                req.drafting.give_output(job.prompt_ids + req.verified)
         finally:
             stats.finish()
             req.release()
@@ -331,12 +334,15 @@ class _Request:
         self.ready: list[DraftTree] | None = None  # each drafter's tree for this round, drafted ahead
         self.candidates = CANDIDATES if any(coord.learns_from_target(kind) for kind, _ in job.drafters) else 0
         self.rnd, self.load = 0, 1  # round; requests sharing the verifier
-        # rounds the verifier runs itself (Decode): plain ones whenever no drafter is asked to
-        # draft (the load makes none pay; they bring back the target's candidates for the
-        # drafters that learn from them), and every one when the only drafter is one it can run
+        # rounds the verifier runs itself (Decode): those that ask no drafter only a pool runs
+        # (the load makes none pay, or the request's own draft is one the verifier makes; plain
+        # ones bring back the target's candidates for the drafters that learn from them), and
+        # every one when each of the request's drafters is one the verifier runs
         self.plain_on_verifier = job.verifier_drafting and not job.pipelined
-        self.own_rounds = (self.plain_on_verifier and not self.candidates and len(job.drafters) == 1
-                           and job.drafters[0][0] in VERIFIER_DRAFTERS)
+        self.own_rounds = (self.plain_on_verifier and not self.candidates
+                           and all(kind in VERIFIER_DRAFTERS for kind, _ in job.drafters))
+        # what those rounds draft with: the request's best drafter that the verifier runs
+        self.verifier_drafter = next((kind for kind, _ in job.drafters if kind in VERIFIER_DRAFTERS), "none")
 
     def rounds(self, context: list[int]) -> Iterator[list[int]]:
         """The next round's new tokens, or the verifier's own rounds' one by one; none when the
@@ -348,9 +354,9 @@ class _Request:
         else:
             draft = self.plan()
             if self.plain_on_verifier and not self.asks_pools(draft):
-                # no pool drafter's draft pays now: rounds on the verifier, drafted there by
-                # prompt lookup (no pool, no hop) if the request has it, else plain
-                yield from self.decode(context, "pld" if any(k == "pld" for k, _ in self.job.drafters) else "none")
+                # no pool drafter's draft pays now: rounds on the verifier, drafted there (no
+                # pool, no hop) by the request's drafter it runs, if any, else plain
+                yield from self.decode(context)
                 return
             self.draft(context, draft)
             verdict = self.verify(context, draft)
@@ -375,14 +381,14 @@ class _Request:
         self.stats.record_prefill()
         return [prefilled.next_token]
 
-    def decode(self, context: list[int], kind: str | None = None) -> Iterator[list[int]]:
+    def decode(self, context: list[int]) -> Iterator[list[int]]:
         """Rounds the verifier runs on its own (Decode), up to DECODE_ROUNDS, each round's new
-        tokens as it ends, drafted by `kind` (default: the request's one drafter) at the length
-        its control chooses at the start (plain if that is 0). Plain rounds bring back the
-        target's candidates at each round's token, for the drafters that learn from them. Stops
-        early when the verifier loses the request: the next round prefills it again."""
+        tokens as it ends, drafted by the request's drafter it runs at the length that
+        drafter's control chooses at the start (plain if that is 0). Plain rounds bring back
+        the target's candidates at each round's token, for the drafters that learn from them.
+        Stops early when the verifier loses the request: the next round prefills it again."""
         job = self.job
-        kind = kind or job.drafters[0][0]
+        kind = self.verifier_drafter
         control, length = None, 0
         if kind != "none":
             i = [k for k, _ in job.drafters].index(kind)
@@ -392,7 +398,8 @@ class _Request:
             kind, control = "none", None
         candidates = self.candidates if kind == "none" else 0  # the caller knows no drafted round's tree
         started, root = time.monotonic(), context[-1]
-        for resp in self.verifier.decode(context, kind, length, job.params.max_tokens - len(self.verified),
+        nodes = job.tree_nodes(length) if kind == "suffix" else 0
+        for resp in self.verifier.decode(context, kind, length, nodes, job.params.max_tokens - len(self.verified),
                                          candidates):
             self.stats.record_span("verify", self.rnd, started, started := time.monotonic())
             if candidates:
@@ -403,7 +410,8 @@ class _Request:
             if kind != "none":
                 self.stats.record_drafter(kind, resp.drafted, len(resp.accepted))
             if control is not None:
-                control.record(resp.drafted, len(resp.accepted))
+                control.record(resp.drafted_depth, len(resp.accepted))
+                control.observe_tree(resp.drafted, resp.drafted_depth)
             self.load = _load(resp)
             self.rnd += 1
             yield [*resp.accepted, resp.bonus]
@@ -417,8 +425,9 @@ class _Request:
         return _Draft(room, lengths, [max(0, min(n, room)) for n in lengths])
 
     def asks_pools(self, draft: _Draft) -> bool:
-        """Whether the planned round asks a drafter that only a pool runs: prompt lookup alone
-        is drafted as well by the verifier, without the pool's call and the verify call's hop."""
+        """Whether the planned round asks a drafter that only a pool runs: prompt lookup and the
+        suffix drafter are drafted as well by the verifier, without the pool's call and the
+        verify call's hop."""
         return any(n and kind not in VERIFIER_DRAFTERS for (kind, _), n in zip(self.job.drafters, draft.budgets))
 
     def draft(self, context: list[int], draft: _Draft) -> None:
@@ -618,15 +627,15 @@ class _VerifySide(_Side):
         req, timeout = self._request(tree, context_length, candidates), self.coord.timeout(self.job)
         return self._verdict(lambda: self.stub.Verify(req, timeout=timeout))
 
-    def decode(self, tokens: list[int], drafter: str, draft_length: int, max_tokens: int, candidates: int = 0
-               ) -> Iterator[pb.VerifyResponse]:
+    def decode(self, tokens: list[int], drafter: str, draft_length: int, max_nodes: int, max_tokens: int,
+               candidates: int = 0) -> Iterator[pb.VerifyResponse]:
         """The verdicts of up to DECODE_ROUNDS of the verifier's own rounds after `tokens`
         (Decode), as they come; they end early, the request to be prefilled again, when the
         verifier loses it or fails."""
         req = pb.DecodeRequest(request_id=self.request_id, token_ids=tokens, drafter=drafter,
                                draft_length=draft_length, max_tokens=max_tokens,
                                eos_token_ids=self.job.eos_token_ids, max_rounds=DECODE_ROUNDS,
-                               candidates=candidates)
+                               candidates=candidates, max_nodes=max_nodes, namespace=self.job.namespace)
         call = self.stub.Decode(req, timeout=self.coord.timeout(self.job))
         try:
             for resp in call:

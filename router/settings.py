@@ -23,9 +23,10 @@ class RouterSettings(BaseModel):
                                                           "drafter's (greedy model drafters branch to fill it)")
     pipelined: bool = Field(False, description="draft each next round while the verifier checks this one "
                                                "(PEARL post-verify); a request may override it")
-    verifier_drafting: bool = Field(True, description="a request drafted by prompt lookup alone, or decoded "
-                                                      "plainly, runs its rounds on the verifier (Decode): no hop "
-                                                      "to a pool or back to the router a round")
+    verifier_drafting: bool = Field(True, description="rounds that ask no drafter but prompt lookup or the suffix "
+                                                      "drafter (the verifier keeps a suffix index of its own), or "
+                                                      "none, run on the verifier (Decode): no hop to a pool or "
+                                                      "back to the router a round")
     prefill_pools_ahead: bool = Field(False, description="prefill a request's drafter pools while the verifier "
                                                          "prefills it, not after it: for pools on cores, machines "
                                                          "or GPUs of their own, where a model drafter's prefill "

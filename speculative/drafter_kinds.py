@@ -21,6 +21,8 @@ SHIPPED_DIR = Path(__file__).resolve().parent.parent / "drafter_service" / "chec
 SHIPPED_DRAFTERS = ("small-general", "small-math", "small-extraction", "small-language")
 SELF_INT4 = "self-int4"  # the target itself, its linear layers in int4
 DRAFTER_NAMES = ("none", "pld", "layerskip", SELF_INT4, "suffix", "recycle") + SHIPPED_DRAFTERS
+# what a verifier drafts with itself, round after round in a Decode call (verifier_service.drafting)
+VERIFIER_DRAFTERS = ("pld", "suffix", "none")
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ import threading
 from itertools import count
 from typing import Sequence
 
-from .tree import DraftTree
+from .tree import DraftTree, one_hot
 
 
 class _Node:
@@ -33,6 +33,23 @@ class SuffixStream:
         self.open: list[tuple[_Node, int]] = []  # (node, depth) of windows still growing
         self.recent: list[int] = []  # last window's tokens, to re-feed after the index resets
         self.generation = -1
+
+
+class SuffixFeed:
+    """One request's verified text as fed into an index, fed only what is new since the last
+    call; a text that does not continue the one fed (another request's, a resumed one) starts
+    a new stream."""
+
+    def __init__(self):
+        self.stream = SuffixStream()
+        self.fed: list[int] = []  # the text fed so far (its length and last token say if it holds)
+
+    def feed(self, index: "SuffixIndex", known: Sequence[int]) -> None:
+        n = len(self.fed)
+        if len(known) < n or (n and known[n - 1] != self.fed[-1]):
+            self.stream, self.fed, n = SuffixStream(), [], 0
+        index.feed(self.stream, known[n:])
+        self.fed = list(known)
 
 
 class SuffixIndex:
@@ -120,3 +137,14 @@ class SuffixIndex:
             neg_p, _, tok, step, child, parent, depth = heapq.heappop(heap)
             [node] = tree.add_chain([tok], under=parent, confidence=[step])
             offer_children(child, -neg_p, node, depth)
+
+
+def suffix_draft(index: SuffixIndex, context: Sequence[int], nodes: int, depth: int, vocab_size: int,
+                 deterministic: bool) -> DraftTree:
+    """The suffix drafter's tree to verify: at most `nodes` nodes, `depth` levels; a sampled
+    request's draws carry their q, one-hot, since the index's tree is deterministic (which
+    multi-draft verification handles exactly)."""
+    tree = index.propose(context, nodes, max_depth=depth)
+    if not deterministic and len(tree):
+        tree.draw_q = one_hot([tree.tokens[node] for node in tree.draw_nodes], vocab_size)
+    return tree

@@ -1,11 +1,12 @@
 """Rounds the verifier drafts itself (the Decode call), driven by the router's coordinator.
 
-A request with prompt lookup alone, or no drafter, runs its rounds on the verifier:
-the pool is never asked, the output is the target's (greedy; seeded sampling gives
-what the same request gives round by round through the router, which the pool's
-prompt lookup drafts), the stats count each round, and a verifier that goes away
-mid-call (its gRPC server stopped, as a dying process's is) leaves the request to
-another verifier with the same output. Real gRPC servers on loopback, tiny models.
+A request with prompt lookup or the suffix drafter, or no drafter, runs its rounds on
+the verifier: the pool is never asked, the output is the target's (greedy; seeded
+sampling gives what the same request gives round by round through the router, which
+the pool drafts), the stats count each round, and a verifier that goes away mid-call
+(its gRPC server stopped, as a dying process's is) leaves the request to another
+verifier with the same output. The verifier's suffix index is one per memory namespace.
+Real gRPC servers on loopback, tiny models.
 """
 
 from __future__ import annotations
@@ -64,11 +65,13 @@ def job(prompt: list[int], params: SamplingParams, drafter: str, verifier_drafti
                verifier_drafting=verifier_drafting)
 
 
-def lookup_and_suffix(pld: float, suffix: float, verifier_drafting: bool = True) -> Job:
-    """A request fused from prompt lookup and the suffix drafter, with these reliabilities,
-    adaptive lengths, over a prompt that repeats itself (prompt lookup finds drafts)."""
-    return Job(request_id="r", prompt_ids=[1, 2, 3, 4] * 4, params=GREEDY, drafters=(("pld", pld), ("suffix", suffix)),
-               draft_length=DRAFT_LENGTH, tree_budget=DRAFT_LENGTH, vocab_size=V, eos_token_ids=(),
+def lookup_and_recycling(pld: float, recycle: float, verifier_drafting: bool = True) -> Job:
+    """A request fused from prompt lookup and Token Recycling (which only a pool runs), with
+    these reliabilities, adaptive lengths, over a prompt that repeats itself (prompt lookup
+    finds drafts)."""
+    return Job(request_id="r", prompt_ids=[1, 2, 3, 4] * 4, params=GREEDY,
+               drafters=(("pld", pld), ("recycle", recycle)), draft_length=DRAFT_LENGTH, tree_budget=DRAFT_LENGTH,
+               vocab_size=V, eos_token_ids=(),
                speculation=SpeculationControl(DRAFT_LENGTH), verifier_drafting=verifier_drafting)
 
 
@@ -77,9 +80,9 @@ def served(coordinator: Coordinator, j: Job) -> tuple[list[int], RoundStats]:
     return [t for new in coordinator.run(j, stats) for t in new], stats
 
 
-@pytest.mark.parametrize("drafter", ["pld", "none"])
+@pytest.mark.parametrize("drafter", ["pld", "suffix", "none"])
 def test_verifier_drafted_rounds_give_the_targets_tokens_without_the_pool(target, drafter):
-    pool = CountingPool(target, kinds=["pld"])
+    pool = CountingPool(target, kinds=["pld", "suffix"])
     with loopback(pool, VerifierEngine(target, max_batch=2, max_len=64)) as coordinator:
         for prompt in PROMPTS:
             tokens, stats = served(coordinator, job(prompt, GREEDY, drafter, verifier_drafting=True))
@@ -87,8 +90,8 @@ def test_verifier_drafted_rounds_give_the_targets_tokens_without_the_pool(target
             assert tokens == want, prompt
             assert stats.target_forward_passes == 1 + len(stats.batch_sizes)  # the prefill, then a pass a round
             assert sum(stats.batch_sizes) == len(stats.batch_sizes)  # each a pass of its own
-            if drafter == "pld":
-                assert stats.per_drafter["pld"].accepted == stats.accepted_draft_tokens
+            if drafter != "none":
+                assert stats.per_drafter[drafter].accepted == stats.accepted_draft_tokens
                 assert stats.draft_tokens >= stats.accepted_draft_tokens > 0
             else:
                 assert stats.draft_tokens == 0 and stats.target_forward_passes == GREEDY.max_tokens
@@ -138,8 +141,9 @@ def test_rounds_no_drafter_is_asked_to_draft_are_plain_rounds_on_the_verifier(ta
 
 def test_rounds_whose_only_draft_is_prompt_lookup_run_on_the_verifier(target, monkeypatch):
     """A fused request whose adaptive lengths give prompt lookup a draft and its other
-    drafter none: prompt lookup is drafted on the verifier (Decode), the pool is never asked
-    and no round pays a Verify call's hop. The output is the target's."""
+    drafter (one only a pool runs) none: prompt lookup is drafted on the verifier (Decode),
+    the pool is never asked to draft and no round pays a Verify call's hop. The output is
+    the target's."""
     calls = []
 
     def counted(self, request, context):
@@ -148,8 +152,8 @@ def test_rounds_whose_only_draft_is_prompt_lookup_run_on_the_verifier(target, mo
 
     decode = VerifierServicer.Decode
     monkeypatch.setattr(VerifierServicer, "Decode", counted)
-    pool = CountingPool(target, kinds=["pld", "suffix"])
-    fused = lookup_and_suffix(pld=1.0, suffix=0.0)
+    pool = CountingPool(target, kinds=["pld", "recycle"])
+    fused = lookup_and_recycling(pld=1.0, recycle=0.0)
     with loopback(pool, VerifierEngine(target, max_batch=2, max_len=64)) as coordinator:
         tokens, stats = served(coordinator, fused)
     assert tokens == generate(target, fused.prompt_ids, GREEDY, None, 0, ()).token_ids
@@ -182,8 +186,8 @@ def test_a_drafted_rounds_verify_hop_counts_only_against_plain_rounds_on_the_ver
 
     monkeypatch.setattr(engine_module, "verify_batch", slow_pass)
     monkeypatch.setattr(VerifierServicer, "Verify", slow_hop)
-    pool = CountingPool(target, kinds=["pld", "suffix"])
-    fused = lookup_and_suffix(pld=0.9, suffix=0.9, verifier_drafting=verifier_drafting)
+    pool = CountingPool(target, kinds=["pld", "recycle"])
+    fused = lookup_and_recycling(pld=0.9, recycle=0.9, verifier_drafting=verifier_drafting)
     prompt = fused.prompt_ids
     with loopback(pool, VerifierEngine(target, max_batch=2, max_len=64)) as coordinator:
         tokens, stats = served(coordinator, fused)
@@ -200,10 +204,10 @@ def test_a_drafted_rounds_verify_hop_counts_only_against_plain_rounds_on_the_ver
 
 
 def test_fused_rounds_on_the_verifier_give_hugging_faces_tokens(smollm2, hf_oracle, monkeypatch):
-    """The default model on loopback; a fused prompt-lookup + suffix request whose Verify calls
-    each wait 200 ms (a slow hop): once the adaptive lengths have learned it they stop drafting
-    through the pools, and its rounds go on on the verifier, drafted there by prompt lookup.
-    The tokens are Hugging Face's (the external oracle), near-ties aside."""
+    """The default model on loopback; a fused suffix + Token Recycling request whose Verify
+    calls each wait 200 ms (a slow hop): once the adaptive lengths have learned it they stop
+    drafting through the pools, and its rounds go on on the verifier, drafted there by its
+    suffix index. The tokens are Hugging Face's (the external oracle), near-ties aside."""
     model, tok = smollm2
     real_verify = VerifierServicer.Verify
     hops = []
@@ -222,32 +226,37 @@ def test_fused_rounds_on_the_verifier_give_hugging_faces_tokens(smollm2, hf_orac
 
     monkeypatch.setattr(VerifierServicer, "Verify", slow_hop)
     monkeypatch.setattr(VerifierServicer, "Decode", counted)
-    pool = DrafterPool(model, kinds=["pld", "suffix"])
+    pool = DrafterPool(model, kinds=["suffix", "recycle"])
     eos = tok.eos_token_ids or model.config.eos_token_ids
     ids = tok.encode_chat([{"role": "user", "content": ORACLE_PROMPTS[0][1]}])
     with loopback(pool, VerifierEngine(model, max_batch=2, max_len=512)) as coordinator:
         fused = Job(request_id="r", prompt_ids=ids, params=SamplingParams(max_tokens=MAX_TOKENS),
-                    drafters=(("pld", 0.9), ("suffix", 0.9)), draft_length=5, tree_budget=8,
+                    drafters=(("suffix", 0.9), ("recycle", 0.9)), draft_length=5, tree_budget=8,
                     vocab_size=model.config.vocab_size, eos_token_ids=eos,
                     speculation=SpeculationControl(5, prior=0.9), verifier_drafting=True)
         tokens, stats = served(coordinator, fused)
     near_tie_or_equal(hf_oracle, 0, tokens, "fused, rounds on the verifier")
     assert len(hops) + len(decoded) == len(stats.batch_sizes)  # every round one or the other
-    assert hops and sum(drafted for drafter, drafted in decoded if drafter == "pld") > 0
+    assert hops and sum(drafted for drafter, drafted in decoded if drafter == "suffix") > 0
 
 
-def test_seeded_sampling_is_what_the_round_by_round_path_draws(target):
-    """The verifier's chains are the pool's (the same lookup, n-gram sizes and lengths), so a
-    seeded request draws the same tokens either way."""
-    pool = CountingPool(target, kinds=["pld"])
+@pytest.mark.parametrize("drafter", ["pld", "suffix"])
+def test_seeded_sampling_is_what_the_round_by_round_path_draws(target, drafter):
+    """The verifier's drafts are the pool's (the same lookup, n-gram sizes and lengths; the
+    same suffix trees from indexes that have learned the same text: each request in a fresh
+    namespace, on the verifier first), so a seeded request draws the same tokens either way."""
+    pool = CountingPool(target, kinds=["pld", "suffix"])
     with loopback(pool, VerifierEngine(target, max_batch=2, max_len=64)) as coordinator:
         for seed, prompt in enumerate(PROMPTS):
             params = SamplingParams(max_tokens=30, temperature=1.0, top_k=6, seed=seed)
-            by_rounds, _ = served(coordinator, job(prompt, params, "pld", verifier_drafting=False))
+            fresh = dict(namespace=f"{drafter}-{seed}")
             proposals = pool.proposals
-            on_verifier, stats = served(coordinator, job(prompt, params, "pld", verifier_drafting=True))
-            assert on_verifier == by_rounds and len(on_verifier) == params.max_tokens
+            on_verifier, stats = served(coordinator, dataclasses.replace(
+                job(prompt, params, drafter, verifier_drafting=True), **fresh))
             assert pool.proposals == proposals and stats.accepted_draft_tokens > 0
+            by_rounds, _ = served(coordinator, dataclasses.replace(
+                job(prompt, params, drafter, verifier_drafting=False), **fresh))
+            assert on_verifier == by_rounds and len(on_verifier) == params.max_tokens
 
 
 def test_a_verifier_gone_mid_call_leaves_the_request_to_another(target):

@@ -193,7 +193,8 @@ def test_seeded_sampling_over_grpc_equals_the_single_process_loop(tiny):
 
 
 def decoded(stub: pb_grpc.VerifierStub, request_id: str, prompt_ids: Sequence[int], params: SamplingParams,
-            eos: Sequence[int] = (), drafter: str = "pld") -> tuple[list[int], list[pb.VerifyResponse]]:
+            eos: Sequence[int] = (), drafter: str = "pld", namespace: str = ""
+            ) -> tuple[list[int], list[pb.VerifyResponse]]:
     """A request prefilled, then every round run by the verifier itself (Decode) in one call:
     its tokens, clipped as the router clips them, and each round's verdict."""
     first = stub.Prefill(pb.VerifierPrefillRequest(
@@ -203,7 +204,7 @@ def decoded(stub: pb_grpc.VerifierStub, request_id: str, prompt_ids: Sequence[in
     if first not in eos and params.max_tokens > 1:
         rounds = list(stub.Decode(pb.DecodeRequest(
             request_id=request_id, token_ids=[*prompt_ids, first], drafter=drafter, draft_length=DRAFT_LENGTH,
-            max_tokens=params.max_tokens - 1, eos_token_ids=eos)))
+            max_tokens=params.max_tokens - 1, eos_token_ids=eos, namespace=namespace)))
     for resp in rounds:
         assert not resp.state_lost
         tokens += [*resp.accepted, resp.bonus]
@@ -232,6 +233,37 @@ def test_decode_on_the_verifier_gives_the_single_process_loop(tiny):
         assert tokens == single_run(tiny, prompt(4), greedy, eos) and eos[0] in [*rounds[-1].accepted, rounds[-1].bonus]
         for request_id in ("s11", "s12", "g", "n", "e"):  # Decode leaves the request held, for more rounds
             assert stub.Release(pb.ReleaseRequest(request_id=request_id)).released
+
+
+def test_suffix_decode_on_the_verifier_gives_the_single_process_loop(tiny):
+    """The verifier's own rounds drafted by its suffix index (a namespace of their own): seeded
+    sampling draws exactly what the single-process loop draws with a fresh suffix drafter
+    (the same trees from the same text, one-hot q), and greedy gives its tokens."""
+    with served(VerifierEngine(tiny, max_len=64)) as stub:
+        for seed in (11, 12, None):
+            params = replace(SAMPLED, seed=seed) if seed else SamplingParams(max_tokens=30)
+            tokens, rounds = decoded(stub, f"x{seed}", prompt(seed or 4), params, drafter="suffix",
+                                     namespace=f"verifier-{seed}")
+            drafter = make_drafter("suffix", tiny, namespace=f"in-process-{seed}")
+            assert tokens == generate(tiny, prompt(seed or 4), params, drafter, DRAFT_LENGTH).token_ids, seed
+            assert sum(len(r.accepted) for r in rounds) > 0
+            assert all(r.drafted_depth <= min(r.drafted, DRAFT_LENGTH) for r in rounds)
+
+
+def test_the_verifiers_suffix_index_is_one_per_namespace():
+    """A request's text drafts for later requests of its memory namespace, not for another's:
+    a second request whose prompt is the first one's text cut short is drafted the rest of
+    it in the first one's namespace, and nothing in another (a vocabulary large enough that
+    a short text need not repeat itself)."""
+    greedy = SamplingParams(max_tokens=12)
+    with served(VerifierEngine(tiny_model(0, vocab_size=64), max_len=64)) as stub:
+        first = list(range(8, 16))
+        text, _ = decoded(stub, "a", first, greedy, drafter="suffix", namespace="a")
+        again = [*first, *text[:2]]  # greedy, it goes on as the first request's text did
+        _, same = decoded(stub, "b", again, greedy, drafter="suffix", namespace="a")
+        _, other = decoded(stub, "c", again, greedy, drafter="suffix", namespace="b")
+    assert same[0].drafted > 0 and same[0].accepted
+    assert other[0].drafted == 0
 
 
 def test_greedy_decode_on_the_verifier_equals_the_single_process_loop(smollm2):
@@ -377,7 +409,10 @@ def test_bad_input_is_invalid_argument_naming_the_field(tiny):
                                        "draft_length": 4, "max_tokens": 2, **fields})
 
         stream = lambda request: list(stub.Decode(request))  # noqa: E731
-        assert "pld" in invalid(stream, decode(drafter="suffix"), "drafter")
+        assert "pld" in invalid(stream, decode(drafter="layerskip"), "drafter")
+        invalid(stream, decode(drafter="suffix", max_nodes=-1), "max_nodes")
+        invalid(stream, decode(drafter="suffix", max_nodes=16), "max_nodes")
+        invalid(stream, decode(drafter="suffix", namespace="no spaces"), "namespace")
         invalid(stream, decode(draft_length=-1), "draft_length")
         invalid(stream, decode(draft_length=16), "draft_length")
         invalid(stream, decode(max_tokens=0), "max_tokens")

@@ -174,6 +174,7 @@ class VerifyOutcome:
     candidate_probs: torch.Tensor | None = None
     pass_shape: "PassShape | None" = None  # the forward pass it went into
     drafted: int = 0  # nodes of the tree it verified
+    drafted_depth: int = 0  # ... and its levels
 
 
 @dataclass(frozen=True)
@@ -529,7 +530,7 @@ class VerifierEngine:
             self._checkpoint(work.request_id, state)
             ids, probs = work.top or (None, None)
             outcome = VerifyOutcome(accepted, bonus, len(ready), self._waiting, len(self._requests), ids, probs,
-                                    shape, len(work.tree))
+                                    shape, len(work.tree), max(work.tree.depths, default=0))
             work.future.set_result(outcome)
             following = work.then(outcome) if work.then is not None else None
             if following is not None:

@@ -13,16 +13,16 @@ from protos import specserve_pb2_grpc as pb_grpc
 from protos.server import call_deadline, start_server
 from protos.convert import params_from_pb, tree_from_pb
 from speculative.cpu_tuning import own_torch_threads
-from speculative.ngram import lookup_draft
+from speculative.drafter_kinds import VERIFIER_DRAFTERS
+from speculative.namespaces import check_namespace
 from speculative.sampling import InvalidArgument
 from speculative.tree import DraftTree
 
+from .drafting import VerifierDrafting
 from .engine import (PrefillOutcome, ResourceExhausted, UnknownRequest, VerifierEngine, VerifyOutcome,
                      check_token_ids)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Verifier"].full_name
-# what Decode drafts with: drafters that need nothing but the request's own text
-DECODE_DRAFTERS = ("pld", "none")
 
 T = TypeVar("T")
 
@@ -50,6 +50,7 @@ def _parse_tree(msg: pb.DraftTree, vocab_size: int) -> DraftTree:
 class VerifierServicer(pb_grpc.VerifierServicer):
     def __init__(self, engine: VerifierEngine):
         self.engine = engine
+        self.drafting = VerifierDrafting(engine.vocab_size)  # what Decode rounds draft with
 
     def Prefill(self, request: pb.VerifierPrefillRequest,
                 context: grpc.ServicerContext) -> pb.VerifierPrefillResponse:
@@ -89,8 +90,9 @@ class VerifierServicer(pb_grpc.VerifierServicer):
 
         def tree() -> DraftTree:
             params = self.engine.sampling(request.request_id)  # None until the engine restores a checkpoint
-            depth = min(request.draft_length, left - 1) if request.drafter == "pld" and params else 0
-            return lookup_draft(tokens, depth, self.engine.vocab_size, params is None or params.deterministic)
+            depth = min(request.draft_length, left - 1) if params else 0
+            return self.drafting.tree(request.drafter, request.request_id, request.namespace, tokens, depth,
+                                      request.max_nodes, params is None or params.deterministic)
 
         def next_tree(out: VerifyOutcome) -> DraftTree | None:  # in the engine's worker, as a pass ends
             nonlocal left, rounds_left
@@ -106,7 +108,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         try:
             while (out := _checked(context, lambda: next(rounds, None))) is not None:
                 resp = _verdict(out)
-                resp.drafted = out.drafted
+                resp.drafted, resp.drafted_depth = out.drafted, out.drafted_depth
                 yield resp
         except UnknownRequest:
             yield pb.VerifyResponse(state_lost=True)
@@ -115,14 +117,18 @@ class VerifierServicer(pb_grpc.VerifierServicer):
 
     def _decode_tokens(self, request: pb.DecodeRequest) -> list[int]:
         """Decode's fields checked; its token_ids, to draft from."""
-        if request.drafter not in DECODE_DRAFTERS:
-            raise InvalidArgument("drafter", f"Decode drafts with {' or '.join(DECODE_DRAFTERS)}, "
-                                  f"not {request.drafter!r}")
+        if request.drafter not in VERIFIER_DRAFTERS:
+            raise InvalidArgument("drafter", f"Decode drafts with {', '.join(VERIFIER_DRAFTERS[:-1])} or "
+                                  f"{VERIFIER_DRAFTERS[-1]}, not {request.drafter!r}")
         if not 0 <= request.draft_length < self.engine.max_batch_tokens:
             raise InvalidArgument("draft_length", f"must be in [0, {self.engine.max_batch_tokens - 1}], "
                                   f"got {request.draft_length}")
         if request.max_tokens < 1:
             raise InvalidArgument("max_tokens", f"must be positive, got {request.max_tokens}")
+        if not 0 <= request.max_nodes < self.engine.max_batch_tokens:
+            raise InvalidArgument("max_nodes", f"must be in [0, {self.engine.max_batch_tokens - 1}], "
+                                  f"got {request.max_nodes}")
+        check_namespace(request.namespace)
         if request.max_rounds < 0:
             raise InvalidArgument("max_rounds", f"must be >= 0 (0: no limit), got {request.max_rounds}")
         if request.candidates and request.drafter != "none":
@@ -130,6 +136,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         return check_token_ids(request.token_ids, self.engine.vocab_size)
 
     def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseResponse:
+        self.drafting.release(request.request_id)
         return pb.ReleaseResponse(released=self.engine.release(request.request_id))
 
     def Stats(self, request: pb.VerifierStatsRequest, context: grpc.ServicerContext) -> pb.VerifierStatsResponse:
