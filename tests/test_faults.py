@@ -92,10 +92,12 @@ def aof_redis(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def app(aof_redis):
+    # only a pool drafts Token Recycling, so rounds go through the pool the campaign kills
+    # (the verifier drafts prompt lookup and suffix itself)
     cfg = ServeConfig.model_validate({
         "port": 0, "http": {"port": free_port()}, "routers": {"count": 2},
         "router": {"service_wait_s": 180},
-        "verifiers": {"max_len": 1024, "threads": 1}, "drafter_pools": {"kinds": ["pld", "suffix"]},
+        "verifiers": {"max_len": 1024, "threads": 1}, "drafter_pools": {"kinds": ["suffix", "recycle"]},
         "registry": {"heartbeat_s": 0.5, "service_ttl_s": 3.0},
         # Serve stops replicas gracefully only at teardown here (a killed one is replaced, not
         # stopped); after the faults a replica's drain still waited (up to the 60 s default) and
