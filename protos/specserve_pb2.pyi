@@ -175,10 +175,14 @@ class ProposeResponse(_message.Message):
     def __init__(self, tree: _Optional[_Union[DraftTree, _Mapping]] = ..., state_lost: _Optional[bool] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("request_id",)
+    __slots__ = ("request_id", "learn_token_ids", "namespace")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    LEARN_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+    learn_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    namespace: str
+    def __init__(self, request_id: _Optional[str] = ..., learn_token_ids: _Optional[_Iterable[int]] = ..., namespace: _Optional[str] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
     __slots__ = ("released",)

@@ -271,9 +271,14 @@ class Coordinator:
             raise DeadlineExceeded()
         return left
 
-    def release(self, stub, request_id: str) -> None:
+    def release(self, stub, request_id: str, learn: pb.ReleaseRequest | None = None) -> None:
+        """Release a request at a service (best effort), with what a verifier's suffix index is
+        to learn from it, if any (`learn`: a ReleaseRequest's learn_token_ids and namespace)."""
+        request = pb.ReleaseRequest(request_id=request_id)
+        if learn is not None:
+            request.MergeFrom(learn)
         try:
-            stub.Release(pb.ReleaseRequest(request_id=request_id), timeout=2.0)
+            stub.Release(request, timeout=2.0)
         except grpc.RpcError:
             pass  # best effort: idle timeouts reclaim what we could not release
 
@@ -293,8 +298,7 @@ class Coordinator:
                         yield new
                         if finish is not None or job.is_cancelled():
                             break  # closing `rounds` cancels a Decode call still running
-            if not req.own_rounds:  # else the pools were never asked: the verifier's index holds the text
-                req.drafting.give_output(job.prompt_ids + req.verified)
+            req.drafting.give_output(job.prompt_ids + req.verified)
         finally:
             stats.finish()
             req.release()
@@ -517,7 +521,10 @@ class _Request:
 
     def release(self) -> None:
         self.drafting.release()
-        self.verifier.release()
+        # the verifier's suffix index learns every suffix request's text, however its rounds
+        # were drafted (through the pools, pipelined), as the pools' index does (give_output)
+        learns = any(kind == "suffix" for kind, _ in self.job.drafters)
+        self.verifier.release(self.job.prompt_ids + self.verified if learns else None)
 
 
 class _Side:
@@ -561,10 +568,12 @@ class _VerifySide(_Side):
         with self.coord.row_line.place() as place:
             return self._prefill(place, tokens, candidates, reserve)
 
-    def release(self) -> None:
+    def release(self, text: list[int] | None = None) -> None:
+        """Release the request, its `text` (prompt and output) to the verifier's suffix index."""
         held = self.stub is not None
-        super().release()
         if held:
+            learn = None if text is None else pb.ReleaseRequest(learn_token_ids=text, namespace=self.job.namespace)
+            self.coord.release(self.stub, self.request_id, learn)
             self.coord.row_line.freed()
 
     def _prefill(self, place: Place, tokens: list[int], candidates: int, reserve: int) -> pb.VerifierPrefillResponse:

@@ -95,7 +95,7 @@ def test_verifier_drafted_rounds_give_the_targets_tokens_without_the_pool(target
                 assert stats.draft_tokens >= stats.accepted_draft_tokens > 0
             else:
                 assert stats.draft_tokens == 0 and stats.target_forward_passes == GREEDY.max_tokens
-    assert pool.proposals == 0 and pool.active_requests() == 0
+    assert pool.drafts == 0 and pool.active_requests() == 0  # (suffix learns each output: a Propose of 0)
 
 
 @pytest.mark.parametrize("second", ["layerskip", "recycle"])
@@ -243,19 +243,18 @@ def test_fused_rounds_on_the_verifier_give_hugging_faces_tokens(smollm2, hf_orac
 @pytest.mark.parametrize("drafter", ["pld", "suffix"])
 def test_seeded_sampling_is_what_the_round_by_round_path_draws(target, drafter):
     """The verifier's drafts are the pool's (the same lookup, n-gram sizes and lengths; the
-    same suffix trees from indexes that have learned the same text: each request in a fresh
-    namespace, on the verifier first), so a seeded request draws the same tokens either way."""
+    same suffix trees from indexes that have learned the same text: each path's in a fresh
+    namespace), so a seeded request draws the same tokens either way."""
     pool = CountingPool(target, kinds=["pld", "suffix"])
     with loopback(pool, VerifierEngine(target, max_batch=2, max_len=64)) as coordinator:
         for seed, prompt in enumerate(PROMPTS):
             params = SamplingParams(max_tokens=30, temperature=1.0, top_k=6, seed=seed)
-            fresh = dict(namespace=f"{drafter}-{seed}")
-            proposals = pool.proposals
+            drafts = pool.drafts
             on_verifier, stats = served(coordinator, dataclasses.replace(
-                job(prompt, params, drafter, verifier_drafting=True), **fresh))
-            assert pool.proposals == proposals and stats.accepted_draft_tokens > 0
+                job(prompt, params, drafter, verifier_drafting=True), namespace=f"{drafter}-{seed}-verifier"))
+            assert pool.drafts == drafts and stats.accepted_draft_tokens > 0
             by_rounds, _ = served(coordinator, dataclasses.replace(
-                job(prompt, params, drafter, verifier_drafting=False), **fresh))
+                job(prompt, params, drafter, verifier_drafting=False), namespace=f"{drafter}-{seed}-pool"))
             assert on_verifier == by_rounds and len(on_verifier) == params.max_tokens
 
 

@@ -254,7 +254,8 @@ def test_the_verifiers_suffix_index_is_one_per_namespace():
     """A request's text drafts for later requests of its memory namespace, not for another's:
     a second request whose prompt is the first one's text cut short is drafted the rest of
     it in the first one's namespace, and nothing in another (a vocabulary large enough that
-    a short text need not repeat itself)."""
+    a short text need not repeat itself). A text handed over at Release (a request whose
+    rounds were drafted elsewhere) is learned the same way."""
     greedy = SamplingParams(max_tokens=12)
     with served(VerifierEngine(tiny_model(0, vocab_size=64), max_len=64)) as stub:
         first = list(range(8, 16))
@@ -262,8 +263,16 @@ def test_the_verifiers_suffix_index_is_one_per_namespace():
         again = [*first, *text[:2]]  # greedy, it goes on as the first request's text did
         _, same = decoded(stub, "b", again, greedy, drafter="suffix", namespace="a")
         _, other = decoded(stub, "c", again, greedy, drafter="suffix", namespace="b")
+        stub.Release(pb.ReleaseRequest(request_id="d", learn_token_ids=[*first, *text], namespace="c"))
+        _, taught = decoded(stub, "e", again, greedy, drafter="suffix", namespace="c")
+        for field, bad in (("learn_token_ids", dict(learn_token_ids=[64])),
+                           ("namespace", dict(learn_token_ids=[1], namespace="no spaces"))):
+            with pytest.raises(grpc.RpcError) as info:
+                stub.Release(pb.ReleaseRequest(request_id="f", **bad))
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and info.value.details().startswith(field)
     assert same[0].drafted > 0 and same[0].accepted
     assert other[0].drafted == 0
+    assert taught[0].drafted > 0 and taught[0].accepted
 
 
 def test_greedy_decode_on_the_verifier_equals_the_single_process_loop(smollm2):

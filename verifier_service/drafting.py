@@ -1,7 +1,9 @@
 """What a verifier drafts with itself, round after round in a Decode call: prompt lookup
-over the request's own text, or a suffix index of the texts of the requests it drafted
-for, one index per memory namespace (speculative.namespaces), as a drafter pool keeps.
-Only speed depends on the index: verification alone decides the tokens."""
+over the request's own text, or a suffix index of its requests' texts, one index per
+memory namespace (speculative.namespaces), as a drafter pool keeps. The index learns the
+text of each round it drafts and, at Release, the rest of a request's text (`learn`: a
+request whose rounds were drafted in the pools). Only speed depends on the index:
+verification alone decides the tokens."""
 
 from __future__ import annotations
 
@@ -53,6 +55,11 @@ class VerifierDrafting:
             while len(self._feeds) > self.max_feeds:
                 self._feeds.popitem(last=False)
         return feed
+
+    def learn(self, request_id: str, namespace: str, tokens: Sequence[int]) -> None:
+        """The request's whole text into its namespace's index: what the request's rounds
+        drafted here have not fed yet (all of it, if none was drafted here)."""
+        self._feed(namespace, request_id).feed(self.indexes.get(namespace), tokens)
 
     def release(self, request_id: str) -> None:
         """Forget the request's feed (its text stays in the index)."""

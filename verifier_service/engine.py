@@ -116,15 +116,15 @@ class _CheckpointWriter:
                     pass
 
 
-def check_token_ids(token_ids: Sequence[int], vocab_size: int) -> list[int]:
-    """The tokens as a list; an InvalidArgument naming `token_ids` if there are none or one is
-    outside the vocabulary."""
+def check_token_ids(token_ids: Sequence[int], vocab_size: int, name: str = "token_ids") -> list[int]:
+    """The tokens as a list; an InvalidArgument naming the field (`name`) if there are none or
+    one is outside the vocabulary."""
     tokens = list(token_ids)
     if not tokens:
-        raise InvalidArgument("token_ids", "must not be empty")
+        raise InvalidArgument(name, "must not be empty")
     bad = next((t for t in tokens if not 0 <= t < vocab_size), None)
     if bad is not None:
-        raise InvalidArgument("token_ids", f"token {bad} is outside the vocabulary of {vocab_size}")
+        raise InvalidArgument(name, f"token {bad} is outside the vocabulary of {vocab_size}")
     return tokens
 
 

@@ -136,6 +136,12 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         return check_token_ids(request.token_ids, self.engine.vocab_size)
 
     def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseResponse:
+        if request.learn_token_ids:
+            def learn() -> None:
+                tokens = check_token_ids(request.learn_token_ids, self.engine.vocab_size, "learn_token_ids")
+                self.drafting.learn(request.request_id, check_namespace(request.namespace), tokens)
+
+            _checked(context, learn)
         self.drafting.release(request.request_id)
         return pb.ReleaseResponse(released=self.engine.release(request.request_id))
 
