@@ -271,12 +271,10 @@ class Coordinator:
             raise DeadlineExceeded()
         return left
 
-    def release(self, stub, request_id: str, learn: pb.ReleaseRequest | None = None) -> None:
-        """Release a request at a service (best effort), with what a verifier's suffix index is
-        to learn from it, if any (`learn`: a ReleaseRequest's learn_token_ids and namespace)."""
-        request = pb.ReleaseRequest(request_id=request_id)
-        if learn is not None:
-            request.MergeFrom(learn)
+    def release(self, stub, request_id: str, learn: Sequence[int] = (), namespace: str = DEFAULT_NAMESPACE) -> None:
+        """Release a request at a service (best effort); a verifier's suffix index of
+        `namespace` learns the text `learn` first, if any."""
+        request = pb.ReleaseRequest(request_id=request_id, learn_token_ids=learn, namespace=namespace)
         try:
             stub.Release(request, timeout=2.0)
         except grpc.RpcError:
@@ -524,7 +522,7 @@ class _Request:
         # the verifier's suffix index learns every suffix request's text, however its rounds
         # were drafted (through the pools, pipelined), as the pools' index does (give_output)
         learns = any(kind == "suffix" for kind, _ in self.job.drafters)
-        self.verifier.release(self.job.prompt_ids + self.verified if learns else None)
+        self.verifier.release(self.job.prompt_ids + self.verified if learns else ())
 
 
 class _Side:
@@ -568,12 +566,10 @@ class _VerifySide(_Side):
         with self.coord.row_line.place() as place:
             return self._prefill(place, tokens, candidates, reserve)
 
-    def release(self, text: list[int] | None = None) -> None:
+    def release(self, text: Sequence[int] = ()) -> None:
         """Release the request, its `text` (prompt and output) to the verifier's suffix index."""
-        held = self.stub is not None
-        if held:
-            learn = None if text is None else pb.ReleaseRequest(learn_token_ids=text, namespace=self.job.namespace)
-            self.coord.release(self.stub, self.request_id, learn)
+        if self.stub is not None:
+            self.coord.release(self.stub, self.request_id, text, self.job.namespace)
             self.coord.row_line.freed()
 
     def _prefill(self, place: Place, tokens: list[int], candidates: int, reserve: int) -> pb.VerifierPrefillResponse:
