@@ -42,14 +42,14 @@ class SuffixFeed:
 
     def __init__(self):
         self.stream = SuffixStream()
-        self.fed: list[int] = []  # the text fed so far (its length and last token say if it holds)
+        self.fed, self.last = 0, -1  # tokens fed so far and the last of them: whether a text continues it
 
     def feed(self, index: "SuffixIndex", known: Sequence[int]) -> None:
-        n = len(self.fed)
-        if len(known) < n or (n and known[n - 1] != self.fed[-1]):
-            self.stream, self.fed, n = SuffixStream(), [], 0
+        n = self.fed
+        if len(known) < n or (n and known[n - 1] != self.last):
+            self.stream, n = SuffixStream(), 0
         index.feed(self.stream, known[n:])
-        self.fed = list(known)
+        self.fed, self.last = len(known), (known[-1] if known else -1)
 
 
 class SuffixIndex:
