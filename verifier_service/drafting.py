@@ -65,7 +65,3 @@ class VerifierDrafting:
         """Forget the request's feed (its text stays in the index)."""
         with self._lock:
             self._feeds.pop(request_id, None)
-
-    def feeds(self) -> int:
-        with self._lock:
-            return len(self._feeds)
