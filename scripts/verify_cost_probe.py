@@ -9,8 +9,12 @@ A verification pass of B rows, one holding a draft of `nodes` tokens, costs
 token each (gives verify_row_cost), and the same rows with one of them holding
 the chain (what the draft adds beyond its tokens gives verify_pad_cost).
 Medians of `--repeats`, the four passes alternating within one run.
+`--curve N` also times one row with a chain of 0 to N nodes, alternating: on a
+CPU the cost is not linear in the nodes (the model's `verify_token_cost`
+averages it).
 
     python scripts/verify_cost_probe.py --rows 8 --nodes 5
+    python scripts/verify_cost_probe.py --rows 8 --nodes 5 --curve 15
 """
 
 from __future__ import annotations
@@ -34,11 +38,12 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, default=5)
     parser.add_argument("--context", type=int, default=400)
     parser.add_argument("--repeats", type=int, default=21)
+    parser.add_argument("--curve", type=int, default=0, help="also time one row with 0 to this many draft nodes")
     args = parser.parse_args()
     set_cpu_threads()
     m = LocalEngine.load().model
     rows, n = args.rows, args.context
-    cache = m.new_cache(n + args.nodes + 8, batch=rows)
+    cache = m.new_cache(n + max(args.nodes, args.curve) + 8, batch=rows)
     ids = (torch.arange(n) * 7 % 1000 + 100)[None].expand(rows, n)
     with torch.inference_mode():
         m(ids, torch.arange(n)[None].expand(rows, n), cache, attention_mask(0, causal_ancestors(n)).expand(rows, -1, -1))
@@ -64,6 +69,22 @@ def main() -> None:
           f"{rows} rows {full * 1e3:.1f} ms; with the draft in one of them {drafted * 1e3:.1f} ms "
           f"(medians of {args.repeats})")
     print(f"verify_row_cost {row_cost:.3f}  verify_token_cost {token_cost:.3f}  verify_pad_cost {pad_cost:.4f}")
+    if args.curve:
+        curve = one_row_curve(one_pass, args.curve, args.repeats)
+        print(f"one row, a chain of N nodes, in one-row, one-token passes (medians of {args.repeats}):")
+        print("  ".join(f"{nodes}: {t / curve[0]:.2f}" for nodes, t in enumerate(curve)))
+
+
+def one_row_curve(one_pass, most: int, repeats: int) -> list[float]:
+    """Median seconds of a one-row pass with a chain of 0, 1, ..., `most` nodes, alternating."""
+    drafts = [[int(t) for t in torch.arange(nodes) * 11 + 200] for nodes in range(most + 1)]
+    times: list[list[float]] = [[] for _ in drafts]
+    for i in range(repeats + 3):
+        for nodes, draft in enumerate(drafts):
+            t = one_pass(1, draft)
+            if i >= 3:  # warm-up
+                times[nodes].append(t)
+    return [statistics.median(t) for t in times]
 
 
 if __name__ == "__main__":
