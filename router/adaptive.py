@@ -41,9 +41,10 @@ paid for by its width above and credited here: any of its branches may carry
 the accepted path. It starts from `prior` (the drafter's reliability on the
 domain) as `prior_rounds` rounds' worth of evidence.
 When goodput says "do not speculate", every `probe_every`-th round still
-drafts one token, so a request whose text turns predictable gets drafts again,
-unless the load is such that even a drafter that is always right would not
-pay (with many requests each probing every 8th round, nearly every pass would
+drafts one token (counting every round a verifier's Decode call runs on one
+choice: `plain_rounds`), so a request whose text turns predictable gets
+drafts again, unless the load is such that even a drafter that is always
+right would not pay (with many requests each probing every 8th round, nearly every pass would
 be padded for somebody's probe).
 
 The confidence stop (SpecDec++) is the drafter's side of the same idea:
@@ -101,7 +102,7 @@ class SpeculationControl:
     pass_costs: "PassCostModel | None" = None
     _accepted: float = field(init=False, default=0.0)  # decayed accepted tokens
     _rejections: float = field(init=False, default=0.0)  # decayed rounds that ended in a rejection
-    _rounds: int = field(init=False, default=0)
+    _plain: int = field(init=False, default=0)  # rounds in a row with no draft
     _reuse: float = field(init=False, default=0.0)  # running share of pipelined rounds that reused their draft
 
     def __post_init__(self):
@@ -118,7 +119,6 @@ class SpeculationControl:
         """Draft tokens for the next round when `batch` requests share the verifier; drafted by
         the verifier itself (prompt lookup in a Decode call), the drafting costs nothing and
         asks nothing: only the pass weighs."""
-        self._rounds += 1
         a = self.acceptance
         batch, draft_cost, round_cost, width = max(batch, 1), self.draft_token_cost, self.draft_round_cost, self.width
         if drafted_by_verifier:
@@ -136,11 +136,19 @@ class SpeculationControl:
 
         lengths = range(self.max_length + 1)
         best = max(lengths, key=lambda k: (goodput(k, a), -k))
-        if best == 0 and self._rounds % self.probe_every == 0:
+        if best == 0:
+            self._plain += 1
             # probe, unless the load is such that even a drafter that is always right would not pay
-            if any(goodput(k, 1.0) > goodput(0, 1.0) for k in lengths[1:]):
-                return 1
+            if self._plain >= self.probe_every and any(goodput(k, 1.0) > goodput(0, 1.0) for k in lengths[1:]):
+                best = 1
+        if best:
+            self._plain = 0
         return best
+
+    def plain_rounds(self, rounds: int) -> None:
+        """`rounds` more rounds ran with no draft on the one choice of 0 `length` made (a
+        verifier's Decode call runs many): they count towards the next probe."""
+        self._plain += max(rounds, 0)
 
     def record(self, offered: int, accepted: int) -> None:
         """A round's verdict: the accepted path went `accepted` levels into the drafter's

@@ -396,10 +396,13 @@ class _Request:
             i = [k for k, _ in job.drafters].index(kind)
             control = self.controls[i] if self.controls else None
             length = job.draft_length if control is None else control.length(self.load, drafted_by_verifier=True)
+        # a verifier drafter's control that chose no draft: each of the call's rounds after the
+        # first, which its choice was for, counts towards its next probe (a probe here pays no hop)
+        undrafted = control if length == 0 else None
         if length == 0:
             kind, control = "none", None
         candidates = self.candidates if kind == "none" else 0  # the caller knows no drafted round's tree
-        started, root = time.monotonic(), context[-1]
+        started, root, rounds = time.monotonic(), context[-1], 0
         nodes = job.tree_nodes(length) if kind == "suffix" else 0
         for resp in self.verifier.decode(context, kind, length, nodes, job.params.max_tokens - len(self.verified),
                                          candidates):
@@ -416,6 +419,9 @@ class _Request:
                 control.observe_tree(resp.drafted, resp.drafted_depth)
             self.load = _load(resp)
             self.rnd += 1
+            if undrafted is not None and rounds:
+                undrafted.plain_rounds(1)
+            rounds += 1
             yield [*resp.accepted, resp.bonus]
 
     def plan(self) -> _Draft:

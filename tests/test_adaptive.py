@@ -114,6 +114,16 @@ def test_no_speculation_still_probes_now_and_then_unless_nothing_could_pay():
     assert [control.length(batch=64) for _ in range(8)] == [0] * 8
 
 
+def test_the_plain_rounds_of_one_choice_count_towards_the_next_probe():
+    """A verifier's Decode call runs many rounds on one choice of length: when it was 0,
+    those rounds count as rounds without a draft, so the next choice probes."""
+    control = SpeculationControl(max_length=5, prior=0.0, probe_every=8)
+    assert control.length() == 0
+    control.plain_rounds(15)  # the call's other rounds
+    assert control.length() == 1
+    assert [control.length() for _ in range(7)] == [0] * 7  # the probe (rejected or not yet heard) restarts the count
+
+
 def test_acceptance_recovers_when_the_text_turns_predictable():
     control = learned(0.0, rounds=10)
     assert control.length() == 0 or control.acceptance < 0.1

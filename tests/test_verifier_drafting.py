@@ -161,6 +161,27 @@ def test_rounds_whose_only_draft_is_prompt_lookup_run_on_the_verifier(target, mo
     assert stats.per_drafter["pld"].accepted == stats.accepted_draft_tokens > 0
 
 
+def test_rounds_on_the_verifier_with_no_draft_still_probe(target, monkeypatch):
+    """Prompt lookup whose control starts sure that no draft pays (prior 0): the first Decode
+    call runs its 16 rounds plain, and they count towards the control's next probe, so the
+    next call drafts again (one token), over a prompt that repeats itself. The output is
+    the target's."""
+    calls = []
+
+    def counted(self, request, context):
+        calls.append((request.drafter, request.draft_length))
+        yield from decode(self, request, context)
+
+    decode = VerifierServicer.Decode
+    monkeypatch.setattr(VerifierServicer, "Decode", counted)
+    lookup = dataclasses.replace(job([1, 2, 3, 4] * 4, GREEDY, "pld", True),
+                                 speculation=SpeculationControl(DRAFT_LENGTH, prior=0.0))
+    with loopback(CountingPool(target, kinds=["pld"]), VerifierEngine(target, max_batch=2, max_len=64)) as coordinator:
+        tokens, _ = served(coordinator, lookup)
+    assert tokens == generate(target, lookup.prompt_ids, GREEDY, None, 0, ()).token_ids
+    assert calls[0] == ("none", 0) and calls[1] == ("pld", 1)
+
+
 @pytest.mark.parametrize("verifier_drafting", [True, False])
 def test_a_drafted_rounds_verify_hop_counts_only_against_plain_rounds_on_the_verifier(
         target, monkeypatch, verifier_drafting):
