@@ -75,6 +75,21 @@ def lookup_and_recycling(pld: float, recycle: float, verifier_drafting: bool = T
                speculation=SpeculationControl(DRAFT_LENGTH), verifier_drafting=verifier_drafting)
 
 
+def decode_calls(monkeypatch, *fields: str) -> list:
+    """Each Decode call the verifier answers from now on, as its request's `fields` (a tuple,
+    or the value of a single field)."""
+    calls = []
+    decode = VerifierServicer.Decode
+
+    def counted(self, request, context):
+        values = tuple(getattr(request, name) for name in fields)
+        calls.append(values if len(values) > 1 else values[0])
+        yield from decode(self, request, context)
+
+    monkeypatch.setattr(VerifierServicer, "Decode", counted)
+    return calls
+
+
 def served(coordinator: Coordinator, j: Job) -> tuple[list[int], RoundStats]:
     stats = RoundStats()
     return [t for new in coordinator.run(j, stats) for t in new], stats
@@ -104,14 +119,7 @@ def test_rounds_no_drafter_is_asked_to_draft_are_plain_rounds_on_the_verifier(ta
     load makes no draft pay) decodes plainly on the verifier, not a router call a round; with
     a drafter that learns from the target's scores (recycle), those come back each round and
     are kept for it until it next drafts."""
-    calls = []
-
-    def counted(self, request, context):
-        calls.append((request.drafter, request.candidates))
-        yield from decode(self, request, context)
-
-    decode = VerifierServicer.Decode
-    monkeypatch.setattr(VerifierServicer, "Decode", counted)
+    calls = decode_calls(monkeypatch, "drafter", "candidates")
     observed = []
     keep = coordinator_module._DraftSide.observe
 
@@ -144,14 +152,7 @@ def test_rounds_whose_only_draft_is_prompt_lookup_run_on_the_verifier(target, mo
     drafter (one only a pool runs) none: prompt lookup is drafted on the verifier (Decode),
     the pool is never asked to draft and no round pays a Verify call's hop. The output is
     the target's."""
-    calls = []
-
-    def counted(self, request, context):
-        calls.append(request.drafter)
-        yield from decode(self, request, context)
-
-    decode = VerifierServicer.Decode
-    monkeypatch.setattr(VerifierServicer, "Decode", counted)
+    calls = decode_calls(monkeypatch, "drafter")
     pool = CountingPool(target, kinds=["pld", "recycle"])
     fused = lookup_and_recycling(pld=1.0, recycle=0.0)
     with loopback(pool, VerifierEngine(target, max_batch=2, max_len=64)) as coordinator:
@@ -166,14 +167,7 @@ def test_rounds_on_the_verifier_with_no_draft_still_probe(target, monkeypatch):
     call runs its 16 rounds plain, and they count towards the control's next probe, so the
     next call drafts again (one token), over a prompt that repeats itself. The output is
     the target's."""
-    calls = []
-
-    def counted(self, request, context):
-        calls.append((request.drafter, request.draft_length))
-        yield from decode(self, request, context)
-
-    decode = VerifierServicer.Decode
-    monkeypatch.setattr(VerifierServicer, "Decode", counted)
+    calls = decode_calls(monkeypatch, "drafter", "draft_length")
     lookup = dataclasses.replace(job([1, 2, 3, 4] * 4, GREEDY, "pld", True),
                                  speculation=SpeculationControl(DRAFT_LENGTH, prior=0.0))
     with loopback(CountingPool(target, kinds=["pld"]), VerifierEngine(target, max_batch=2, max_len=64)) as coordinator:
