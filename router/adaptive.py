@@ -44,8 +44,8 @@ When goodput says "do not speculate", every `probe_every`-th round still
 drafts one token (counting every round a verifier's Decode call runs on one
 choice: `plain_rounds`), so a request whose text turns predictable gets
 drafts again, unless the load is such that even a drafter that is always
-right would not pay (with many requests each probing every 8th round, nearly every pass would
-be padded for somebody's probe).
+right would not pay (with many requests each probing every 8th round,
+nearly every pass would be padded for somebody's probe).
 
 The confidence stop (SpecDec++) is the drafter's side of the same idea:
 `stop_confidence` goes with every Propose, and a model drafter ends its draft

@@ -402,10 +402,10 @@ class _Request:
         if length == 0:
             kind, control = "none", None
         candidates = self.candidates if kind == "none" else 0  # the caller knows no drafted round's tree
-        started, root, rounds = time.monotonic(), context[-1], 0
+        started, root = time.monotonic(), context[-1]
         nodes = job.tree_nodes(length) if kind == "suffix" else 0
-        for resp in self.verifier.decode(context, kind, length, nodes, job.params.max_tokens - len(self.verified),
-                                         candidates):
+        for n, resp in enumerate(self.verifier.decode(context, kind, length, nodes,
+                                                      job.params.max_tokens - len(self.verified), candidates)):
             self.stats.record_span("verify", self.rnd, started, started := time.monotonic())
             if candidates:
                 self.drafting.observe([root], resp)
@@ -419,9 +419,8 @@ class _Request:
                 control.observe_tree(resp.drafted, resp.drafted_depth)
             self.load = _load(resp)
             self.rnd += 1
-            if undrafted is not None and rounds:
+            if undrafted is not None and n:  # rounds after the first
                 undrafted.plain_rounds(1)
-            rounds += 1
             yield [*resp.accepted, resp.bonus]
 
     def plan(self) -> _Draft:

@@ -55,13 +55,15 @@ def main() -> None:
         return verify_pass_seconds(m, cache, items, n)
 
     cases = {"unit": (1, []), "alone": (1, chain), "rows": (rows, []), "draft": (rows, chain)}
-    times: dict[str, list[float]] = {name: [] for name in cases}
+    # the curve: one row with a chain of 1 to --curve nodes
+    cases |= {nodes: (1, [int(t) for t in torch.arange(nodes) * 11 + 200]) for nodes in range(1, args.curve + 1)}
+    times: dict[str | int, list[float]] = {name: [] for name in cases}
     for i in range(args.repeats + 3):
         for name, (batch, draft) in cases.items():
             t = one_pass(batch, draft)
             if i >= 3:  # warm-up
                 times[name].append(t)
-    unit, alone, full, drafted = (statistics.median(times[name]) for name in cases)
+    unit, alone, full, drafted = (statistics.median(times[name]) for name in ("unit", "alone", "rows", "draft"))
     row_cost = (full / unit - 1) / (rows - 1)
     token_cost = (alone / unit - 1) / args.nodes
     pad_cost = ((drafted - full) / unit / args.nodes - token_cost) / rows
@@ -70,21 +72,8 @@ def main() -> None:
           f"(medians of {args.repeats})")
     print(f"verify_row_cost {row_cost:.3f}  verify_token_cost {token_cost:.3f}  verify_pad_cost {pad_cost:.4f}")
     if args.curve:
-        curve = one_row_curve(one_pass, args.curve, args.repeats)
         print(f"one row, a chain of N nodes, in one-row, one-token passes (medians of {args.repeats}):")
-        print("  ".join(f"{nodes}: {t / curve[0]:.2f}" for nodes, t in enumerate(curve)))
-
-
-def one_row_curve(one_pass, most: int, repeats: int) -> list[float]:
-    """Median seconds of a one-row pass with a chain of 0, 1, ..., `most` nodes, alternating."""
-    drafts = [[int(t) for t in torch.arange(nodes) * 11 + 200] for nodes in range(most + 1)]
-    times: list[list[float]] = [[] for _ in drafts]
-    for i in range(repeats + 3):
-        for nodes, draft in enumerate(drafts):
-            t = one_pass(1, draft)
-            if i >= 3:  # warm-up
-                times[nodes].append(t)
-    return [statistics.median(t) for t in times]
+        print("  ".join(f"{nodes}: {statistics.median(times[nodes]) / unit:.2f}" for nodes in range(1, args.curve + 1)))
 
 
 if __name__ == "__main__":
