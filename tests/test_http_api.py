@@ -156,6 +156,18 @@ def test_text_completion_sync_stream_matches_the_whole_answer(client):
     assert parts[-1].choices[0].finish_reason == whole.choices[0].finish_reason
 
 
+def test_stop_string_ends_the_streamed_text_just_before_it(client):
+    kwargs = dict(model=MODEL, prompt="The three primary colors are", max_tokens=24, temperature=0)
+    whole = client.completions.create(**kwargs).choices[0].text
+    words = whole.split()
+    assert len(words) >= 4, whole
+    stop = " " + words[2]  # a stop string the greedy output holds, a few tokens in
+    assert whole.find(stop) > 0, whole
+    parts = list(client.completions.create(stream=True, stop=[stop, "never in it"], **kwargs))
+    assert "".join(p.choices[0].text for p in parts) == whole[:whole.find(stop)]
+    assert parts[-1].choices[0].finish_reason == "stop"
+
+
 def test_seeded_sampling_repeats_and_choices_differ(client):
     # the same seed draws the same tokens from the same drafts: a drafter that learns across
     # requests (or routing's exploration) drafts differently the second time, so pin one that does not
