@@ -57,9 +57,9 @@ class StreamingText:
             return
         context = self.decode(self.tokens[self._prefix:self._read]) if self._read > self._prefix else ""
         text = self.decode(self.tokens[self._prefix:])
-        if len(text) <= len(context) or (text.endswith("\ufffd") and not final):
+        if len(text) < len(context) or (text.endswith("\ufffd") and not final):
             return
-        self._decoded += text[len(context):]
+        self._decoded += text[len(context):]  # nothing, for tokens with no text (special ones)
         self._read = len(self.tokens)
         self._prefix = max(self._prefix, self._read - self.CONTEXT_TOKENS)
 

@@ -102,3 +102,18 @@ def test_a_stop_string_at_the_start_releases_nothing_of_it(tokenizer):
     text = StreamingText(tokenizer.decode, ["abcd"])
     out = "".join(text.add(tokenizer.encode(c, add_special_tokens=False)) for c in "abcd")
     assert out == "" and text.stopped
+
+
+def test_tokens_with_no_text_are_not_decoded_again(tokenizer):
+    """Special tokens decode to nothing (skipped): later rounds need not decode them again."""
+    lengths = []
+
+    def decode(ids):
+        lengths.append(len(ids))
+        return tokenizer.decode(ids)
+
+    end = tokenizer.encode("<|im_end|>", add_special_tokens=False)
+    assert tokenizer.decode(end) == ""
+    text = StreamingText(decode)
+    out = "".join(text.add(end) for _ in range(50)) + text.add(tokenizer.encode("ok", add_special_tokens=False))
+    assert out + text.finish() == "ok" and max(lengths) <= StreamingText.CONTEXT_TOKENS + 1
