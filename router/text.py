@@ -25,7 +25,7 @@ class StreamingText:
     def __init__(self, decode, stop: Sequence[str] = ()):
         self.decode, self.stop = decode, [s for s in stop if s]
         self.tokens: list[int] = []
-        self.sent = ""
+        self._released = 0  # characters of _decoded sent out
         self.stopped = False
         self._hold = max((len(s) for s in self.stop), default=1) - 1
         self._decoded = ""  # the text of tokens[:_read], each character complete
@@ -76,10 +76,6 @@ class StreamingText:
     def _release(self, end: int) -> str:
         """The text up to `end` not yet released. A stop string cannot start in text already
         released (as much as the longest could still become one is held back)."""
-        delta = self._decoded[len(self.sent):max(end, 0)]
-        self.sent += delta
+        delta = self._decoded[self._released:max(end, 0)]
+        self._released += len(delta)
         return delta
-
-    @property
-    def text(self) -> str:
-        return self.sent
