@@ -1,16 +1,19 @@
-"""Starting a local Ray cluster, once more when its first start stalls.
+"""Starting a local Ray cluster, again when a start stalls.
 
 Ray gives a starting raylet 30 s to register with the GCS (a constant in its code),
 and a starting GCS `RAY_gcs_server_port_wait_time_s` (30 s by default) to publish its
-port. Now and then, on a busy 2-core machine, the first start of a process does
-neither: a raylet or GCS that writes no log at all. The processes that start left
-behind are stopped (named in the warning, with how each ended, for diagnosis) and
-Ray starts again, once."""
+port. Now and then, on a busy 2-core machine, a start does neither: a raylet or GCS that
+writes no log at all, and sometimes twice in a row. The processes a stalled start left
+are stopped, each stall is described (what each process was doing, which of the
+session's logs exist) in a warning, and Ray starts again, up to `ATTEMPTS` times; the
+error after the last names every stall."""
 
 from __future__ import annotations
 
 import logging
 import os
+import time
+from pathlib import Path
 
 import psutil
 import ray
@@ -20,30 +23,69 @@ log = logging.getLogger(__name__)
 # what ray.init raises when the raylet did not register, or when a process it waits on (the GCS
 # first) did not publish its port in a file
 STALLED = ("timed out during startup", "Timed out waiting for file")
+ATTEMPTS = 3
+PAUSE_S = 5.0  # between attempts: what held up a start may be passing load
+
+
+class RayStartStalled(RuntimeError):
+    """Every attempt to start a local Ray cluster stalled."""
 
 
 def start_local_ray(**init_kwargs) -> None:
-    """`ray.init(**init_kwargs)` starting a new local cluster; a stalled start is retried once."""
+    """`ray.init(**init_kwargs)` starting a new local cluster; a stalled start is retried."""
     me = psutil.Process()
-    before = {p.pid for p in me.children(recursive=True)}
+    temp_dir = Path(init_kwargs.get("_temp_dir") or _default_temp_dir())
+    stalls: list[str] = []
+    for attempt in range(1, ATTEMPTS + 1):
+        before = {p.pid for p in me.children(recursive=True)}
+        sessions = _sessions(temp_dir)
+        try:
+            ray.init(**init_kwargs)
+            return
+        except Exception as e:  # Ray raises a bare Exception or a RuntimeError for these
+            if not any(marker in str(e) for marker in STALLED):
+                raise
+            left = [p for p in me.children(recursive=True) if p.pid not in before]
+            stalls.append(f"try {attempt}: {e} Left running: {', '.join(_describe(p) for p in left) or 'nothing'}. "
+                          f"{_session_logs(_sessions(temp_dir) - sessions)}")
+            log.warning("Ray's start stalled (%s); stopping what it left running and starting again", stalls[-1])
+            _stop(left)
+        if attempt < ATTEMPTS:
+            time.sleep(PAUSE_S)
+    raise RayStartStalled(f"Ray's local start stalled {ATTEMPTS} times: " + " | ".join(stalls))
+
+
+def _default_temp_dir() -> str:
     try:
-        ray.init(**init_kwargs)
-        return
-    except Exception as e:  # Ray raises a bare Exception or a RuntimeError for these
-        if not any(marker in str(e) for marker in STALLED):
-            raise
-        left = [p for p in me.children(recursive=True) if p.pid not in before]
-        log.warning("Ray's start stalled (%s); stopping what it left running (%s) and starting again",
-                    e, ", ".join(_describe(p) for p in left) or "nothing")
-        _stop(left)
-    ray.init(**init_kwargs)
+        from ray._common.utils import get_default_ray_temp_dir  # Ray's own rule (RAY_TMPDIR, TMPDIR)
+        return get_default_ray_temp_dir()
+    except ImportError:
+        return "/tmp/ray"
+
+
+def _sessions(temp_dir: Path) -> set[Path]:
+    try:
+        return {p for p in temp_dir.glob("session_2*") if p.is_dir()}
+    except OSError:
+        return set()
+
+
+def _session_logs(new: set[Path]) -> str:
+    """Which process logs the stalled start's session has (a process that opened none never really ran)."""
+    if not new:
+        return "No new session directory."
+    session = max(new, key=lambda p: p.stat().st_mtime)
+    logs = sorted(p.name for p in (session / "logs").glob("*.*") if p.is_file())
+    return f"Session {session.name} logs: {', '.join(logs) or 'none'}."
 
 
 def _describe(p: psutil.Process) -> str:
     try:
         if p.status() == psutil.STATUS_ZOMBIE:  # its command line is gone, its name is not
             return f"{p.name()} exited with {p.wait(0)}"
-        return f"{_name(p)} {p.status()}"
+        status = p.status()
+        waiting = f" in {_wchan(p.pid)}" if status in (psutil.STATUS_SLEEPING, psutil.STATUS_DISK_SLEEP) else ""
+        return f"{_name(p)} {status}{waiting} (threads: {p.num_threads()})"
     except psutil.Error:
         return f"pid {p.pid} gone"
 
@@ -54,6 +96,14 @@ def _name(p: psutil.Process) -> str:
     program = os.path.basename(args[0]) if args else p.name()
     script = next((a for a in args[1:] if a.endswith(".py")), None) if program.startswith("python") else None
     return os.path.basename(script) if script else program
+
+
+def _wchan(pid: int) -> str:
+    """The kernel function a sleeping process waits in (what a stalled process is stuck on)."""
+    try:
+        return Path(f"/proc/{pid}/wchan").read_text().strip() or "?"
+    except OSError:
+        return "?"
 
 
 def _stop(procs: list[psutil.Process]) -> None:

@@ -1,4 +1,4 @@
-"""A local Ray start that stalls is cleaned up and retried once (cluster.ray_start).
+"""A local Ray start that stalls is cleaned up and retried (cluster.ray_start).
 
 The stall itself (a raylet that never registers within Ray's fixed 30 s, a GCS that
 never publishes its port) cannot be made on demand, so ray.init is replaced: its first
@@ -22,6 +22,11 @@ GCS_STALL = RuntimeError("Timed out waiting for file /tmp/ray/session_2026-11-27
                          "gcs_server_port_e4c129ea29f1e22e629c930d5b83321d2bae77571b3791035ed96ec0")
 
 
+@pytest.fixture(autouse=True)
+def no_pause(monkeypatch):
+    monkeypatch.setattr(ray_start, "PAUSE_S", 0.0)
+
+
 def fake_init(outcomes: list):
     calls, children = [], []
 
@@ -42,19 +47,31 @@ def test_a_stalled_start_is_stopped_and_started_again(monkeypatch, caplog, stall
         ray_start.start_local_ray(num_cpus=2, namespace="x")
     assert calls == [{"num_cpus": 2, "namespace": "x"}] * 2
     assert children[0].poll() is not None, "the stalled start's process was left running"
-    assert "stalled" in caplog.text and "python" in caplog.text  # names what it stopped
+    # names what it stopped and what that was doing
+    assert "stalled" in caplog.text and "Left running: python " in caplog.text, caplog.text
 
 
-def test_a_second_stall_and_other_errors_are_raised(monkeypatch):
-    init, calls, children = fake_init([RAY_STALL, RAY_STALL])
-    monkeypatch.setattr(ray_start.ray, "init", init)
-    with pytest.raises(Exception, match="timed out during startup"):
-        ray_start.start_local_ray()
-    assert len(calls) == 2
-    for child in children:
-        child.kill()
-        child.wait()
+def test_every_try_stalling_is_raised_naming_each_stall(monkeypatch, tmp_path):
+    init, calls, children = fake_init([RAY_STALL, GCS_STALL, RAY_STALL])
 
+    def init_making_a_session(**kwargs):
+        session = tmp_path / f"session_2026-11-29_00-54-3{len(calls)}_447631_1" / "logs"
+        session.mkdir(parents=True)
+        (session / "gcs_server.out").write_text("")
+        init(**kwargs)
+
+    monkeypatch.setattr(ray_start.ray, "init", init_making_a_session)
+    with pytest.raises(ray_start.RayStartStalled) as info:
+        ray_start.start_local_ray(_temp_dir=str(tmp_path))
+    assert len(calls) == ray_start.ATTEMPTS == 3
+    message = str(info.value)
+    assert [f"try {n}:" in message for n in (1, 2, 3)] == [True] * 3, message
+    assert "timed out during startup" in message and "Timed out waiting for file" in message
+    assert "Session session_2026-11-29_00-54-30_447631_1 logs: gcs_server.out." in message  # the raylet wrote none
+    assert all(child.poll() is not None for child in children), "a stalled start's process was left running"
+
+
+def test_other_errors_are_raised_untouched(monkeypatch):
     init, calls, children = fake_init([ValueError("bad resources")])
     monkeypatch.setattr(ray_start.ray, "init", init)
     with pytest.raises(ValueError, match="bad resources"):
