@@ -55,8 +55,10 @@ after a token it drew with less confidence than that.
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -203,10 +205,14 @@ class DraftCostMemory:
     latest a request measured at its load rather than from nothing. Under load a drafted
     round's verify hop is most of a pass; without the memory each request would pay it in its
     first rounds to learn what the last one already knew. Keyed by load, so costs learned
-    in a burst do not stop drafting once the verifier is quiet. Thread-safe."""
+    in a burst do not stop drafting once the verifier is quiet. The router leaves out of a
+    request's routing a drafter that would not draft at all by these costs (`pays`): costs
+    older than `max_age_s` are forgotten there, so such a drafter is measured again now and
+    then. Thread-safe."""
 
-    def __init__(self):
-        self._costs: dict[tuple[str, int], tuple[float, float]] = {}
+    def __init__(self, max_age_s: float = 120.0, clock: Callable[[], float] = time.monotonic):
+        self.max_age_s, self._clock = max_age_s, clock
+        self._costs: dict[tuple[str, int], tuple[float, float, float]] = {}  # token, round costs; when
         self._lock = threading.Lock()
 
     def start(self, control: SpeculationControl, kind: str, load: int) -> None:
@@ -214,12 +220,27 @@ class DraftCostMemory:
         with self._lock:
             costs = self._costs.get((kind, load))
         if costs is not None and control.draft_token_cost == 0 and control.draft_round_cost == 0:
-            control.draft_token_cost, control.draft_round_cost = costs
+            control.draft_token_cost, control.draft_round_cost, _ = costs
 
     def remember(self, control: SpeculationControl, kind: str, load: int) -> None:
         """A control's costs after a round `kind` drafted at `load`."""
         with self._lock:
-            self._costs[(kind, load)] = (control.draft_token_cost, control.draft_round_cost)
+            self._costs[(kind, load)] = (control.draft_token_cost, control.draft_round_cost, self._clock())
+
+    def pays(self, control: SpeculationControl, kind: str, load: int) -> bool:
+        """Whether `kind` would draft at all at `load` for a request whose new control is
+        `control` (its prior the drafter's reliability), by what `kind` last cost at the
+        highest load up to `load` it drafted at within `max_age_s` (a drafted round's hop grows
+        with the load: costs from a lighter one are a lower bound); True when there is none:
+        only drafting measures it. Sets the control's costs."""
+        recent = self._clock() - self.max_age_s
+        with self._lock:
+            known = [n for (k, n), (_, _, when) in self._costs.items() if k == kind and n <= load and when >= recent]
+            costs = self._costs[(kind, max(known))] if known else None
+        if costs is None:
+            return True
+        control.draft_token_cost, control.draft_round_cost, _ = costs
+        return control.length(load) > 0
 
 
 class PassCostModel:

@@ -252,6 +252,15 @@ class Coordinator:
         # pools' prefills sent while the verifier prefills (`Job.prefill_pools_ahead`)
         self.pool_prefills = ThreadPoolExecutor(max_workers=POOL_PREFILL_THREADS, thread_name_prefix="pool-prefill")
         self.row_line = RowLine(SERVICE_POLL_S)  # prefills waiting for a verifier row, in arrival order
+        self._running = 0  # jobs running here now (`load`)
+        self._running_lock = threading.Lock()
+
+    def load(self) -> int:
+        """Requests sharing each verifier if a job started now: the jobs running here and the
+        new one, over the verifiers listed (the load that `draft_costs` are remembered at)."""
+        with self._running_lock:
+            running = self._running
+        return -(-(running + 1) // max(1, len(self.verifiers())))
 
     def learns_from_target(self, kind: str) -> bool:
         """Whether drafter `kind`'s pools are sent the target's scores at the positions it scored."""
@@ -284,6 +293,8 @@ class Coordinator:
         """Yield each round's newly verified tokens, recording into `stats`."""
         req = _Request(self, job, stats)
         finish = None
+        with self._running_lock:
+            self._running += 1
         try:
             while finish is None:
                 if job.is_cancelled():
@@ -298,6 +309,8 @@ class Coordinator:
                             break  # closing `rounds` cancels a Decode call still running
             req.drafting.give_output(job.prompt_ids + req.verified)
         finally:
+            with self._running_lock:
+                self._running -= 1
             stats.finish()
             req.release()
 

@@ -6,7 +6,7 @@ import math
 import threading
 import uuid
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 import grpc
 
@@ -14,7 +14,7 @@ from protos import specserve_pb2 as pb
 from protos import specserve_pb2_grpc as pb_grpc
 from protos.convert import params_from_pb
 from protos.server import call_deadline, start_server
-from speculative.drafter_kinds import check_drafter
+from speculative.drafter_kinds import VERIFIER_DRAFTERS, check_drafter
 from speculative.errors import PromptTooLong
 from speculative.namespaces import DEFAULT_NAMESPACE, Namespaces, check_namespace
 from speculative.sampling import InvalidArgument
@@ -135,22 +135,19 @@ class RouterServicer(pb_grpc.SpecserveServicer):
         if req.domain_hint and req.domain_hint not in DOMAINS:
             raise InvalidArgument("domain_hint", f"unknown domain {req.domain_hint!r}; known: {', '.join(DOMAINS)}")
         namespace = check_namespace(req.namespace)
-        domain, drafters = self._drafters(req, self._expertise_of(namespace))
+        pipelined = req.pipelined if req.HasField("pipelined") else cfg.pipelined
+        domain, drafters = self._drafters(req, self._expertise_of(namespace), pipelined)
         unserved = [d for d, _ in drafters if d != "none" and d not in cfg.routed_drafters]
         if req.drafter and cfg.routed_drafters and unserved:  # the pools would refuse it mid-request
             raise InvalidArgument("drafter", f"no drafter pool here serves {unserved[0]!r}; they serve "
                                              f"{', '.join(cfg.routed_drafters)}")
         if len(req.stop) > cfg.max_stop_strings or any(not s for s in req.stop):
             raise InvalidArgument("stop", f"at most {cfg.max_stop_strings} non-empty strings")
-        pipelined = req.pipelined if req.HasField("pipelined") else cfg.pipelined
         speculation = None
         if cfg.adaptive:
             # a routed drafter's reliability on the domain is the best first guess of its acceptance
             prior = drafters[0][1] if req.drafter == "" and cfg.default_drafter == "auto" else 0.5
-            speculation = SpeculationControl(cfg.draft_length, prior=prior, pipelined=pipelined,
-                                             verify_row_cost=cfg.verify_row_cost,
-                                             verify_token_cost=cfg.verify_token_cost, verify_pad_cost=cfg.verify_pad_cost,
-                                             pass_costs=self.coordinator.pass_costs)
+            speculation = self._control(prior, pipelined)
         return Job(request_id=req.request_id or uuid.uuid4().hex, prompt_ids=ids, params=params,
                    drafters=drafters, draft_length=cfg.draft_length, tree_budget=cfg.tree_budget,
                    vocab_size=cfg.vocab_size, eos_token_ids=cfg.eos_token_ids, domain=domain,
@@ -167,22 +164,44 @@ class RouterServicer(pb_grpc.SpecserveServicer):
     def _expertise_of(self, namespace: str) -> ExpertiseRouter | None:
         return None if self._expertise is None else self._expertise.get(namespace)
 
-    def _drafters(self, req: pb.GenerateRequest, expertise: ExpertiseRouter | None
+    def _control(self, prior: float, pipelined: bool) -> SpeculationControl:
+        """A new adaptive control with the configured costs, starting from acceptance `prior`."""
+        cfg = self.config
+        return SpeculationControl(cfg.draft_length, prior=prior, pipelined=pipelined,
+                                  verify_row_cost=cfg.verify_row_cost, verify_token_cost=cfg.verify_token_cost,
+                                  verify_pad_cost=cfg.verify_pad_cost, pass_costs=self.coordinator.pass_costs)
+
+    def _drafters(self, req: pb.GenerateRequest, expertise: ExpertiseRouter | None, pipelined: bool = False
                   ) -> tuple[str | None, tuple[tuple[str, float], ...]]:
         """The request's domain (None without an expertise router) and its (drafter, reliability)
         pairs, from the expertise statistics of its namespace."""
         drafter = req.drafter or self.config.default_drafter
         hint = req.domain_hint or None
         if drafter == "auto" and expertise is not None:  # else check_drafter refuses "auto"
-            route = expertise.route(_user_text(req), self.config.routed_drafters,
-                                    k=self.config.fused_drafters, hint=hint)
-            return route.domain, tuple((d, route.reliability[d]) for d in route.drafters)
+            domain = expertise.domain(_user_text(req), hint)
+            candidates = self._paying(self.config.routed_drafters, domain, expertise, pipelined)
+            return domain, tuple((d, expertise.reliability(d, domain))
+                                 for d in expertise.choose(domain, candidates, k=self.config.fused_drafters))
         check_drafter(drafter)
         domain = None if expertise is None else expertise.domain(_user_text(req), hint)
         if "+" in drafter:  # several pinned: each is asked by the coordinator, their trees fused
             kinds = tuple(dict.fromkeys(drafter.split("+")))
             return domain, tuple((k, 1.0 if domain is None else expertise.reliability(k, domain)) for k in kinds)
         return domain, ((drafter, 1.0),)  # alone: its reliability weighs nothing
+
+    def _paying(self, kinds: Sequence[str], domain: str, expertise: ExpertiseRouter, pipelined: bool) -> list[str]:
+        """The drafters "auto" routes a request among: `kinds` less those only a pool runs that,
+        at the load the request starts at and by what they last cost there, would not draft at
+        all (the pool's prefill of the request, and each probe's hop, would slow the batch for
+        nothing); all of `kinds` when that leaves none. Sequential rounds with adaptive lengths
+        only: what a drafter costs is remembered for those (`Coordinator.draft_costs`)."""
+        cfg = self.config
+        if not (cfg.adaptive and cfg.verifier_drafting) or pipelined:
+            return list(kinds)
+        load, costs = self.coordinator.load(), self.coordinator.draft_costs
+        paying = [kind for kind in kinds if kind in VERIFIER_DRAFTERS
+                  or costs.pays(self._control(expertise.reliability(kind, domain), pipelined), kind, load)]
+        return paying or list(kinds)
 
     # -- running ------------------------------------------------------------------
     def admit(self, api_key: str | None) -> Admission | None:

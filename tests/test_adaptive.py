@@ -6,14 +6,17 @@ import random
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+import numpy as np
 import pytest
 from prometheus_client import generate_latest
 
+from cluster.state import EmbeddedStateStore
 from drafter_service.pool import DrafterPool
 from loopback import loopback
 from protos import specserve_pb2 as pb
 from protos import specserve_pb2_grpc as pb_grpc
-from router.adaptive import PassCostModel, SpeculationControl, expected_tokens
+from router.adaptive import DraftCostMemory, PassCostModel, SpeculationControl, expected_tokens
+from router.expertise import ExpertiseRouter
 from router.servicer import RouterConfig, RouterServicer
 from router.servicer import serve as serve_router
 from tiny import TINY, tiny_model
@@ -264,3 +267,55 @@ def test_a_reported_pass_is_counted_in_one_row_one_token_passes():
         model.observe(("v", i), 1 + i % 4, 1 + i % 4, 1, 0.02 * (1 + 0.5 * (i % 4)))
     learned = SpeculationControl(5, pass_costs=model)
     assert learned.pass_units(3, 3, 1) == pytest.approx(2.0, rel=0.1)
+
+
+def test_a_drafter_pays_at_a_load_by_what_it_last_cost_there():
+    """`DraftCostMemory.pays`: unknown at a load, a drafter pays (only drafting measures it);
+    remembered, it pays if a request's control would draft at all with those costs."""
+    now = [0.0]
+    memory = DraftCostMemory(max_age_s=120.0, clock=lambda: now[0])
+    assert memory.pays(SpeculationControl(5, prior=0.6), "recycle", 8)
+    hop = SpeculationControl(5, prior=0.6, draft_round_cost=1.5)  # a drafted round's hop: 1.5 passes
+    memory.remember(hop, "recycle", 8)
+    assert not memory.pays(SpeculationControl(5, prior=0.6), "recycle", 8)
+    assert memory.pays(SpeculationControl(5, prior=0.6), "recycle", 1)  # a lighter load: not known there
+    assert not memory.pays(SpeculationControl(5, prior=0.6), "recycle", 9)  # a heavier one: at least that hop
+    memory.remember(SpeculationControl(5, draft_round_cost=0.05), "recycle", 1)
+    assert memory.pays(SpeculationControl(5, prior=0.6), "recycle", 1)
+    assert not memory.pays(SpeculationControl(5, prior=0.01), "recycle", 1)  # cheap, but never right
+    assert memory.pays(SpeculationControl(5, prior=0.6), "small-general", 8)  # kept per kind
+    now[0] = 121.0  # at load 8 too old: measured again; at load 1 as old, the same
+    assert memory.pays(SpeculationControl(5, prior=0.6), "recycle", 8)
+    assert memory.pays(SpeculationControl(5, prior=0.01), "recycle", 1)
+
+
+def test_auto_routes_no_pool_drafter_that_would_not_draft_at_the_load():
+    """Requests one at a time (load 1) through a real router, verifier and pool on loopback,
+    routed among prompt lookup (the verifier drafts it) and the recycling drafter (only the
+    pool runs it). Until the recycling drafter has drafted at load 1, "auto" may route it;
+    once a round there has shown its hop costs more than any draft could gain, it routes
+    prompt lookup only. Prompt lookup is never left out: it costs no hop."""
+    target = tiny_model(0)
+    pool, engine = DrafterPool(target, kinds=["pld", "recycle"]), VerifierEngine(target, max_batch=4, max_len=64)
+    config = RouterConfig(context_length=TINY.max_position_embeddings - 12, eos_token_ids=[],
+                          vocab_size=TINY.vocab_size, default_drafter="auto", routed_drafters=("pld", "recycle"),
+                          fused_drafters=1, draft_length=3, adaptive=True, verifier_drafting=True)
+    expertise = ExpertiseRouter(EmbeddedStateStore(), refresh_s=0, epsilon=0.0, rng=np.random.default_rng(0))
+    with loopback(pool, engine) as coordinator:
+        router, port = serve_router(RouterServicer(DigitTokenizer(), coordinator, config, expertise), "127.0.0.1", 0)
+        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        try:
+            stub = pb_grpc.SpecserveStub(channel)
+
+            def routed(n: int) -> list[str]:
+                return [stub.Generate(pb.GenerateRequest(prompt="1231231" + str(i), domain_hint="coding",
+                                                         sampling=pb.SamplingParams(max_tokens=8)),
+                                      timeout=60).usage.drafter for i in range(n)]
+
+            assert "recycle" in routed(8), "unmeasured, the pool's drafter was never routed"
+            coordinator.draft_costs.remember(SpeculationControl(3, draft_round_cost=50.0), "recycle", 1)
+            assert routed(8) == ["pld"] * 8
+            assert coordinator.load() == 1  # no request running: a new one would be alone
+        finally:
+            channel.close()
+            router.stop(None)
