@@ -155,7 +155,10 @@ class Channels:
     def get(self, address: str) -> grpc.Channel:
         with self._lock:
             if address not in self._channels:
-                channel = grpc.insecure_channel(address)
+                # a subchannel of its own: gRPC shares one per address between channels by default,
+                # with its reconnect backoff, so a channel made after `drop` would fail at once for a
+                # service restarted at the same address (or a new one on a reused port)
+                channel = grpc.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
                 if self._secret is not None:
                     channel = grpc.intercept_channel(channel, self._secret)
                 self._channels[address] = channel
