@@ -150,8 +150,13 @@ class ExpertiseRouter:
             a, b = self._posterior((drafter, domain))
         return a / (a + b)
 
-    def route(self, prompt: str, candidates: Sequence[str], k: int = 1, hint: str | None = None) -> Route:
+    def route(self, prompt: str, candidates: Sequence[str], k: int = 1, hint: str | None = None,
+              usable: Callable[[str, str], bool] | None = None) -> Route:
+        """`usable(drafter, domain)`: candidates for which it is False are left out, unless
+        that leaves none."""
         domain = self.domain(prompt, hint)
+        if usable is not None:
+            candidates = [c for c in candidates if usable(c, domain)] or list(candidates)
         drafters = self.choose(domain, candidates, k)
         return Route(domain, tuple(drafters), {d: self.reliability(d, domain) for d in drafters})
 

@@ -6,7 +6,7 @@ import math
 import threading
 import uuid
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator
 
 import grpc
 
@@ -178,10 +178,9 @@ class RouterServicer(pb_grpc.SpecserveServicer):
         drafter = req.drafter or self.config.default_drafter
         hint = req.domain_hint or None
         if drafter == "auto" and expertise is not None:  # else check_drafter refuses "auto"
-            domain = expertise.domain(_user_text(req), hint)
-            candidates = self._paying(self.config.routed_drafters, domain, expertise, pipelined)
-            return domain, tuple((d, expertise.reliability(d, domain))
-                                 for d in expertise.choose(domain, candidates, k=self.config.fused_drafters))
+            route = expertise.route(_user_text(req), self.config.routed_drafters, k=self.config.fused_drafters,
+                                    hint=hint, usable=self._draft_pays(expertise, pipelined))
+            return route.domain, tuple((d, route.reliability[d]) for d in route.drafters)
         check_drafter(drafter)
         domain = None if expertise is None else expertise.domain(_user_text(req), hint)
         if "+" in drafter:  # several pinned: each is asked by the coordinator, their trees fused
@@ -189,19 +188,18 @@ class RouterServicer(pb_grpc.SpecserveServicer):
             return domain, tuple((k, 1.0 if domain is None else expertise.reliability(k, domain)) for k in kinds)
         return domain, ((drafter, 1.0),)  # alone: its reliability weighs nothing
 
-    def _paying(self, kinds: Sequence[str], domain: str, expertise: ExpertiseRouter, pipelined: bool) -> list[str]:
-        """The drafters "auto" routes a request among: `kinds` less those only a pool runs that,
-        at the load the request starts at and by what they last cost there, would not draft at
-        all (the pool's prefill of the request, and each probe's hop, would slow the batch for
-        nothing); all of `kinds` when that leaves none. Sequential rounds with adaptive lengths
-        only: what a drafter costs is remembered for those (`Coordinator.draft_costs`)."""
+    def _draft_pays(self, expertise: ExpertiseRouter, pipelined: bool) -> Callable[[str, str], bool] | None:
+        """Whether "auto" may route a drafter on a domain: not one only a pool runs that, at the
+        load the request starts at and by what it last cost there, would not draft at all (the
+        pool's prefill of the request, and each probe's hop, would slow the batch for nothing).
+        Sequential rounds with adaptive lengths only: what a drafter costs is remembered for
+        those (`Coordinator.draft_costs`)."""
         cfg = self.config
         if not (cfg.adaptive and cfg.verifier_drafting) or pipelined:
-            return list(kinds)
+            return None
         load, costs = self.coordinator.load(), self.coordinator.draft_costs
-        paying = [kind for kind in kinds if kind in VERIFIER_DRAFTERS
-                  or costs.pays(self._control(expertise.reliability(kind, domain), pipelined), kind, load)]
-        return paying or list(kinds)
+        return lambda kind, domain: (kind in VERIFIER_DRAFTERS or costs.pays(
+            self._control(expertise.reliability(kind, domain), pipelined), kind, load))
 
     # -- running ------------------------------------------------------------------
     def admit(self, api_key: str | None) -> Admission | None:

@@ -206,6 +206,11 @@ def test_route_returns_top_k_with_reliability(classifier) -> None:
     assert route.reliability["good"] == pytest.approx(903 / 1004)
     assert router.reliability("unknown", "rag") == 0.75  # the prior's mean
     assert router.choose("rag", []) == []
+    # candidates the caller cannot use on the domain are left out, unless none would be left
+    route = router.route("Who wrote it?", ["bad", "good"], k=2, hint="rag", usable=lambda d, domain: d == "bad")
+    assert route.drafters == ("bad",)
+    assert set(router.route("Who wrote it?", ["bad", "good"], k=2, hint="rag",
+                            usable=lambda d, domain: False).drafters) == {"bad", "good"}
 
 
 def test_replicas_share_stats_through_the_store(store, classifier) -> None:
