@@ -60,6 +60,7 @@ class Outcome:
     drafter: str = ""  # the drafter(s) the server reported using
     passes: int = 0  # target forward passes
     draft_tokens: int = 0  # draft tokens the verifier scored
+    prompt_tokens: int = 0
 
 
 def schedule(requests: int, clients: int, rate: float, rng: random.Random) -> list[Arrival]:
@@ -110,7 +111,7 @@ def run_level(client: Client | HttpClient, arrivals: list[Arrival], prompts: lis
                                       max_tokens=max_tokens, drafter=drafter, namespace=namespace)
                 outcomes[a.index] = Outcome(time.perf_counter() - (start + a.at), len(out.token_ids),
                                             out.usage.drafter, out.usage.target_forward_passes,
-                                            out.usage.draft_tokens)
+                                            out.usage.draft_tokens, out.usage.prompt_tokens)
             except REQUEST_FAILED:
                 outcomes[a.index] = Outcome(None)  # counted as an error, the run goes on
             with lock:
@@ -119,7 +120,16 @@ def run_level(client: Client | HttpClient, arrivals: list[Arrival], prompts: lis
     clients = max(a.client for a in arrivals) + 1
     with ThreadPoolExecutor(max_workers=clients) as pool:
         list(pool.map(one_client, range(clients)))  # re-raises anything but a failed call
-    return [o for o in outcomes if o is not None], time.perf_counter() - start
+    return [o if o is not None else Outcome(None) for o in outcomes], time.perf_counter() - start
+
+
+def per_request(arrivals: Sequence[Arrival], outcomes: Sequence[Outcome]) -> list[dict]:
+    """Each request of a run, in order of arrival: which client sent it when, and what it took
+    (latency None: it failed). The slowest ones are what a run's p99 is made of."""
+    return [{"index": a.index, "client": a.client, "arrival_s": round(a.at, 3),
+             "latency_s": None if o.latency is None else round(o.latency, 3), "prompt_tokens": o.prompt_tokens,
+             "tokens": o.tokens, "passes": o.passes, "draft_tokens": o.draft_tokens, "drafter": o.drafter}
+            for a, o in zip(arrivals, outcomes)]
 
 
 def run_modes(client: Client | HttpClient, clients: int, arrivals: list[Arrival], prompts: list[str],
@@ -136,7 +146,8 @@ def run_modes(client: Client | HttpClient, clients: int, arrivals: list[Arrival]
         by_mode[mode] = {"api": api, "clients": clients, "run": run, "mode": mode,
                          **summarize([o.latency for o in done], sum(o.tokens for o in done), wall,
                                      len(outcomes) - len(done)),
-                         **_speculation(done), "served_by": sorted({o.drafter for o in done})}
+                         **_speculation(done), "served_by": sorted({o.drafter for o in done}),
+                         "per_request": per_request(arrivals, outcomes)}
     base = by_mode.get(BASELINE)
     for mode, row in by_mode.items():
         vs = base if mode != BASELINE else None

@@ -10,6 +10,7 @@ import json
 import random
 import statistics
 
+import numpy as np
 import pytest
 
 from bench import load
@@ -131,6 +132,13 @@ def test_load_run_against_a_real_router(server, replayed, tmp_path, capsys):
         else:
             assert r["tokens_per_pass"] >= 1.0 and r["draft_tokens_per_token"] >= 0.0
         assert (r["p99_ratio"] is None) == (mode == "none")
+        # every request, in order of arrival; its latencies are the ones the percentiles summarise
+        reqs = r["per_request"]
+        assert [q["index"] for q in reqs] == [0, 1, 2] and all(q["tokens"] == 4 for q in reqs)
+        assert [q["arrival_s"] for q in reqs] == sorted(q["arrival_s"] for q in reqs)
+        assert {q["client"] for q in reqs} == set(range(clients))
+        assert np.percentile([q["latency_s"] for q in reqs], 99) == pytest.approx(r["p99_s"], abs=2e-3)
+        assert all(q["prompt_tokens"] > 0 and q["passes"] >= 1 and q["drafter"] == r["served_by"][0] for q in reqs)
         if mode == "auto":
             assert r["p99_ratio"] == pytest.approx(r["p99_s"] / rows[(clients, "none")]["p99_s"], abs=2e-3)
     # both modes of a level replay the same arrivals and prompts; the order of modes alternates
