@@ -310,11 +310,14 @@ class Coordinator:
                         yield new
                         if finish is not None or job.is_cancelled():
                             break  # closing `rounds` cancels a Decode call still running
-            req.drafting.give_output(job.prompt_ids + req.verified)
         finally:
             with self._running_lock:
                 self._running -= 1
             stats.finish()
+            # here, not after the loop: a caller stops taking rounds at the last one, which
+            # closes this generator there
+            if finish is not None:
+                req.drafting.give_output(job.prompt_ids + req.verified)
             req.release()
 
 

@@ -1,36 +1,42 @@
-"""Suffix-trie drafting (SuffixDecoding): continue the text the way it went on
-after the same recent tokens, in any sequence seen before.
+"""Suffix drafting (SuffixDecoding): continue the text the way it went on after
+the same recent tokens, in any sequence seen before.
 
-The index holds every suffix, up to `depth` tokens, of the sequences added
-to it (prompts, earlier outputs), with counts. To draft, find the longest
-recent part of the context that the index knows, then expand the most
-frequent continuations best-first into a token tree. Model-free and cheap.
+The index keeps the sequences added to it (prompts, earlier outputs) and, for
+each of a few gram lengths, where every gram ended. To draft, find the longest
+recent part of the context (up to `depth` tokens) that a sequence holds with a
+token after it, count how the text went on after each place it did, and
+expand the most frequent continuations best-first into a token tree. Feeding
+a token costs a few dictionary appends, whatever the depths: the counts are
+made when a draft asks for them, from the places found. Model-free and cheap.
 """
 
 from __future__ import annotations
 
 import heapq
 import threading
+from array import array
 from itertools import count
 from typing import Sequence
 
 from .tree import DraftTree, one_hot
 
-
-class _Node:
-    __slots__ = ("children", "count")
-
-    def __init__(self):
-        self.children: dict[int, _Node] = {}
-        self.count = 0
+# Gram lengths whose ends are indexed, longest first: a draft looks its context's grams up
+# from the longest, and the first one found holds every place the longest match can be
+# (a match of 5 tokens ends with the 4-gram). More lengths find long matches among fewer
+# places; each costs every fed token one more append.
+GRAMS = (8, 4, 2, 1)
+# Places of one gram a draft looks at, the latest ones: a common gram (", the") ends at
+# thousands, and the latest few hundred say how the text goes on as well.
+MAX_PLACES = 128
+_POSITION_BITS = 32  # a place is (sequence << _POSITION_BITS) | position
 
 
 class SuffixStream:
-    """One growing sequence being fed into an index: the trie nodes its recent
-    windows have reached, so each new token costs O(window), not a rebuild."""
+    """One growing sequence being fed into an index: its place among the index's
+    sequences, and its last tokens, to feed again after the index starts afresh."""
 
     def __init__(self):
-        self.open: list[tuple[_Node, int]] = []  # (node, depth) of windows still growing
+        self.sequence = -1  # the index's number for it, in the index's current generation
         self.recent: list[int] = []  # last window's tokens, to re-feed after the index resets
         self.generation = -1
 
@@ -53,16 +59,20 @@ class SuffixFeed:
 
 
 class SuffixIndex:
-    """Counts of every window of up to `depth` + `max_draft` tokens of the sequences
-    fed to it: `depth` tokens to match the context on, `max_draft` to continue with.
-    Shared by many requests, so it is locked; past `max_nodes` it starts afresh."""
+    """The sequences fed to it and where each gram of `GRAMS` ended in them: `depth` tokens
+    at most to match the context on, `max_draft` to continue with. Shared by many requests,
+    so it is locked; past `max_tokens` tokens it starts afresh."""
 
-    def __init__(self, depth: int = 16, max_draft: int = 16, max_nodes: int = 500_000):
-        self.depth, self.max_draft, self.max_nodes = depth, max_draft, max_nodes
+    def __init__(self, depth: int = 16, max_draft: int = 16, max_tokens: int = 500_000):
+        if depth < 1 or max_draft < 1:
+            raise ValueError("depth and max_draft must be at least 1")
+        self.depth, self.max_draft, self.max_tokens = depth, max_draft, max_tokens
         self.window = depth + max_draft
-        self.root = _Node()
-        self.nodes = 0
+        self.grams = tuple(n for n in GRAMS if n <= depth)
+        self.tokens = 0  # fed since the index last started afresh
         self.generation = 0
+        self._sequences: list[list[int]] = []
+        self._ends: dict[int, int | array] = {}  # a gram's hash: the place right after it, or places, oldest first
         self._lock = threading.Lock()
 
     def add(self, tokens: Sequence[int]) -> None:
@@ -72,36 +82,57 @@ class SuffixIndex:
     def feed(self, stream: SuffixStream, tokens: Sequence[int]) -> None:
         """Append `tokens` to the sequence `stream` stands for."""
         with self._lock:
-            if self.nodes > self.max_nodes:
-                self.root, self.nodes, self.generation = _Node(), 0, self.generation + 1
+            if self.tokens > self.max_tokens:
+                self._sequences, self._ends, self.tokens = [], {}, 0
+                self.generation += 1
             if stream.generation != self.generation:  # new stream, or the index was reset
-                old, stream.open, stream.recent, stream.generation = stream.recent, [], [], self.generation
-                tokens = old + list(tokens)
+                tokens = stream.recent + list(tokens)
+                stream.sequence, stream.recent, stream.generation = len(self._sequences), [], self.generation
+                self._sequences.append([])
+            seq, ends, grams = self._sequences[stream.sequence], self._ends, self.grams
+            base = stream.sequence << _POSITION_BITS
             for tok in tokens:
-                stream.open.append((self.root, 0))  # a window starts at every token
-                still_open = []
-                for node, depth in stream.open:
-                    child = node.children.get(tok)
-                    if child is None:
-                        child = node.children[tok] = _Node()
-                        self.nodes += 1
-                    child.count += 1
-                    if depth + 1 < self.window:
-                        still_open.append((child, depth + 1))
-                stream.open = still_open
+                seq.append(tok)
+                end = len(seq)
+                place = base | end
+                for n in grams:
+                    if n <= end:
+                        key = hash(tuple(seq[end - n:]))
+                        found = ends.get(key)
+                        if found is None:  # most grams end once: a plain int until they end again
+                            ends[key] = place
+                        elif type(found) is int:
+                            ends[key] = array("q", (found, place))
+                        else:
+                            found.append(place)
+            self.tokens += len(tokens)
             stream.recent = (stream.recent + list(tokens))[-self.window:]
 
-    def _match(self, context: Sequence[int]) -> _Node | None:
-        """The node after the longest suffix of `context` (up to depth) that the index holds."""
-        for n in range(min(self.depth, len(context)), 0, -1):
-            node = self.root
-            for tok in context[len(context) - n:]:
-                node = node.children.get(tok)
-                if node is None:
-                    break
-            if node is not None and node.children:
-                return node
-        return None
+    def _places(self, context: Sequence[int]) -> list[tuple[list[int], int]]:
+        """Where the longest suffix of `context` (up to depth) that the index holds with a token
+        after it ends: (sequence, position of that token), among its latest MAX_PLACES."""
+        longest = min(self.depth, len(context))
+        for n in self.grams:
+            if n > longest:
+                continue
+            found = self._ends.get(hash(tuple(context[len(context) - n:])))
+            if found is None:
+                continue
+            matches = []
+            for place in (found,) if type(found) is int else found[-MAX_PLACES:]:
+                seq = self._sequences[place >> _POSITION_BITS]
+                end = place & ((1 << _POSITION_BITS) - 1)
+                if end >= len(seq):  # nothing after it yet
+                    continue
+                m = 0  # how far back the sequence matches the context (a hash collision: not n)
+                while m < min(longest, end) and seq[end - 1 - m] == context[len(context) - 1 - m]:
+                    m += 1
+                if m >= n:
+                    matches.append((m, seq, end))
+            if matches:
+                best = max(m for m, _, _ in matches)
+                return [(seq, end) for m, seq, end in matches if m == best]
+        return []
 
     def propose(self, context: Sequence[int], max_tokens: int, min_probability: float = 0.1,
                 max_depth: int | None = None) -> DraftTree:
@@ -110,33 +141,44 @@ class SuffixIndex:
         the empirical probability of each node's path (kept only while >= min_probability).
         A node's confidence is the empirical probability of its token after its parent."""
         tree = DraftTree()
+        if max_tokens <= 0:
+            return tree
+        depth = self.max_draft if max_depth is None else min(max_depth, self.max_draft)
         with self._lock:
-            start = self._match(context)
-            if start is None or max_tokens <= 0:
-                return tree
-            depth = self.max_draft if max_depth is None else min(max_depth, self.max_draft)
-            self._expand(tree, start, max_tokens, min_probability, depth)
+            places = self._places(context)
+            # how the text went on after each place: token -> [count, what followed it]
+            after: dict[int, list] = {}
+            for seq, end in places:
+                level = after
+                for tok in seq[end:end + depth]:
+                    entry = level.get(tok)
+                    if entry is None:
+                        entry = level[tok] = [0, {}]
+                    entry[0] += 1
+                    level = entry[1]
+        _expand(tree, after, max_tokens, min_probability, depth)
         return tree
 
-    def _expand(self, tree: DraftTree, start: _Node, max_tokens: int, min_probability: float,
-                max_depth: int) -> None:
-        tie = count()  # equal probabilities: first seen first
-        heap: list = []
 
-        def offer_children(node: _Node, prob: float, parent: int, depth: int) -> None:
-            if depth >= max_depth:
-                return
-            total = sum(c.count for c in node.children.values())
-            for tok, child in node.children.items():
-                p = prob * child.count / total
-                if p >= min_probability:
-                    heapq.heappush(heap, (-p, next(tie), tok, child.count / total, child, parent, depth + 1))
+def _expand(tree: DraftTree, after: dict[int, list], max_tokens: int, min_probability: float,
+            max_depth: int) -> None:
+    tie = count()  # equal probabilities: first seen first
+    heap: list = []
 
-        offer_children(start, 1.0, -1, 0)
-        while heap and len(tree) < max_tokens:
-            neg_p, _, tok, step, child, parent, depth = heapq.heappop(heap)
-            [node] = tree.add_chain([tok], under=parent, confidence=[step])
-            offer_children(child, -neg_p, node, depth)
+    def offer_children(children: dict[int, list], prob: float, parent: int, depth: int) -> None:
+        if depth >= max_depth or not children:
+            return
+        total = sum(n for n, _ in children.values())
+        for tok, (n, grandchildren) in children.items():
+            p = prob * n / total
+            if p >= min_probability:
+                heapq.heappush(heap, (-p, next(tie), tok, n / total, grandchildren, parent, depth + 1))
+
+    offer_children(after, 1.0, -1, 0)
+    while heap and len(tree) < max_tokens:
+        neg_p, _, tok, step, children, parent, depth = heapq.heappop(heap)
+        [node] = tree.add_chain([tok], under=parent, confidence=[step])
+        offer_children(children, -neg_p, node, depth)
 
 
 def suffix_draft(index: SuffixIndex, context: Sequence[int], nodes: int, depth: int, vocab_size: int,

@@ -19,7 +19,7 @@ from router.adaptive import DraftCostMemory, PassCostModel, SpeculationControl, 
 from router.expertise import ExpertiseRouter
 from router.servicer import RouterConfig, RouterServicer
 from router.servicer import serve as serve_router
-from tiny import TINY, tiny_model
+from tiny import TINY, DigitTokenizer, tiny_model
 from verifier_service.engine import VerifierEngine
 
 
@@ -207,16 +207,6 @@ def test_a_control_drafts_by_the_learned_costs():
     assert model.costs()[1] == pytest.approx(0.5, abs=0.05)
     after = control.length(batch=1)
     assert after == SpeculationControl(max_length=5, prior=0.7, verify_token_cost=0.5).length() < before
-
-
-class DigitTokenizer:
-    """Text of digits, one token each (mod the tiny vocabulary)."""
-
-    def encode(self, text: str) -> list[int]:
-        return [int(c) % TINY.vocab_size for c in text if c.isdigit()]
-
-    def decode(self, ids: list[int]) -> str:
-        return "".join(map(str, ids))
 
 
 def test_a_served_router_learns_from_each_verification_pass_once_and_exports_the_costs():

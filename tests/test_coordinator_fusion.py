@@ -40,7 +40,7 @@ from speculative.fusion import fuse
 from speculative.model import attention_mask, causal_ancestors
 from speculative.sampling import InvalidArgument, SamplingParams, make_generator, probabilities, sample
 from speculative.tree import DraftTree
-from tiny import TINY, tiny_model
+from tiny import TINY, DigitTokenizer, tiny_model
 from trees import path_to
 from verifier_service.engine import VerifierEngine
 
@@ -287,16 +287,6 @@ def test_a_failing_drafter_adds_nothing_and_the_others_go_on(target, services, f
     assert tokens == generate(target, PROMPTS[1], SamplingParams(max_tokens=MAX_TOKENS)).token_ids
     assert stats.per_drafter.pop("pld").proposed == 0
     assert all(s.proposed > 0 for s in stats.per_drafter.values())
-
-
-class DigitTokenizer:
-    """Text of digits 0-7, one token each: enough of a tokenizer for the tiny target."""
-
-    def encode(self, text: str) -> list[int]:
-        return [int(c) for c in text if c.isdigit() and int(c) < V]
-
-    def decode(self, ids: list[int]) -> str:
-        return "".join(map(str, ids))
 
 
 def test_a_routed_request_fuses_its_best_drafters_and_records_each(target, services, fused):

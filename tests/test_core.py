@@ -91,11 +91,11 @@ def test_suffix_stream_feeding_equals_whole_sequence_and_resets_when_full():
     stream = SuffixStream()
     for i in range(0, len(seq), 2):
         streamed.feed(stream, seq[i:i + 2])
-    assert whole.nodes == streamed.nodes
+    assert whole.tokens == streamed.tokens == len(seq)
     for ctx in ([5, 1], [2, 5], [3]):
         assert whole.propose(ctx, 5).tokens == streamed.propose(ctx, 5).tokens
-    small = SuffixIndex(depth=3, max_draft=3, max_nodes=10)
+    small = SuffixIndex(depth=3, max_draft=3, max_tokens=8)
     small_stream = SuffixStream()
     small.feed(small_stream, seq)
-    small.feed(small_stream, [7])  # over max_nodes: starts afresh from the stream's recent tokens
+    small.feed(small_stream, [7])  # over max_tokens: starts afresh from the stream's recent tokens
     assert small.generation == 1 and small.propose([5, 1], 3).tokens

@@ -286,7 +286,5 @@ def test_a_drafter_with_nothing_to_draft_is_not_called_but_the_suffix_index_lear
     # prefilled once, at the end, with everything: never during the rounds
     assert [n for rid, kind, n in pool.prefilled if rid == "quiet/suffix"] == [len(prompt) + len(tokens)]
     index = registry.memory(target).suffix_index()  # the default namespace's, which the request used
-    node = index.root  # every window of the fed sequence hangs off the root
-    for tok in prompt + tokens:
-        node = node.children.get(tok)
-        assert node is not None, "the suffix index never saw the request's output"
+    # after the whole prompt, which no other text holds, the index goes on with the output
+    assert index.propose(prompt, len(tokens)).tokens == tokens, "the suffix index never saw the request's output"

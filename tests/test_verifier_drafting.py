@@ -16,20 +16,26 @@ import math
 import threading
 import time
 
+import grpc
 import pytest
 import torch
 
+from drafter_service import registry
 from drafter_service.pool import DrafterPool
 from drafter_service.registry import make_drafter
 from loopback import loopback
 from oracle import MAX_TOKENS, PROMPTS as ORACLE_PROMPTS, near_tie_or_equal
 from router.adaptive import SpeculationControl
 import router.coordinator as coordinator_module
+from protos import specserve_pb2 as pb
+from protos import specserve_pb2_grpc as pb_grpc
 from router.coordinator import DECODE_ROUNDS, Channels, Coordinator, Job
+from router.servicer import RouterConfig, RouterServicer
+from router.servicer import serve as serve_router
 from router.stats import RoundStats
 from speculative.decoding import generate
 from speculative.sampling import SamplingParams
-from tiny import TINY, tiny_model
+from tiny import TINY, DigitTokenizer, tiny_model
 import verifier_service.engine as engine_module
 from verifier_service.engine import VerifierEngine
 from verifier_service.servicer import VerifierServicer
@@ -111,6 +117,29 @@ def test_verifier_drafted_rounds_give_the_targets_tokens_without_the_pool(target
             else:
                 assert stats.draft_tokens == 0 and stats.target_forward_passes == GREEDY.max_tokens
     assert pool.drafts == 0 and pool.active_requests() == 0  # (suffix learns each output: a Propose of 0)
+
+
+def test_a_served_request_drafted_on_the_verifier_teaches_the_pools_suffix_index_its_output(target):
+    """Through a router, a suffix request's rounds run on the verifier and never ask the pool;
+    once it ends, the pool's index (for rounds drafted there: pipelined, or fused with a
+    drafter only a pool runs) holds its whole text too."""
+    pool, engine = CountingPool(target, kinds=["pld", "suffix"]), VerifierEngine(target, max_batch=2, max_len=64)
+    config = RouterConfig(context_length=TINY.max_position_embeddings - 12, eos_token_ids=[], vocab_size=V,
+                          default_drafter="suffix", draft_length=DRAFT_LENGTH, verifier_drafting=True)
+    prompt = "70625143"  # no other test's text: only this request can teach the index to go on after it
+    with loopback(pool, engine) as coordinator:
+        router, port = serve_router(RouterServicer(DigitTokenizer(), coordinator, config, None), "127.0.0.1", 0)
+        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        try:
+            resp = pb_grpc.SpecserveStub(channel).Generate(pb.GenerateRequest(
+                prompt=prompt, sampling=pb.SamplingParams(max_tokens=8)), timeout=60)
+        finally:
+            channel.close()
+            router.stop(None)
+    output = list(resp.token_ids)
+    assert resp.usage.drafter == "suffix" and pool.drafts == 0 and len(output) == 8
+    index = registry.memory(target).suffix_index()
+    assert index.propose(DigitTokenizer().encode(prompt), 8).tokens == output
 
 
 @pytest.mark.parametrize("second", ["layerskip", "recycle"])

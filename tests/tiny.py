@@ -28,3 +28,14 @@ def tiny_model(seed: int, logit_scale: float = 1.0, max_positions: int = TINY.ma
             layer.mlp_norm.weight.fill_(1.0)
         model.norm.weight.fill_(logit_scale)
     return model.eval()
+
+
+class DigitTokenizer:
+    """Text of digits, one token each (mod the tiny vocabulary): enough of a tokenizer for a
+    router serving a tiny target."""
+
+    def encode(self, text: str) -> list[int]:
+        return [int(c) % TINY.vocab_size for c in text if c.isdigit()]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(map(str, ids))
