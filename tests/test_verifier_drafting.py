@@ -25,10 +25,10 @@ from drafter_service.pool import DrafterPool
 from drafter_service.registry import make_drafter
 from loopback import loopback
 from oracle import MAX_TOKENS, PROMPTS as ORACLE_PROMPTS, near_tie_or_equal
-from router.adaptive import SpeculationControl
-import router.coordinator as coordinator_module
 from protos import specserve_pb2 as pb
 from protos import specserve_pb2_grpc as pb_grpc
+from router.adaptive import SpeculationControl
+import router.coordinator as coordinator_module
 from router.coordinator import DECODE_ROUNDS, Channels, Coordinator, Job
 from router.servicer import RouterConfig, RouterServicer
 from router.servicer import serve as serve_router
