@@ -32,12 +32,13 @@ _POSITION_BITS = 32  # a place is (sequence << _POSITION_BITS) | position
 
 
 class SuffixStream:
-    """One growing sequence being fed into an index: its place among the index's
-    sequences, and its last tokens, to feed again after the index starts afresh."""
+    """One growing sequence being fed into an index: its number among the index's sequences
+    and its tokens (the index's own list of them), whose last ones are fed again after the
+    index starts afresh."""
 
     def __init__(self):
         self.sequence = -1  # the index's number for it, in the index's current generation
-        self.recent: list[int] = []  # last window's tokens, to re-feed after the index resets
+        self.tokens: list[int] = []
         self.generation = -1
 
 
@@ -86,10 +87,10 @@ class SuffixIndex:
                 self._sequences, self._ends, self.tokens = [], {}, 0
                 self.generation += 1
             if stream.generation != self.generation:  # new stream, or the index was reset
-                tokens = stream.recent + list(tokens)
-                stream.sequence, stream.recent, stream.generation = len(self._sequences), [], self.generation
-                self._sequences.append([])
-            seq, ends, grams = self._sequences[stream.sequence], self._ends, self.grams
+                tokens = stream.tokens[-self.window:] + list(tokens)
+                stream.sequence, stream.tokens, stream.generation = len(self._sequences), [], self.generation
+                self._sequences.append(stream.tokens)
+            seq, ends, grams = stream.tokens, self._ends, self.grams
             base = stream.sequence << _POSITION_BITS
             for tok in tokens:
                 seq.append(tok)
@@ -106,7 +107,6 @@ class SuffixIndex:
                         else:
                             found.append(place)
             self.tokens += len(tokens)
-            stream.recent = (stream.recent + list(tokens))[-self.window:]
 
     def _places(self, context: Sequence[int]) -> list[tuple[list[int], int]]:
         """Where the longest suffix of `context` (up to depth) that the index holds with a token
