@@ -21,6 +21,7 @@ import tempfile
 import time
 import uuid
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -300,132 +301,180 @@ def load_seconds(model: str | None, device: str = "cpu") -> dict[str, float]:
     return {"cold": round(cold, 2), "cached": round(cached, 2)}
 
 
-def run_bench(args) -> dict:
-    from speculative import loading
+@dataclass
+class Generation:
+    """One mode's answer to one question, timed."""
+    tokens: list[int]
+    seconds: float
+    passes: int | None = None  # target forward passes; None where the mode does not say
+    drafts: tuple[int, int] | None = None  # (draft tokens, accepted draft tokens)
 
+
+@dataclass
+class Runners:
+    """What runs the bench's modes: our engine in process, and where the modes ask for
+    them, Hugging Face, llama.cpp and a running server over gRPC and over HTTP."""
+    engine: LocalEngine
+    hf: HFRunner | None
+    llama: LlamaCppRunner | None
+    served: ServedRunner | None
+    http: ServedRunner | None
+
+    @classmethod
+    def start(cls, args, questions: list[dict], run_id: str) -> "Runners":
+        from speculative import loading
+
+        served = ServedRunner(args.server) if any(m.startswith(GRPC) for m in args.modes) else None
+        http = ServedRunner(args.http, http=True) if any(m.startswith(HTTP) for m in args.modes) else None
+        for mode in args.modes:  # untimed: the first request over each API pays for connecting and warming up
+            runner = http if mode.startswith(HTTP) else served if served_drafter(mode) is not None else None
+            if runner is None:
+                continue
+            try:
+                runner.client.generate(messages=[{"role": "user", "content": WARM_UP}], max_tokens=args.max_tokens,
+                                       drafter=served_drafter(mode), namespace=mode_namespace(run_id, mode, "warm-up"))
+            except REQUEST_FAILED as e:  # before loading anything: a wrong address fails at once
+                flag = f"--http {args.http}" if runner is http else f"--server {args.server}"
+                raise ValueError(f"{flag}: the warm-up request of mode {mode} failed: {e}") from e
+        engine = LocalEngine.load(args.model, args.device, args.dtype)
+        # the hf-* modes stay float32 whatever --dtype: they are the judge of float32 and the
+        # baseline the low-precision modes are measured against
+        source = loading.resolve_source(args.model)
+        hf = HFRunner(source, device=args.device) if HF_MODES & set(args.modes) else None
+        # llama.cpp: the GGUF as it is, threads as many as torch's here (LocalEngine.load set them),
+        # a context for the longest prompt, its answer and one more draft
+        llama = LlamaCppRunner(
+            source, args.modes, n_threads=torch.get_num_threads(), pld_tokens=args.draft_length,
+            eos=engine.tokenizer.eos_token_ids or engine.model.config.eos_token_ids,
+            n_ctx=max(len(engine.prompt_ids(q["turns"][0], chat=True)) for q in questions) + args.max_tokens
+            + args.draft_length + 1) if set(LLAMACPP_MODES) & set(args.modes) else None
+        return cls(engine, hf, llama, served, http)
+
+    def generate(self, args, mode: str, prompt: str, ids: list[int], params: SamplingParams,
+                 namespace: str) -> Generation:
+        if mode in HF_MODES:
+            return Generation(*self.hf.run(ids, params, mode))
+        if mode in LLAMACPP_MODES:
+            return Generation(*self.llama.run(ids, params, mode))
+        if served_drafter(mode) is not None:
+            runner = self.http if mode.startswith(HTTP) else self.served
+            return Generation(*runner.run(prompt, params, mode, namespace))
+        r = self.engine.run(Request(prompt, True, params, "none" if mode == "ar" else mode, args.draft_length,
+                                    getattr(args, "tree_budget", None), namespace,
+                                    getattr(args, "parallel_layers", None) or 1))
+        return Generation(r.token_ids, r.seconds, r.target_forward_passes,
+                          (r.draft_tokens, r.accepted_draft_tokens))
+
+
+class Tally:
+    """Per (mode, category): tokens, seconds, target passes, draft tokens and accepted ones,
+    summed over questions (a sum is None once any question's mode did not report it)."""
+
+    def __init__(self):
+        self.sums: dict[tuple[str, str], list] = defaultdict(lambda: [0, 0.0, 0, 0, 0])
+
+    def add(self, mode: str, category: str, tokens: int, seconds: float, passes: int | None,
+            drafts: tuple[int, int] | None) -> None:
+        for cat in (category, "overall"):
+            s = self.sums[(mode, cat)]
+            s[0] += tokens
+            s[1] += seconds
+            s[2] = None if passes is None or s[2] is None else s[2] + passes
+            s[3:] = [None, None] if drafts is None or s[3] is None else [s[3] + drafts[0], s[4] + drafts[1]]
+
+    def rows(self, modes: list[str]) -> list[dict]:
+        """The report's rows, by category then mode, with speedups against hf-ar's."""
+        rows = []
+        for cat in CATEGORIES + ["overall"]:
+            base = self.sums.get(("hf-ar", cat))
+            base_tps = base[0] / base[1] if base and base[1] else None
+            for mode in modes:
+                if (mode, cat) not in self.sums:
+                    continue
+                tokens, seconds, passes, drafted, accepted = self.sums[(mode, cat)]
+                tps = tokens / seconds if seconds else 0.0
+                rows.append({
+                    "mode": mode, "category": cat, "tokens_per_s": round(tps, 3),
+                    "mean_accepted_tokens": round(tokens / passes, 3) if passes else None,
+                    "acceptance_rate": round(accepted / drafted, 3) if drafted else None,
+                    "speedup_vs_hf_ar": round(tps / base_tps, 3) if base_tps else None,
+                    "generated_tokens": int(tokens),
+                })
+        return rows
+
+    def served_overhead(self, modes: list[str]) -> dict[str, float]:
+        """Per served mode whose drafter also ran in process: the extra wall milliseconds per
+        target pass (one round) of the served path over the in-process one."""
+        overall = {mode: v[:3] for (mode, cat), v in self.sums.items() if cat == "overall"}
+        overhead = {}
+        for mode in modes:
+            local = local_mode(mode)
+            if mode.startswith((SERVED, HTTP)) and local in overall:
+                (_, s_served, p_served), (_, s_local, p_local) = overall[mode], overall[local]
+                overhead[mode] = round(1000 * (s_served / p_served - s_local / p_local), 2)
+        return overhead
+
+
+def run_bench(args) -> dict:
     questions = load_questions(args.questions, args.limit_per_category)
     if not questions:
         raise ValueError(f"--questions: no questions in {args.questions}")
-    served = ServedRunner(args.server) if any(m.startswith(GRPC) for m in args.modes) else None
-    http = ServedRunner(args.http, http=True) if any(m.startswith(HTTP) for m in args.modes) else None
     # Each mode, and each repeat of it, drafts in a memory namespace of its own (suffix index,
     # recycling table, calibrations, expertise statistics; in process and served alike): one fed
     # by another mode's run of this very question would draft its answer from memory. Within
     # one, learning across questions stays, as in production.
     run_id = uuid.uuid4().hex[:8]
-    for mode in args.modes:  # untimed: the first request over each API pays for connecting and warming up
-        runner = http if mode.startswith(HTTP) else served if served_drafter(mode) is not None else None
-        if runner is not None:
-            try:
-                runner.client.generate(messages=[{"role": "user", "content": WARM_UP}], max_tokens=args.max_tokens,
-                                       drafter=served_drafter(mode),
-                                       namespace=mode_namespace(run_id, mode, "warm-up"))
-            except REQUEST_FAILED as e:  # before loading anything: a wrong address fails at once
-                flag = f"--http {args.http}" if runner is http else f"--server {args.server}"
-                raise ValueError(f"{flag}: the warm-up request of mode {mode} failed: {e}") from e
-    engine = LocalEngine.load(args.model, args.device, args.dtype)
-    # the hf-* modes stay float32 whatever --dtype: they are the judge of float32 and the
-    # baseline the low-precision modes are measured against
-    hf = HFRunner(loading.resolve_source(args.model), device=args.device) if HF_MODES & set(args.modes) else None
-    # llama.cpp: the GGUF as it is, threads as many as torch's here (LocalEngine.load set them),
-    # a context for the longest prompt, its answer and one more draft
-    llama = LlamaCppRunner(
-        loading.resolve_source(args.model), args.modes, n_threads=torch.get_num_threads(),
-        pld_tokens=args.draft_length, eos=engine.tokenizer.eos_token_ids or engine.model.config.eos_token_ids,
-        n_ctx=max(len(engine.prompt_ids(q["turns"][0], chat=True)) for q in questions) + args.max_tokens
-        + args.draft_length + 1) if set(LLAMACPP_MODES) & set(args.modes) else None
+    runners = Runners.start(args, questions, run_id)
     temperature = getattr(args, "temperature", 0.0)
-    # per (mode, category): tokens, seconds, target passes, draft tokens, accepted draft tokens;
-    # and output agreement with hf-ar
-    sums: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0, 0, 0, 0])
+    tally = Tally()
     same_as_hf: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     departures: dict[str, list[dict]] = defaultdict(list)  # mode: where its outputs leave hf-ar's
     per_request: dict[str, list[float]] = defaultdict(list)  # mode: seconds per question (median of repeats)
     outputs: dict[str, list[list[int]]] = defaultdict(list)  # mode: its tokens per question
     bar = tqdm(total=len(questions) * len(args.modes) * args.repeats, desc="bench", unit="gen")
     for qi, q in enumerate(questions):
-        ids = engine.prompt_ids(q["turns"][0], chat=True)
+        prompt = q["turns"][0]
+        ids = runners.engine.prompt_ids(prompt, chat=True)
         # sampled runs: one seed per question, the same for every mode
         params = SamplingParams(max_tokens=args.max_tokens, temperature=temperature,
                                 seed=None if temperature == 0 else getattr(args, "seed", 0) + qi)
         reference = None
         for mode in args.modes:
-            times, passes, tokens, drafts = [], None, None, None
+            times = []
             for repeat in range(args.repeats):
-                namespace = mode_namespace(run_id, mode, repeat)
-                if mode in HF_MODES:
-                    tokens, seconds = hf.run(ids, params, mode)
-                elif mode in LLAMACPP_MODES:
-                    tokens, seconds, passes, drafts = llama.run(ids, params, mode)
-                elif served_drafter(mode) is not None:
-                    runner = http if mode.startswith(HTTP) else served
-                    tokens, seconds, passes, drafts = runner.run(q["turns"][0], params, mode, namespace)
-                else:
-                    drafter = "none" if mode == "ar" else mode
-                    r = engine.run(Request(q["turns"][0], True, params, drafter, args.draft_length,
-                                           getattr(args, "tree_budget", None), namespace,
-                                           getattr(args, "parallel_layers", None) or 1))
-                    tokens, seconds, passes = r.token_ids, r.seconds, r.target_forward_passes
-                    drafts = (r.draft_tokens, r.accepted_draft_tokens)
-                times.append(seconds)
+                gen = runners.generate(args, mode, prompt, ids, params, mode_namespace(run_id, mode, repeat))
+                times.append(gen.seconds)
                 bar.update()
-            per_request[mode].append(statistics.median(times))
-            outputs[mode].append(tokens)
+            seconds = statistics.median(times)
+            per_request[mode].append(seconds)
+            outputs[mode].append(gen.tokens)
             if mode == "hf-ar":
-                reference = tokens
+                reference = gen.tokens
             elif reference is not None and temperature == 0:  # sampled runs differ by design
-                same_as_hf[mode][0] += tokens == reference
+                same_as_hf[mode][0] += gen.tokens == reference
                 same_as_hf[mode][1] += 1
-                if tokens != reference:  # untimed: where, and how close HF's own choice was there
+                if gen.tokens != reference:  # untimed: where, and how close HF's own choice was there
                     departures[mode].append({"question": qi, "category": q["bench_category"],
-                                             **departure(hf, ids, tokens, reference)})
-            for cat in (q["bench_category"], "overall"):
-                s = sums[(mode, cat)]
-                s[0] += len(tokens)
-                s[1] += statistics.median(times)
-                s[2] = None if passes is None or s[2] is None else s[2] + passes
-                s[3:] = [None, None] if drafts is None or s[3] is None else [s[3] + drafts[0], s[4] + drafts[1]]
+                                             **departure(runners.hf, ids, gen.tokens, reference)})
+            tally.add(mode, q["bench_category"], len(gen.tokens), seconds, gen.passes, gen.drafts)
     bar.close()
 
-    rows = []
-    for cat in CATEGORIES + ["overall"]:
-        base = sums.get(("hf-ar", cat))
-        base_tps = base[0] / base[1] if base and base[1] else None
-        for mode in args.modes:
-            if (mode, cat) not in sums:
-                continue
-            tokens, seconds, passes, drafted, accepted = sums[(mode, cat)]
-            tps = tokens / seconds if seconds else 0.0
-            rows.append({
-                "mode": mode, "category": cat, "tokens_per_s": round(tps, 3),
-                "mean_accepted_tokens": round(tokens / passes, 3) if passes else None,
-                "acceptance_rate": round(accepted / drafted, 3) if drafted else None,
-                "speedup_vs_hf_ar": round(tps / base_tps, 3) if base_tps else None,
-                "generated_tokens": int(tokens),
-            })
-    overall = {mode: v[:3] for (mode, cat), v in sums.items() if cat == "overall"}
-    overhead = {}
-    for mode in args.modes:
-        local = local_mode(mode)
-        if mode.startswith((SERVED, HTTP)) and local in overall:
-            # extra wall time per target pass (one round) of the served path over the in-process one
-            (_, s_served, p_served), (_, s_local, p_local) = overall[mode], overall[local]
-            overhead[mode] = round(1000 * (s_served / p_served - s_local / p_local), 2)
     report = {
         "command": "specserve " + " ".join(getattr(args, "argv", []) or []),
         "max_tokens": args.max_tokens, "limit_per_category": args.limit_per_category,
-        "draft_length": args.draft_length, "tree_budget": getattr(args, "tree_budget", None), "repeats": args.repeats, "torch_threads": torch.get_num_threads(),
-        "temperature": temperature,
+        "draft_length": args.draft_length, "tree_budget": getattr(args, "tree_budget", None),
+        "repeats": args.repeats, "torch_threads": torch.get_num_threads(), "temperature": temperature,
         "identical_to_hf_ar": {m: f"{a}/{n}" for m, (a, n) in same_as_hf.items()},
         "departures_from_hf_ar": dict(departures),
         "identical_to_ar": identical_to_ar(outputs, args.dtype, temperature),
-        "served_overhead_ms_per_round": overhead,
+        "served_overhead_ms_per_round": tally.served_overhead(args.modes),
         "overhead_per_request": api_overhead(per_request),
-        "results": rows,
+        "results": tally.rows(args.modes),
     }
-    if llama is not None:
-        report["llamacpp"] = llama.report(outputs, [q["bench_category"] for q in questions], args.dtype)
+    if runners.llama is not None:
+        report["llamacpp"] = runners.llama.report(outputs, [q["bench_category"] for q in questions], args.dtype)
     if args.micro:
+        engine = runners.engine
         report["forward_ms"] = forward_ms(engine)
         report["load_seconds"] = load_seconds(args.model, args.device)
         report["draft_token_ms"] = draft_token_ms(engine, [m for m in args.modes if m in MODEL_DRAFTERS],
