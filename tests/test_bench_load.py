@@ -177,6 +177,29 @@ def test_repeated_load_runs_each_get_their_own_prompts_and_the_verdict_is_their_
     assert f"p99 of auto / p99 of none = {ratios[1]:.2f}, median of 3 runs" in out.with_suffix(".md").read_text()
 
 
+def test_a_mode_named_twice_runs_twice_and_its_second_run_is_compared_with_its_first(server, replayed, tmp_path):
+    out = tmp_path / "load.json"
+    assert cli_main(["bench", "--load", "--server", server, "--questions", str(DEV_QUESTIONS),
+                     "--limit-per-category", "1", "--clients", "2", "--requests", "3", "--repeats", "2",
+                     "--rate", "20", "--max-tokens", "4", "--load-modes", "none", "auto", "none",
+                     "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["modes"] == ["none", "auto", "none#2"]
+    rows = report["results"]
+    assert [(r["run"], r["mode"]) for r in rows] == [(run, m) for run in (1, 2) for m in ("none", "auto", "none#2")]
+    # the second none is plain decoding too, replaying the same arrivals, in a namespace of its own
+    assert [d for d, _, _ in replayed] == ["none", "", "none", "none", "", "none"]
+    assert replayed[0][1:] == replayed[1][1:] == replayed[2][1:]
+    assert len(set(load.run_level.namespaces[:3])) == 3
+    for r in rows:
+        if r["mode"] == "none#2":
+            assert r["served_by"] == ["none"] and r["tokens_per_pass"] == 1.0
+            base = next(b for b in rows if b["run"] == r["run"] and b["mode"] == "none")
+            assert r["p99_ratio"] == pytest.approx(r["p99_s"] / base["p99_s"], abs=2e-3)
+    assert [m["mode"] for m in report["medians"]] == ["auto", "none#2"]
+    assert "p99 of none#2 / p99 of none" in out.with_suffix(".md").read_text()
+
+
 def test_the_http_client_gives_what_grpc_gives(server, http_server):
     """Same request, same tokens and usage: greedy by default (the HTTP API's own default
     is temperature 1), the drafter and namespace reach the router, the model is the listed one."""
