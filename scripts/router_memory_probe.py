@@ -5,6 +5,12 @@ streaming clients of random prompts, tracemalloc compared before and after
 (docs/RELIABILITY.md, Soak: the router's resident memory grows in the soak).
 
     python scripts/router_memory_probe.py --requests 1500
+
+With --rss, no tracemalloc: the process's resident size after every 500 requests, and
+--drafters picks the requests' drafters (`pld none`: no suffix index, which grows by
+design, in the pool):
+
+    python scripts/router_memory_probe.py --rss --requests 5000 --drafters pld none
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import grpc  # noqa: E402
+import psutil  # noqa: E402
 
 from drafter_service.pool import DrafterPool  # noqa: E402
 from loopback import loopback  # noqa: E402  (tests/loopback.py)
@@ -39,9 +46,13 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=1500)
     parser.add_argument("--warmup", type=int, default=400)
     parser.add_argument("--top", type=int, default=8)
+    parser.add_argument("--rss", action="store_true", help="the resident size every 500 requests, no tracemalloc")
+    parser.add_argument("--drafters", nargs="+", default=["pld", "suffix", "pld+suffix", ""],
+                        help="what the requests name as their drafter, one at random each")
     args = parser.parse_args()
     target = tiny_model(0)
-    pool, engine = DrafterPool(target, kinds=["pld", "suffix"]), VerifierEngine(target, max_batch=4, max_len=64)
+    kinds = sorted({k for d in args.drafters for k in d.split("+") if k and k != "none"} | {"pld"})
+    pool, engine = DrafterPool(target, kinds=kinds), VerifierEngine(target, max_batch=4, max_len=64)
     config = RouterConfig(context_length=TINY.max_position_embeddings - 12, eos_token_ids=[],
                           vocab_size=TINY.vocab_size, default_drafter="pld", draft_length=3, adaptive=True)
     rng = random.Random(0)
@@ -53,7 +64,7 @@ def main() -> None:
             def ask(_: int) -> None:
                 prompt = "".join(rng.choice("abcdefgh ") for _ in range(rng.randint(3, 20)))
                 req = pb.GenerateRequest(prompt=prompt, sampling=pb.SamplingParams(max_tokens=20),
-                                         drafter=rng.choice(["pld", "suffix", "pld+suffix", ""]))
+                                         drafter=rng.choice(args.drafters))
                 for _ in stub.GenerateStream(req):
                     pass
 
@@ -61,6 +72,14 @@ def main() -> None:
                 with ThreadPoolExecutor(8) as clients:
                     list(clients.map(ask, range(n)))
 
+            if args.rss:
+                process = psutil.Process()
+                for done in range(500, args.requests + 1, 500):
+                    run(500)
+                    gc.collect()
+                    print(f"{done} requests: {process.memory_info().rss / 1e6:.1f} MB", flush=True)
+                server.stop(None)
+                return
             run(args.warmup)
             gc.collect()
             tracemalloc.start(25)
