@@ -23,6 +23,7 @@ import uuid
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -314,6 +315,7 @@ class Generation:
 class Runners:
     """What runs the bench's modes: our engine in process, and where the modes ask for
     them, Hugging Face, llama.cpp and a running server over gRPC and over HTTP."""
+    args: Any  # the bench's arguments: draft length, tree budget, parallel layers
     engine: LocalEngine
     hf: HFRunner | None
     llama: LlamaCppRunner | None
@@ -348,10 +350,10 @@ class Runners:
             eos=engine.tokenizer.eos_token_ids or engine.model.config.eos_token_ids,
             n_ctx=max(len(engine.prompt_ids(q["turns"][0], chat=True)) for q in questions) + args.max_tokens
             + args.draft_length + 1) if set(LLAMACPP_MODES) & set(args.modes) else None
-        return cls(engine, hf, llama, served, http)
+        return cls(args, engine, hf, llama, served, http)
 
-    def generate(self, args, mode: str, prompt: str, ids: list[int], params: SamplingParams,
-                 namespace: str) -> Generation:
+    def generate(self, mode: str, prompt: str, ids: list[int], params: SamplingParams, namespace: str) -> Generation:
+        args = self.args
         if mode in HF_MODES:
             return Generation(*self.hf.run(ids, params, mode))
         if mode in LLAMACPP_MODES:
@@ -442,7 +444,7 @@ def run_bench(args) -> dict:
         for mode in args.modes:
             times = []
             for repeat in range(args.repeats):
-                gen = runners.generate(args, mode, prompt, ids, params, mode_namespace(run_id, mode, repeat))
+                gen = runners.generate(mode, prompt, ids, params, mode_namespace(run_id, mode, repeat))
                 times.append(gen.seconds)
                 bar.update()
             seconds = statistics.median(times)
