@@ -17,10 +17,11 @@ cluster is sampled (--sample-every): the actors come from the cluster (`ray.init
 the server's own cluster, found from the process that listens on the HTTP port; read
 only), their processes from psutil. Per actor: the RSS series, its least-squares slope
 in MB/min over the second half of the run (the first half is warm-up), and the slope of
-its high-water mark (the largest RSS so far) over the same half, which is what is
-flagged: above --max-slope MB/min or above --max-growth-pct % of its RSS per 10 minutes.
+its high-water mark (the largest RSS so far that it held for three samples in a row) over
+the same half, which is what is flagged: above --max-slope MB/min or above --max-growth-pct % of its RSS per 10 minutes.
 A leak raises the high-water mark as fast as the RSS; a process whose RSS goes up and
-down inside a band (a cache that is rebuilt, buffers that come and go) does not raise it,
+down inside a band (a cache that is rebuilt, buffers that come and go), or jumps for one
+sample (one large batch's scratch), does not raise it,
 though a least-squares line over a stretch of the band may slope steeply either way. The
 Ray processes of the node (raylet, GCS) and the `specserve serve` driver are sampled too.
 Alongside, the verifier rows held (the ingress's /metrics, which gathers every
@@ -449,6 +450,11 @@ def windows(records: list[dict[str, Any]], duration: float, width: float) -> lis
     return out
 
 
+# samples in a row a size must last to raise the high-water mark: a leak keeps what it takes,
+# a transient allocation (one large batch's scratch) gives it back
+HELD_SAMPLES = 3
+
+
 def slope_mb_per_min(t: list[float], y: list[float]) -> float | None:
     if len(t) < 3 or max(t) - min(t) <= 0:
         return None
@@ -458,17 +464,20 @@ def slope_mb_per_min(t: list[float], y: list[float]) -> float | None:
 def memory_report(mem: dict[str, dict[str, Any]], duration: float, max_slope: float,
                   max_growth_pct: float, noise_slope: float = 0.5) -> list[dict[str, Any]]:
     """Per process: RSS at the start, the half, the end of the load; over the second half the
-    slope of the RSS and of its high-water mark (the largest RSS since the start). Flagged when
+    slope of the RSS and of its high-water mark (the largest RSS since the start that it held
+    for HELD_SAMPLES samples in a row: one sample's spike is not growth). Flagged when
     the high-water mark rises faster than max_slope MB/min, or than max_growth_pct % of the
     RSS per 10 minutes unless under noise_slope MB/min (a small process's page-sized steps)."""
     rows = []
     for key, m in sorted(mem.items(), key=lambda kv: (kv[1]["class"], kv[0])):
         t, y = m["t"], m["rss_mb"]
         load = [(ti, yi) for ti, yi in zip(t, y) if ti <= duration + 1e-6]
-        highs = np.maximum.accumulate([yi for _, yi in load]).tolist() if load else []
-        half = [(ti, yi, hi) for (ti, yi), hi in zip(load, highs) if ti >= duration / 2]
+        held = [min(yi for _, yi in load[i:i + HELD_SAMPLES]) for i in range(len(load) - HELD_SAMPLES + 1)]
+        highs = np.maximum.accumulate(held).tolist() if held else []
+        half = [(ti, yi) for ti, yi in load if ti >= duration / 2]
+        half_highs = [(ti, hi) for (ti, _), hi in zip(load, highs) if ti >= duration / 2]
         slope = slope_mb_per_min([p[0] for p in half], [p[1] for p in half])
-        peak_slope = slope_mb_per_min([p[0] for p in half], [p[2] for p in half])
+        peak_slope = slope_mb_per_min([p[0] for p in half_highs], [p[1] for p in half_highs])
         mid = float(np.mean([p[1] for p in half])) if half else (y[-1] if y else 0.0)
         growth_pct = None if slope is None or mid <= 0 else slope * 10 / mid * 100  # % of RSS per 10 min
         peak_pct = None if peak_slope is None or mid <= 0 else peak_slope * 10 / mid * 100
@@ -534,7 +543,7 @@ def markdown(report: dict[str, Any]) -> str:
                  f"the second half, {c['duration_s'] / 2:.0f}-{c['duration_s']:.0f} s)")
     lines.append("")
     lines.append(f"Actors from the {report['actor_source']}. Flagged when the high-water mark (the largest "
-                 f"RSS so far) rises faster than {c['max_slope_mb_per_min']:g} MB/min, or than "
+                 f"RSS so far held for {HELD_SAMPLES} samples in a row) rises faster than {c['max_slope_mb_per_min']:g} MB/min, or than "
                  f"{c['max_growth_pct']:g} % of RSS per 10 min when over {c['noise_slope_mb_per_min']:g} MB/min.")
     lines.append("")
     lines.append("| process | pid | samples | start MB | half MB | end MB | after settle MB | slope MB/min | "

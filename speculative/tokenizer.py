@@ -8,12 +8,19 @@ from __future__ import annotations
 
 import json
 from datetime import datetime
+from functools import cached_property
 from pathlib import Path
 
 import jinja2
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
+
+
+# `tokenizers` keeps its BPE cache per thread, up to 10,000 words each: a server encoding on a pool
+# of threads keeps one per thread, each growing with its share of the text seen. Encoding without
+# it costs a fraction of a millisecond more a prompt (docs/RELIABILITY.md, run 7).
+BPE_CACHE_WORDS = 0
 
 
 def _token_text(value) -> str | None:
@@ -26,6 +33,9 @@ class Tokenizer:
     def __init__(self, directory: str | Path):
         directory = Path(directory)
         self._tok = _HFTokenizer.from_file(str(directory / "tokenizer.json"))
+        resize_cache = getattr(self._tok.model, "_resize_cache", None)  # BPE models have one
+        if resize_cache is not None:
+            resize_cache(BPE_CACHE_WORDS)
         cfg_path = directory / "tokenizer_config.json"
         cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
         template = cfg.get("chat_template")
@@ -54,9 +64,9 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
 
-    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        if not self.chat_template:
-            raise ValueError("this model has no chat template; send a plain prompt instead")
+    @cached_property
+    def _compiled_chat_template(self) -> jinja2.Template:
+        # compiled once: compiling takes longer than encoding the prompt; rendering is thread-safe
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
 
         def raise_exception(message):
@@ -64,7 +74,12 @@ class Tokenizer:
 
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        return env.from_string(self.chat_template).render(
+        return env.from_string(self.chat_template)
+
+    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        if not self.chat_template:
+            raise ValueError("this model has no chat template; send a plain prompt instead")
+        return self._compiled_chat_template.render(
             messages=messages, add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "", eos_token=self.eos_token or "")
 

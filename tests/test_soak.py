@@ -136,3 +136,11 @@ def test_windows_and_memory_slopes():
     climbing = dict(band, rss_mb=[y + ti / 60 * 30 for y, ti in zip(band["rss_mb"], t)])
     row = soak.memory_report({"d": climbing}, 120.0, 5.0, 1.0)[0]
     assert row["peak_slope_mb_per_min"] > 5.0 and row["flagged"]
+    # flat, but one sample 100 MB up late in the run (one large batch's scratch, given back): not growth
+    spike = dict(flat, rss_mb=[y + (100.0 if ti == 100 else 0.0) for y, ti in zip(flat["rss_mb"], t)])
+    row = soak.memory_report({"a": spike}, 120.0, 5.0, 1.0)[0]
+    assert row["peak_slope_mb_per_min"] < 0.5 and not row["flagged"]
+    # the same jump, kept: growth, flagged
+    step = dict(flat, rss_mb=[y + (100.0 if ti >= 100 else 0.0) for y, ti in zip(flat["rss_mb"], t)])
+    row = soak.memory_report({"a": step}, 120.0, 5.0, 1.0)[0]
+    assert row["flagged"]
