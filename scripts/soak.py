@@ -18,12 +18,12 @@ the server's own cluster, found from the process that listens on the HTTP port; 
 only), their processes from psutil. Per actor: the RSS series, its least-squares slope
 in MB/min over the second half of the run (the first half is warm-up), and the slope of
 its high-water mark (the largest RSS so far that it held for three samples in a row) over
-the same half, which is what is flagged: above --max-slope MB/min or above --max-growth-pct % of its RSS per 10 minutes.
-A leak raises the high-water mark as fast as the RSS; a process whose RSS goes up and
-down inside a band (a cache that is rebuilt, buffers that come and go), or jumps for one
-sample (one large batch's scratch), does not raise it,
-though a least-squares line over a stretch of the band may slope steeply either way. The
-Ray processes of the node (raylet, GCS) and the `specserve serve` driver are sampled too.
+the same half, which is what is flagged: above --max-slope MB/min or above
+--max-growth-pct % of its RSS per 10 minutes. A leak raises the high-water mark as fast
+as the RSS; a process whose RSS goes up and down inside a band (a cache that is rebuilt,
+buffers that come and go), or jumps for one sample (one large batch's scratch), does not
+raise it, though a least-squares line over a stretch of the band may slope steeply either
+way. The Ray processes of the node (raylet, GCS) and the `specserve serve` driver are sampled too.
 Alongside, the verifier rows held (the ingress's /metrics, which gathers every
 service's) and the state store's checkpoints.
 
@@ -543,7 +543,8 @@ def markdown(report: dict[str, Any]) -> str:
                  f"the second half, {c['duration_s'] / 2:.0f}-{c['duration_s']:.0f} s)")
     lines.append("")
     lines.append(f"Actors from the {report['actor_source']}. Flagged when the high-water mark (the largest "
-                 f"RSS so far held for {HELD_SAMPLES} samples in a row) rises faster than {c['max_slope_mb_per_min']:g} MB/min, or than "
+                 f"RSS so far held for {HELD_SAMPLES} samples in a row) rises faster than "
+                 f"{c['max_slope_mb_per_min']:g} MB/min, or than "
                  f"{c['max_growth_pct']:g} % of RSS per 10 min when over {c['noise_slope_mb_per_min']:g} MB/min.")
     lines.append("")
     lines.append("| process | pid | samples | start MB | half MB | end MB | after settle MB | slope MB/min | "
