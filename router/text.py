@@ -10,7 +10,7 @@ class StreamingText:
 
     Held back: a trailing partial UTF-8 character, and as many characters as
     could still turn into a stop string. The text ends before the first stop
-    string.
+    string to be completed.
 
     Each round costs the same however long the output is: only the tokens since
     the last complete character are decoded again (from a few tokens before
@@ -64,14 +64,16 @@ class StreamingText:
         self._prefix = max(self._prefix, self._read - self.CONTEXT_TOKENS)
 
     def _first_stop(self) -> int:
-        """Where the first stop string starts in `_decoded`, or -1; the text it has searched is
-        not searched again but for a stop string's length less one before its end."""
+        """Where the first stop string to be completed starts in `_decoded`, or -1: the one
+        ending first, and of those ending there the longest, as if the text came a character
+        at a time, so that how the tokens came in rounds changes nothing. The text it has
+        searched is not searched again but for a stop string's length less one before its end."""
         if not self.stop:
             return -1
         start = max(0, self._searched - self._hold)
-        cut = min((i for i in (self._decoded.find(s, start) for s in self.stop) if i >= 0), default=-1)
         self._searched = len(self._decoded)
-        return cut
+        found = [(i + len(s), i) for i, s in ((self._decoded.find(s, start), s) for s in self.stop) if i >= 0]
+        return min(found)[1] if found else -1
 
     def _release(self, end: int) -> str:
         """The text up to `end` not yet released. A stop string cannot start in text already
