@@ -22,27 +22,15 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
+
 SERVING_LINE = "serving on"
 
 
 def descendants(root: int) -> list[int]:
-    """`root` and every process under it, from /proc."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                parent = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(parent, []).append(int(entry))
-    found, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        found.append(pid)
-        todo.extend(children.get(pid, []))
-    return found
+    """`root` and every process under it."""
+    proc = psutil.Process(root)
+    return [root, *(child.pid for child in proc.children(recursive=True))]
 
 
 def pin_all_but(root: int, keep_core: int, to_core: int) -> list[str]:
@@ -57,7 +45,7 @@ def pin_all_but(root: int, keep_core: int, to_core: int) -> list[str]:
                 os.sched_setaffinity(int(tid), {to_core})
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 moved.append(f.read().replace(b"\0", b" ").decode(errors="replace")[:60])
-        except (OSError, ProcessLookupError):
+        except (OSError, psutil.Error):
             continue  # a process that ended meanwhile
     return moved
 
@@ -89,7 +77,7 @@ def main() -> None:
     parser.add_argument("--out-dir", type=Path, required=True)
     parser.add_argument("--start-timeout", type=float, default=300.0)
     args = parser.parse_args()
-    if len(os.sched_getaffinity(0)) < 2 or not {0, 1} <= os.sched_getaffinity(0):
+    if not {0, 1} <= os.sched_getaffinity(0):
         sys.exit("own_core_served: needs cores 0 and 1")
     args.out_dir.mkdir(parents=True, exist_ok=True)
     log = open(args.out_dir / "serve.log", "w")

@@ -24,10 +24,10 @@ def load():
     return module
 
 
-def children_of(pid: int, want: int, timeout: float = 10.0) -> list[int]:
+def children_of(script, pid: int, want: int, timeout: float = 10.0) -> list[int]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        found = [p for p in load().descendants(pid) if p != pid]
+        found = script.descendants(pid)[1:]
         if len(found) >= want:
             return found
         time.sleep(0.05)
@@ -44,7 +44,7 @@ def test_only_the_server_tree_moves_and_the_verifier_core_stays():
         "time.sleep(30)\n")])
     bystander = subprocess.Popen(["sleep", "30"])
     try:
-        kids = children_of(server.pid, 2)
+        kids = children_of(script, server.pid, 2)
         pinned = [p for p in kids if os.sched_getaffinity(p) == {0}]
         free = [p for p in kids if p not in pinned]
         assert len(pinned) == 1 and len(free) == 1
@@ -59,7 +59,7 @@ def test_only_the_server_tree_moves_and_the_verifier_core_stays():
         assert os.sched_getaffinity(bystander.pid) == before
         assert os.sched_getaffinity(0) >= {0, 1}  # the caller itself is not moved
     finally:
-        for p in load().descendants(server.pid)[1:]:
+        for p in script.descendants(server.pid)[1:]:
             try:
                 os.kill(p, 9)
             except ProcessLookupError:
