@@ -322,10 +322,11 @@ def cmd_serve(args) -> int:
     if cfg.verifiers.tensor_parallel > 1:  # a count the model cannot take fails here, not in every verifier
         from cluster.env import cache_dir_from_env
         from speculative.loading import load_tokenizer
-        from speculative.tp import check_tp
+        from verifier_service.tp_group import check_precision
 
         try:
-            check_tp(load_tokenizer(cfg.model, cache_dir=cache_dir_from_env())[1], cfg.verifiers.tensor_parallel)
+            check_precision(load_tokenizer(cfg.model, cache_dir=cache_dir_from_env())[1],
+                            cfg.verifiers.tensor_parallel, cfg.dtype)
         except InvalidArgument as e:
             raise InvalidArgument("verifiers.tensor_parallel", str(e).split(": ", 1)[1]) from None
     from cluster.env import cluster_secret_from_env

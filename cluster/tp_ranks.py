@@ -48,13 +48,13 @@ class ServedRanks:
 
     def __init__(self, cfg: ServeConfig, threads: int):
         from speculative import loading
-        from speculative.tp import TensorParallelTarget, check_tp
+        from speculative.tp import TensorParallelTarget
         from verifier_service import tp_group
 
         world = cfg.verifiers.tensor_parallel
         loader = tp_group.checkpoint_loader(cfg.model, cfg.dtype, cache_dir_from_env())
         _, config = loading.load_tokenizer(loader.directory)
-        check_tp(config, world)
+        tp_group.check_precision(config, world, cfg.dtype)
         tuning = cpu_tuning_from_env() if cfg.device == "cpu" else None
         store_dir = tempfile.mkdtemp(prefix="specserve-tp-")  # mode 0700; all ranks share this node
         gpus = 1 if cfg.device.startswith("cuda") else 0  # a GPU a rank on CUDA (NCCL)

@@ -7,6 +7,7 @@ tuning on). Rank 0 prefills a context, then times verification-sized passes (one
 moves (all-reduces and rank 0's broadcast of the call), are printed as JSON.
 
     python scripts/tp_pass_probe.py --ranks 1 3                   # the default model
+    python scripts/tp_pass_probe.py --ranks 1 3 --dtype int4      # in a precision (--dtype)
     python scripts/tp_pass_probe.py --ranks 1 2 --heads 8 --kv-heads 4   # a random model of its size
 """
 
@@ -104,7 +105,8 @@ def _rank(rank: int, world: int, store_dir: str, loader, args, out: str) -> None
         target = TensorParallelTarget(model, tp_group.send)
         result = passes(target, args.context, args.tree, args.repeats)
         target.stop()
-        Path(out).write_text(json.dumps({"ranks": world, "threads_per_rank": threads, **result}))
+        Path(out).write_text(json.dumps({"ranks": world, "dtype": args.dtype, "threads_per_rank": threads,
+                                         **result}))
     finally:
         tp_group.leave_group()
 
@@ -118,10 +120,14 @@ def main() -> None:
     parser.add_argument("--tree", type=int, default=5, help="draft nodes of a verification pass")
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--threads", type=int, default=None, help="torch threads a rank (default: the cores shared out)")
+    parser.add_argument("--dtype", default="float32", choices=list(loading.DTYPES),
+                        help="the default model's precision (--heads: float32 only)")
     args = parser.parse_args()
-    directory = tp_group.checkpoint_loader(None).directory
-    loader = (tp_group.CheckpointLoader(directory) if args.heads is None
-              else RandomLoader(directory, args.heads, args.kv_heads or args.heads))
+    if args.heads is not None and args.dtype != "float32":
+        parser.error("--heads runs a random float32 model: leave out --dtype")
+    loader = tp_group.checkpoint_loader(None, args.dtype)
+    if args.heads is not None:
+        loader = RandomLoader(loader.directory, args.heads, args.kv_heads or args.heads)
     for world in args.ranks:
         with tempfile.TemporaryDirectory() as tmp:
             store = Path(tmp) / "store"
@@ -129,9 +135,12 @@ def main() -> None:
             out = Path(tmp) / "result.json"
             if world == 1:
                 torch.set_num_threads(args.threads or tp_group.threads_per_rank(1))
-                model = loader("cpu")
-                apply_cpu_tuning(model, CpuTuning())
-                result = {"ranks": 1, "threads_per_rank": torch.get_num_threads(),
+                if args.heads is None:  # as one process loads it, in its precision
+                    model, _ = loading.load(dtype=args.dtype)
+                else:
+                    model = loader("cpu")
+                    apply_cpu_tuning(model, CpuTuning())
+                result = {"ranks": 1, "dtype": args.dtype, "threads_per_rank": torch.get_num_threads(),
                           **passes(model, args.context, args.tree, args.repeats)}
             else:
                 mp.spawn(_rank, args=(world, str(store), loader, args, str(out)), nprocs=world)

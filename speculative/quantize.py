@@ -9,6 +9,10 @@ stay in the model's float dtype (`Transformer.dtype`, the embedding's). The weig
   GGUF's blocks as they are (speculative/gguf_blocks.py reads them; Q4_0's w = d*(q - 8)
   is m = -8d); `quantize_int4` quantises any other float weight.
 
+`quantized_weights` gives a model's weights in either form before any kernel packs them,
+which is how a tensor-parallel rank takes its slice of the very weights one process would
+use (speculative/tp.py, `shard_weights`).
+
 On an x86 CPU with AVX2 or AVX-512 but not AMX the products are specserve's own
 (speculative/cpu_kernels.py; `quantize`'s `tuning.kernels` picks): float32 activations as
 they are, the weights exactly d * q + m. Elsewhere they are PyTorch's weight-packed kernels on
@@ -96,17 +100,20 @@ class Int8Linear(nn.Module):
         self.register_buffer("bias", bias)
 
     @classmethod
-    def quantized(cls, linear: nn.Linear, dtype: torch.dtype, native: bool | None = None) -> "Int8Linear":
-        """`linear` quantised: each row scaled so that its largest |w| maps to 127; `dtype`
-        is torch's kernel's activation dtype, where the native product does not run."""
-        w = linear.weight.detach().float()
-        scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-10)
-        q = torch.round(w / scales[:, None]).clamp(-128, 127).to(torch.int8)
-        native = _native(w.device, w.shape[1], native)
+    def from_weights(cls, q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype,
+                     bias: torch.Tensor | None = None, native: bool | None = None) -> "Int8Linear":
+        """From `quantize_int8`'s (q, scales); `dtype` is torch's kernel's activation dtype,
+        where the native product does not run."""
+        native = _native(q.device, q.shape[1], native)
         if not native:
             scales = scales.to(dtype)
-        bias = None if linear.bias is None else linear.bias.detach().to(scales.dtype)
+        bias = None if bias is None else bias.detach().to(scales.dtype)
         return cls(q, scales, bias, native)
+
+    @classmethod
+    def quantized(cls, linear: nn.Linear, dtype: torch.dtype, native: bool | None = None) -> "Int8Linear":
+        """`linear` quantised (`quantize_int8`)."""
+        return cls.from_weights(*quantize_int8(linear.weight.detach().float()), dtype, linear.bias, native)
 
     def dequantized(self) -> torch.Tensor:
         if self.scales.dim() == 2:
@@ -167,11 +174,9 @@ class Int4Linear(nn.Module):
     @classmethod
     def quantized(cls, linear: nn.Linear, dtype: torch.dtype, group: int = INT4_GROUP,
                   native: bool | None = None) -> "Int4Linear":
-        """`linear` quantised groupwise, each group's min..max spread over 0..15."""
-        w = linear.weight.detach().float()
-        native = group == cpu_kernels.GROUP and _native(w.device, w.shape[1], native)
+        """`linear` quantised groupwise, each group's min..max spread over 0..15 (`quantize_int4`)."""
         bias = None if linear.bias is None else linear.bias.detach()
-        return cls(*quantize_int4(w, group), dtype, bias if bias is None or native else bias.to(dtype), group, native)
+        return cls(*quantize_int4(linear.weight.detach().float(), group), dtype, bias, group, native)
 
     def dequantized(self) -> torch.Tensor:
         """The weight [out, in] as the kernel computes it, in float32 (torch's: an identity pass)."""
@@ -220,6 +225,13 @@ class RowSlicedLinear(nn.Module):
         return self.linear(rows)
 
 
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, scales) of float weight `w` [out, in]: each row scaled so that its largest |w|
+    maps to 127, w ~ scales[:, None] * q."""
+    scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-10)
+    return torch.round(w / scales[:, None]).clamp(-128, 127).to(torch.int8), scales
+
+
 def quantize_int4(w: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q, d, m) of float weight `w` [out, in], asymmetric per group of `group` inputs,
     w ~ d * q + m: m = the group's min, d = (max - min) / 15, q = round((w - m) / d)."""
@@ -231,7 +243,30 @@ def quantize_int4(w: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tenso
     return q.to(torch.int32), scales, low
 
 
-def quantize(model, mode: str, int4_blocks: dict[str, tuple] | None = None, tuning: CpuTuning = CpuTuning(),
+def quantized_weights(model, mode: str, int4_blocks: dict[str, tuple] | None = None) -> dict[str, tuple]:
+    """Every decoder layer's linear weights of float `model` in weight-only `mode`, by layer
+    name ("layers.3.attn.qkv"), before any kernel packs them: int8 `quantize_int8`'s
+    (q, scales), int4 (q, d, m), a 4-bit GGUF's blocks where `int4_blocks` has them (moved to
+    the model's device), else `quantize_int4`'s; and `int4_blocks`' "lm_head", if any."""
+    if mode not in MODES:
+        raise ValueError(f"quantized_weights: mode must be one of {', '.join(MODES)}, got {mode!r}")
+    blocks = int4_blocks or {}
+    weights = {}
+    for i, layer in enumerate(model.layers):
+        for part in LINEAR_PARTS:
+            name, w = f"layers.{i}.{part}", layer.get_submodule(part).weight.detach().float()
+            if mode == "int8":
+                weights[name] = quantize_int8(w)
+            elif name in blocks:
+                weights[name] = tuple(t.to(w.device) for t in blocks[name])
+            else:
+                weights[name] = quantize_int4(w)
+    if "lm_head" in blocks:
+        weights["lm_head"] = blocks["lm_head"]
+    return weights
+
+
+def quantize(model, mode: str, weights: dict[str, tuple] | None = None, tuning: CpuTuning = CpuTuning(),
              cache_dir: str | os.PathLike | None = None):
     """Make `model`'s linear layers weight-only `mode` ("int8" or "int4"), in place
 ("bfloat16": slice a CPU bfloat16 model's passes to BF16_EXACT_ROWS rows, `RowSlicedLinear`,
@@ -241,8 +276,10 @@ def quantize(model, mode: str, int4_blocks: dict[str, tuple] | None = None, tuni
     both modes and is untied from the embedding, which stays in the float dtype for
     lookups: it is the largest matrix (vocab x hidden), a Q8_0 in the shipped GGUF, and
     4 bits there cost more accuracy than anywhere else (docs/DESIGN-NOTES.md, Precision).
-    `int4_blocks` maps a layer's name ("layers.3.attn.qkv") to `Int4Linear.from_blocks`
-    arguments taken from a 4-bit GGUF; other int4 layers are quantised from their weights.
+    A model without a head (a tensor-parallel rank other than 0, speculative/tp.py) gets none.
+    `weights` maps a layer's name to its weights in `quantized_weights`' form (a 4-bit GGUF's
+    blocks, or a tensor-parallel rank's slice of the whole model's); a layer it leaves out is
+    quantised from its float weights.
     Its "lm_head", (q, d) of a Q8_0 head, makes the int8 head those blocks as they are where
     the native CPU product runs (torch's int8 kernel takes one scale per channel only); there
     a float32 model's norms run on it too (`NativeRMSNorm`), and its short passes' attention
@@ -251,6 +288,7 @@ def quantize(model, mode: str, int4_blocks: dict[str, tuple] | None = None, tuni
     under `cache_dir`); `tuning.long_rows` "packed" keeps passes of over PACKED_CHUNK_ROWS
     rows on specserve's products (row-exact, slower) instead of BLAS.
     """
+    has_head = isinstance(model.lm_head, nn.Linear)
     if mode == "bfloat16":  # no quantisation: row-exact slicing of the CPU bfloat16 layers
         if model.device.type == "cpu":
             for layer in model.layers:
@@ -258,7 +296,8 @@ def quantize(model, mode: str, int4_blocks: dict[str, tuple] | None = None, tuni
                     owner_name, attr = part.split(".")
                     owner = layer.get_submodule(owner_name)
                     setattr(owner, attr, RowSlicedLinear(getattr(owner, attr)))
-            model.lm_head = RowSlicedLinear(model.lm_head)
+            if has_head:
+                model.lm_head = RowSlicedLinear(model.lm_head)
         # bfloat16 attention over several queries rounds unlike one query, on CPUs without
         # AVX-512 and on CUDA (scripts/gpu_check.py): attend in float64, as the int modes do
         model.attention_dtype = torch.float64
@@ -266,26 +305,25 @@ def quantize(model, mode: str, int4_blocks: dict[str, tuple] | None = None, tuni
     if mode not in MODES:
         raise ValueError(f"quantize: mode must be one of bfloat16, {', '.join(MODES)}, got {mode!r}")
     dtype = KERNEL_DTYPE
-    blocks = int4_blocks or {}
+    weights = weights or {}
     native = model.device.type == "cpu" and cpu_kernels.preferred(tuning.kernels, cache_dir)
     for i, layer in enumerate(model.layers):
         for part in LINEAR_PARTS:
             owner_name, attr = part.split(".")
             owner, name = layer.get_submodule(owner_name), f"layers.{i}.{part}"
             linear = getattr(owner, attr)
-            if mode == "int8":
-                new = Int8Linear.quantized(linear, dtype, native)
-            elif name in blocks:
-                q, d, m = (t.to(linear.weight.device) for t in blocks[name])
-                bias = None if linear.bias is None else linear.bias.detach()
-                new = Int4Linear.from_blocks(q, d, m, dtype, bias, native)
-            else:
-                new = Int4Linear.quantized(linear, dtype, native=native)
-            setattr(owner, attr, new)
-    head = blocks.get("lm_head")
-    if head is not None and _native(model.device, model.lm_head.in_features, native):
+            given = weights.get(name)
+            if given is None:
+                w = linear.weight.detach().float()
+                given = quantize_int8(w) if mode == "int8" else quantize_int4(w)
+            given = tuple(t.to(linear.weight.device) for t in given)
+            bias = None if linear.bias is None else linear.bias.detach()
+            setattr(owner, attr, Int8Linear.from_weights(*given, dtype, bias, native) if mode == "int8"
+                    else Int4Linear(*given, dtype, bias, native=native))
+    head = weights.get("lm_head")
+    if has_head and head is not None and _native(model.device, model.lm_head.in_features, native):
         model.lm_head = Int8Linear(*(t.to(model.device) for t in head), native=True)
-    else:
+    elif has_head:
         model.lm_head = Int8Linear.quantized(model.lm_head, dtype, native)
     for m in model.modules():
         if isinstance(m, (Int4Linear, Int8Linear)):

@@ -69,35 +69,87 @@ def head_shard(cfg: ModelConfig, rank: int, world: int) -> tuple[range, range]:
     return q, range(q.start // group, (q.stop - 1) // group + 1)
 
 
-def shard_model(model: Transformer, rank: int, world: int, all_reduce: AllReduce) -> Transformer:
-    """Make a plain (untuned) `model` rank `rank`'s shard of `world`, in place: its weights
-    sliced, its attention told its local head counts, an `all_reduce` after each layer's
-    attention and MLP, and, off rank 0, no LM head. CPU tuning may be applied afterwards."""
-    cfg = model.config
-    check_tp(cfg, world)
+def shard_plan(cfg: ModelConfig, rank: int, world: int) -> dict[str, tuple[str, torch.Tensor]]:
+    """How rank `rank` of `world` slices each decoder layer's linear layers: a layer's name
+    within the layer to ("rows", the output rows it keeps: column-parallel) or ("columns",
+    the inputs it keeps: row-parallel). Each index is one ascending run."""
     q_heads, kv_heads = head_shard(cfg, rank, world)
     d = cfg.head_dim
     q_rows = torch.arange(q_heads.start * d, q_heads.stop * d)
     kv_rows = torch.arange(kv_heads.start * d, kv_heads.stop * d)
     q_dim, kv_dim = cfg.num_heads * d, cfg.num_kv_heads * d
-    qkv_rows = torch.cat((q_rows, q_dim + kv_rows, q_dim + kv_dim + kv_rows))
     width = cfg.intermediate_size // world
     mlp_rows = torch.arange(rank * width, (rank + 1) * width)
-    gate_up_rows = torch.cat((mlp_rows, cfg.intermediate_size + mlp_rows))
+    return {"attn.qkv": ("rows", torch.cat((q_rows, q_dim + kv_rows, q_dim + kv_dim + kv_rows))),
+            "attn.o": ("columns", q_rows),
+            "mlp.gate_up": ("rows", torch.cat((mlp_rows, cfg.intermediate_size + mlp_rows))),
+            "mlp.down": ("columns", mlp_rows)}
+
+
+def shard_model(model: Transformer, rank: int, world: int, all_reduce: AllReduce) -> Transformer:
+    """Make a plain (untuned) `model` rank `rank`'s shard of `world`, in place: its weights
+    sliced (`shard_plan`), its attention told its local head counts, an `all_reduce` after
+    each layer's attention and MLP, and, off rank 0, no LM head. Low precision (quantize.py
+    with `shard_weights`) and CPU tuning may be applied afterwards."""
+    cfg = model.config
+    check_tp(cfg, world)
+    q_heads, kv_heads = head_shard(cfg, rank, world)
+    plan = shard_plan(cfg, rank, world)
     with torch.no_grad():
         for layer in model.layers:
-            attn, mlp = layer.attn, layer.mlp
-            _keep_rows(attn.qkv, qkv_rows)
-            _keep_columns(attn.o, q_rows)
-            attn.n_heads, attn.n_kv = len(q_heads), len(kv_heads)
-            _keep_rows(mlp.gate_up, gate_up_rows)
-            _keep_columns(mlp.down, mlp_rows)
+            for part, (how, index) in plan.items():
+                (_keep_rows if how == "rows" else _keep_columns)(layer.get_submodule(part), index)
+            layer.attn.n_heads, layer.attn.n_kv = len(q_heads), len(kv_heads)
             # the row-parallel outputs (o, down; neither has a bias) are partial sums
-            attn.register_forward_hook(_summed(all_reduce))
-            mlp.register_forward_hook(_summed(all_reduce))
+            layer.attn.register_forward_hook(_summed(all_reduce))
+            layer.mlp.register_forward_hook(_summed(all_reduce))
     if rank:
         model.lm_head = NoLogits()
     return model
+
+
+def shard_weights(cfg: ModelConfig, weights: dict[str, tuple], rank: int, world: int) -> dict[str, tuple]:
+    """Rank `rank`'s slice of the whole model's weight-only weights (quantize.py's
+    `quantized_weights`: a layer's weight [out, in] first, then scales per row [out] or per
+    group of inputs [out, in/group]), sliced as `shard_plan` slices the float layers, so a
+    rank holds exactly the one-process weights: a row keeps its scales; a row-parallel layer
+    keeps whole groups (`check_tp_groups`) and its per-row scales whole. The LM head's weights
+    go to rank 0 alone."""
+    plan = shard_plan(cfg, rank, world)
+    out = {}
+    for name, tensors in weights.items():
+        if name == "lm_head":
+            if rank == 0:
+                out[name] = tensors
+            continue
+        how, index = plan[name.split(".", 2)[2]]
+        q, scales = tensors[0], tensors[1:]
+        if how == "rows":
+            out[name] = tuple(t[index] for t in tensors)
+            continue
+        inputs = q.shape[1]
+        out[name] = (q[:, index], *(s if s.dim() == 1 else s[:, _groups(index, inputs // s.shape[1])]
+                                    for s in scales))
+    return out
+
+
+def check_tp_groups(cfg: ModelConfig, world: int, group: int) -> None:
+    """Raise InvalidArgument naming `tensor_parallel` unless each rank's inputs of the
+    row-parallel layers (o, down) are whole groups of `group`, as groupwise weights need."""
+    plan = shard_plan(cfg, 0, world)
+    for part in ("attn.o", "mlp.down"):
+        width = len(plan[part][1])
+        if width % group:
+            raise InvalidArgument("tensor_parallel", f"{world} ranks give each rank {width} inputs of {part}, not "
+                                  f"whole groups of {group}: groupwise (int4) weights cannot split so")
+
+
+def _groups(index: torch.Tensor, group: int) -> torch.Tensor:
+    """The groups of `group` inputs that one ascending run of whole groups covers."""
+    start, stop = int(index[0]), int(index[-1]) + 1
+    if start % group or (stop - start) % group:
+        raise InvalidArgument("tensor_parallel", f"inputs {start}..{stop - 1} are not whole groups of {group}")
+    return torch.arange(start // group, stop // group)
 
 
 def _keep_rows(linear: nn.Linear, rows: torch.Tensor) -> None:

@@ -3,34 +3,51 @@ spawned process in a gloo group, checked against the same model in one process."
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
+from speculative import loading
 from speculative.batching import VerifyItem, verify_batch
 from speculative.errors import InvalidArgument
 from speculative.model import attention_mask, causal_ancestors
+from speculative.quantize import quantize, quantized_weights
 from speculative.sampling import SamplingParams
-from speculative.tp import TensorParallelTarget, check_tp, head_shard, serve_rank
+from speculative.tp import TensorParallelTarget, check_tp, head_shard, serve_rank, shard_plan, shard_weights
 from speculative.tree import DraftTree
 from tiny import TINY, tiny_model
 from verifier_service import tp_group
 
 TOLERANCE = 1e-4  # float32: the ranks' partial sums add up in another order
+# low precision, of the largest magnitude: each rank's partial sums round before they add up
+RELATIVE = {"bfloat16": 0.03, "int8": 0.03, "int4": 0.03}
+# int4's groups of 32 inputs: each rank's share of o's and down's inputs whole groups at 2 ranks
+WIDE = replace(TINY, hidden_size=64, intermediate_size=128, head_dim=32)
 
 
 @dataclass(frozen=True)
 class TinyLoader:
-    """The plain tiny model of `seed`, built alike in every process."""
+    """The plain tiny model of `seed`, built alike in every process; `dtype` is the precision
+    its ranks run (verifier_service.tp_group.load_shard), quantised from its float weights."""
     seed: int
     num_kv_heads: int = TINY.num_kv_heads
     logit_scale: float = 1.0
+    dtype: str = "float32"
+    wide: bool = False  # WIDE's widths, not TINY's
 
     def __call__(self, device: str):
-        return tiny_model(self.seed, self.logit_scale, num_kv_heads=self.num_kv_heads).to(device)
+        model = tiny_model(self.seed, self.logit_scale, num_kv_heads=self.num_kv_heads,
+                           shape=WIDE if self.wide else TINY)
+        return model.to(device, loading.parse_dtype(self.dtype))
+
+
+def one_process(loader: TinyLoader):
+    """The loader's model in its precision, as one process runs it (`loading.load`'s order)."""
+    model = loader("cpu")
+    return model if loader.dtype == "float32" else quantize(model, loader.dtype)
 
 
 def scenario(model, prompts: list[list[int]], tree_tokens: list[list[int]]):
@@ -106,13 +123,15 @@ def _rank_main(rank: int, world: int, store_dir: str, loaders, prompts, tree_tok
 def _shard_check(model, mine, loader, prompts, tree_tokens) -> dict:
     """How this rank's shard of rank 0's first cache, after every rollback and compaction,
     differs from the one-process cache's KV heads it should hold."""
-    reference, ref_cache = scenario(loader("cpu"), prompts, tree_tokens)
+    reference, ref_cache = scenario(one_process(loader), prompts, tree_tokens)
     _, kv = head_shard(model.config, torch.distributed.get_rank(), torch.distributed.get_world_size())
     lengths = ref_cache.lengths
     error = max(float((mine.k[:, row, :, :n] - ref_cache.k[:, row, kv.start:kv.stop, :n]).abs().max())
                 + float((mine.v[:, row, :, :n] - ref_cache.v[:, row, kv.start:kv.stop, :n]).abs().max())
                 for row, n in enumerate(lengths))
-    return {"lengths": mine.lengths == lengths, "kv_error": error}
+    scale = max(float(ref_cache.k[:, row, :, :n].abs().max()) + float(ref_cache.v[:, row, :, :n].abs().max())
+                for row, n in enumerate(lengths))
+    return {"lengths": mine.lengths == lengths, "kv_error": error, "kv_scale": scale}
 
 
 def run_ranks(world: int, loaders, prompts, tree_tokens, tmp_path: Path, check_shards: bool) -> list[list[dict]]:
@@ -124,17 +143,37 @@ def run_ranks(world: int, loaders, prompts, tree_tokens, tmp_path: Path, check_s
     return [[torch.load(tmp_path / f"model{i}-rank{r}.pt") for r in range(world)] for i in range(len(loaders))]
 
 
-def check_against_one_process(ranks: list[dict], want: dict, num_layers: int, check_shards: bool) -> None:
+def close(got: torch.Tensor, want: torch.Tensor, dtype: str) -> bool:
+    return error(got, want) <= tolerance(want, dtype)
+
+
+def error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want.float()).abs().max())
+
+
+def tolerance(want: torch.Tensor | float, dtype: str) -> float:
+    """TOLERANCE in float32; in low precision RELATIVE[dtype] of the largest magnitude."""
+    if dtype == "float32":
+        return TOLERANCE
+    return RELATIVE[dtype] * (want if isinstance(want, float) else float(want.float().abs().max()))
+
+
+def check_against_one_process(ranks: list[dict], want: dict, num_layers: int, check_shards: bool,
+                              dtype: str = "float32", row_exact: bool = False) -> None:
+    """`dtype` sets the tolerance against one process; `row_exact`: the layers give a row the
+    same result whatever rows are beside it (low precision), so a row rolled back scores
+    exactly as if prefilled afresh."""
     got = ranks[0]
     assert got["rows"] == want["rows"]
     assert min(got["accepted"]) < 2, "a tree had nodes rejected"  # two levels of two siblings
     for key in ("prefill0", "prefill1", "tree0", "tree1", "next0", "next1"):
-        assert torch.allclose(got[key], want[key], atol=TOLERANCE, rtol=0), key
+        assert close(got[key], want[key], dtype), (key, error(got[key], want[key]))
     for row in range(2):  # after rejected nodes and a rollback: as if the row were prefilled afresh
-        assert torch.allclose(got[f"next{row}"], got[f"fresh{row}"], atol=TOLERANCE, rtol=0)
-        assert torch.allclose(got[f"next{row}"], want[f"fresh{row}"], atol=TOLERANCE, rtol=0)
+        assert torch.equal(got[f"next{row}"], got[f"fresh{row}"]) if row_exact else \
+            close(got[f"next{row}"], got[f"fresh{row}"], "float32")
+        assert close(got[f"next{row}"], want[f"fresh{row}"], dtype)
     for rank in ranks[1:] if check_shards else []:  # each KV shard is the one-process cache's heads
-        assert rank["lengths"] and rank["kv_error"] < TOLERANCE
+        assert rank["lengths"] and rank["kv_error"] <= tolerance(rank["kv_scale"], dtype), rank
     for rank in ranks:  # two all-reduces per decoder layer per forward, on every rank
         assert rank["all_reduces"] == 2 * num_layers * got["forwards"]
 
@@ -147,6 +186,48 @@ def test_tiny_models_logits_match_one_process_at_two_ranks(tmp_path):
     for loader, ranks in zip(loaders, results):
         want, _ = scenario(loader("cpu"), prompts, trees)
         check_against_one_process(ranks, want, TINY.num_layers, check_shards=True)
+
+
+def test_tiny_models_in_each_precision_match_one_process_at_two_ranks(tmp_path):
+    """bfloat16, int8 and int4 ranks: batched trees, rejected nodes and a rollback as in one
+    process in that precision, within its rounding; a row rolled back scores exactly as if
+    prefilled afresh (each precision's kernels are row-exact, as in one process)."""
+    prompts, trees = [[1, 5, 2, 7, 3, 3, 0], [4, 4, 6, 1, 2]], [[0, 1, 2, 3], [5, 6, 7, 0]]
+    loaders = [TinyLoader(seed, dtype=dtype, wide=True) for seed, dtype in ((3, "bfloat16"), (5, "int8"),
+                                                                             (6, "int4"))]
+    results = run_ranks(2, loaders, prompts, trees, tmp_path, check_shards=True)
+    for loader, ranks in zip(loaders, results):
+        model = one_process(loader)
+        want, _ = scenario(model, prompts, trees)
+        # specserve's own int products compute in float32: only the order of the sums differs
+        dtype = "float32" if getattr(model.layers[0].attn.o, "native", False) else loader.dtype
+        check_against_one_process(ranks, want, TINY.num_layers, check_shards=True, dtype=dtype, row_exact=True)
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_each_rank_holds_its_slice_of_the_one_process_weights(dtype):
+    """The ranks' int weights, put back together where `shard_plan` says each slice lies, are
+    the whole model's as one process quantises it: int4 groups kept whole, and each int8
+    row's one scale over its whole row where ranks split its inputs."""
+    def weight(tensors):  # w = scale * q (int8), w = d * q + m per group of 32 (int4)
+        q = tensors[0].float()
+        if dtype == "int8":
+            return q * tensors[1][:, None]
+        d, m = tensors[1], tensors[2]
+        return (q.unflatten(1, (-1, 32)) * d[..., None] + m[..., None]).flatten(1)
+
+    whole = quantized_weights(TinyLoader(6, wide=True)("cpu"), dtype)
+    for world in (2, 4):
+        for name, tensors in whole.items():
+            part, again = name.split(".", 2)[2], torch.full_like(weight(tensors), float("nan"))
+            for rank in range(world):
+                how, index = shard_plan(WIDE, rank, world)[part]
+                piece = weight(shard_weights(WIDE, {name: tensors}, rank, world)[name])
+                if how == "rows":
+                    again[index] = piece
+                else:
+                    again[:, index] = piece
+            assert torch.equal(again, weight(tensors)), (world, name)
 
 
 def test_killed_rank_fails_the_pass_and_the_request_resumes_on_a_new_group():
@@ -219,6 +300,12 @@ def test_rank_counts_that_do_not_split_the_model_are_refused():
         check_tp(TINY, 3)
     with pytest.raises(InvalidArgument, match="tensor_parallel"):
         check_tp(TINY, 0)
+    # int4 also needs each rank's inputs of o and down in whole groups of 32
+    tp_group.check_precision(replace(default, head_dim=64), 3, "int4")  # 192 and 512 inputs a rank
+    tp_group.check_precision(TINY, 2, "int8")
+    with pytest.raises(InvalidArgument, match="tensor_parallel: 2 ranks give each rank 16 inputs of attn.o, not "
+                                              "whole groups of 32"):
+        tp_group.check_precision(TINY, 2, "int4")
 
 
 GENERATED = 24  # tokens: short generations, the oracle's first ones
@@ -275,6 +362,70 @@ def test_served_tensor_parallel_verifier_matches_hf(hf_oracle, default_group):
     for i, got in zip([2, 3], outputs):
         want, _ = oracle(hf_oracle, i)
         near_tie_or_equal(hf_oracle, i, got + want[len(got):], f"served 3-rank verifier, prompt {i}")
+
+
+PRECISION_TOKENS = 16
+# every kind of drafter: model-free, the target's own (sharded) layers, and a fused tree with a small model
+TP_DRAFTERS = [("pld", None), ("suffix", None), ("layerskip", None), ("pld+suffix+small-general", 8)]
+
+
+def _precision_rank(rank: int, world: int, store_dir: str, dtype: str, prompts: list[list[int]], out: str) -> None:
+    """One rank of the default model in `dtype`, CPU-tuned as served; rank 0 decodes each
+    prompt plainly and with each of TP_DRAFTERS: their token ids, and the tokens they accepted."""
+    from drafter_service.registry import make_drafter
+    from speculative.cpu_tuning import CpuTuning
+    from speculative.decoding import generate
+
+    torch.set_num_threads(1)
+    tp_group.join_group(rank, world, store_dir, "cpu")
+    try:
+        model = tp_group.load_shard(tp_group.checkpoint_loader(None, dtype), rank, world, "cpu", CpuTuning())
+        if rank:
+            serve_rank(model, tp_group.receive)
+            return
+        target, params = TensorParallelTarget(model, tp_group.send), SamplingParams(max_tokens=PRECISION_TOKENS)
+        results = {"native": bool(getattr(model.layers[0].attn.o, "native", False))}
+        for i, ids in enumerate(prompts):
+            results[(i, "plain")] = (generate(target, ids, params).token_ids, 0)
+            for name, budget in TP_DRAFTERS:
+                drafter = make_drafter(name, target, namespace=f"tp-{dtype}-{name}")
+                r = generate(target, ids, params, drafter, 2 if name == "layerskip" else 5, tree_budget=budget)
+                results[(i, name)] = (r.token_ids, r.accepted_draft_tokens)
+        target.stop()
+        torch.save(results, out)
+    finally:
+        tp_group.leave_group()
+
+
+@pytest.mark.parametrize("dtype", ["int4"])
+def test_greedy_speculation_on_a_low_precision_tensor_parallel_target_equals_its_plain_decoding(
+        dtype, smollm2, tmp_path):
+    """The lossless contract in a precision holds on 3 ranks: every drafter's output is the
+    3-rank target's plain decoding in that precision, token for token; and that is one
+    process's plain decoding in it where the int products sum in float32 (specserve's own)."""
+    from conftest import dev_prompts
+    from speculative.decoding import generate
+
+    _, tokenizer = smollm2
+    prompts = [tokenizer.encode_chat([{"role": "user", "content": q}]) for _, q in dev_prompts(2)]
+    (tmp_path / "store").mkdir()
+    out = tmp_path / "results.pt"
+    mp.spawn(_precision_rank, args=(3, str(tmp_path / "store"), dtype, prompts, str(out)), nprocs=3)
+    results = torch.load(out)
+    accepted = dict.fromkeys((name for name, _ in TP_DRAFTERS), 0)
+    for i in range(len(prompts)):
+        plain, _ = results[(i, "plain")]
+        assert len(plain) == PRECISION_TOKENS
+        for name, _ in TP_DRAFTERS:
+            tokens, kept = results[(i, name)]
+            assert tokens == plain, f"{dtype}, {name}, prompt {i}"
+            accepted[name] += kept
+    assert all(accepted[name] for name in ("layerskip", "pld+suffix+small-general")), accepted
+    if results["native"]:
+        one, _ = loading.load(dtype=dtype)
+        params = SamplingParams(max_tokens=PRECISION_TOKENS)
+        assert [results[(i, "plain")][0] for i in range(len(prompts))] == \
+            [generate(one, ids, params).token_ids for ids in prompts]
 
 
 SAMPLED_RUNS = 2_000

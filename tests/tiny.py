@@ -15,10 +15,11 @@ TINY = ModelConfig(vocab_size=8, hidden_size=32, intermediate_size=64, num_layer
 
 def tiny_model(seed: int, logit_scale: float = 1.0, max_positions: int = TINY.max_position_embeddings,
                vocab_size: int = TINY.vocab_size, num_kv_heads: int = TINY.num_kv_heads,
-               num_layers: int = TINY.num_layers) -> Transformer:
-    """Random weights from `seed`; `logit_scale` sharpens or flattens its distributions."""
+               num_layers: int = TINY.num_layers, shape: ModelConfig = TINY) -> Transformer:
+    """Random weights from `seed`; `logit_scale` sharpens or flattens its distributions;
+    `shape` gives the widths (the other arguments override it)."""
     torch.manual_seed(seed)
-    model = Transformer(replace(TINY, max_position_embeddings=max_positions, vocab_size=vocab_size,
+    model = Transformer(replace(shape, max_position_embeddings=max_positions, vocab_size=vocab_size,
                                 num_kv_heads=num_kv_heads, num_layers=num_layers))
     with torch.no_grad():
         for p in model.parameters():

@@ -35,10 +35,9 @@ import torch.distributed as dist
 from speculative import loading
 from speculative.config import ModelConfig
 from speculative.cpu_tuning import CpuTuning, apply_cpu_tuning
-from speculative.errors import InvalidArgument
 from speculative.model import Transformer
-from speculative.quantize import MODES as WEIGHT_ONLY_MODES
-from speculative.tp import TensorParallelTarget, check_tp, serve_rank, shard_model
+from speculative.quantize import INT4_GROUP, MODES as WEIGHT_ONLY_MODES, quantize, quantized_weights
+from speculative.tp import TensorParallelTarget, check_tp, check_tp_groups, serve_rank, shard_model, shard_weights
 
 log = logging.getLogger(__name__)
 
@@ -125,28 +124,57 @@ def receive() -> list:
 
 @dataclass(frozen=True)
 class CheckpointLoader:
-    """Loads the plain (untuned) target from a converted checkpoint directory, in any process."""
+    """Loads the plain (untuned) target from a converted checkpoint directory, in any process,
+    and says what precision its ranks run (`dtype`) and where int4 weights come from: the
+    4-bit blocks of `gguf`, the checkpoint's source, where it is one."""
     directory: str
     dtype: str = "float32"
+    gguf: str | None = None
+    cache_dir: str | None = None
 
     def __call__(self, device: str) -> Transformer:
         return loading.load_hf_dir(Path(self.directory), device, loading.parse_dtype(self.dtype))
 
+    def int4_blocks(self) -> dict[str, tuple] | None:
+        if self.dtype != "int4" or self.gguf is None:
+            return None
+        from speculative.gguf_blocks import cached_int4_blocks
+
+        return cached_int4_blocks(self.gguf, Path(self.directory))
+
 
 def checkpoint_loader(source: str | None, dtype: str = "float32", cache_dir: str | None = None) -> CheckpointLoader:
     """A loader of `source` (converted first here, so that the ranks do not convert it at once)."""
-    if dtype in WEIGHT_ONLY_MODES:  # the shards slice float weights; packed int ones are not split yet
-        raise InvalidArgument("dtype", f"tensor parallelism runs float precisions only, not {dtype!r}")
-    path = loading.resolve_source(source)
+    loading.parse_dtype(dtype)
+    path = gguf = loading.resolve_source(source)
     if path.suffix == ".gguf":
         path = loading.converted_gguf_dir(path, cache_dir)
-    return CheckpointLoader(str(path), dtype)
+    return CheckpointLoader(str(path), dtype, str(gguf) if gguf.suffix == ".gguf" else None, cache_dir)
+
+
+def check_precision(config: ModelConfig, world: int, dtype: str) -> None:
+    """Raise InvalidArgument naming `tensor_parallel` unless `world` ranks split this model in
+    `dtype`: int4's groups of inputs must not straddle two ranks."""
+    check_tp(config, world)
+    if dtype == "int4":
+        check_tp_groups(config, world, INT4_GROUP)
 
 
 def load_shard(make_model: Callable[[str], Transformer], rank: int, world: int, device: str,
                tuning: CpuTuning | None) -> Transformer:
-    """This rank's shard of the plain model `make_model` builds, then CPU-tuned (unless None)."""
-    model = shard_model(make_model(rank_device(device, rank)), rank, world, all_reduce)
+    """This rank's shard of the plain model `make_model` builds, in the precision it names
+    (its `dtype`, float32 if none; int8 and int4 weights the slice of the whole model's, as
+    one process quantises them), then CPU-tuned (unless None)."""
+    model = make_model(rank_device(device, rank))
+    dtype = getattr(make_model, "dtype", "float32")
+    whole = None
+    if dtype in WEIGHT_ONLY_MODES:  # before sharding: a row-parallel int8 row keeps its whole row's scale
+        blocks = make_model.int4_blocks() if hasattr(make_model, "int4_blocks") else None
+        whole = quantized_weights(model, dtype, blocks)
+    shard_model(model, rank, world, all_reduce)
+    if dtype in WEIGHT_ONLY_MODES + ("bfloat16",):
+        quantize(model, dtype, whole and shard_weights(model.config, whole, rank, world), tuning or CpuTuning(),
+                 getattr(make_model, "cache_dir", None))
     if tuning is not None:
         apply_cpu_tuning(model, tuning)
     return model
@@ -175,7 +203,7 @@ class LocalGroup:
 
     def __init__(self, world: int, make_model: Callable[[str], Transformer], config: ModelConfig,
                  device: str = "cpu", tuning: CpuTuning | None = CpuTuning(), threads: int | None = None):
-        check_tp(config, world)  # before any process starts
+        check_precision(config, world, getattr(make_model, "dtype", "float32"))  # before any process starts
         threads = threads or threads_per_rank(world)
         self._store_dir = tempfile.mkdtemp(prefix="specserve-tp-")  # mode 0700: only this user meets here
         context = multiprocessing.get_context("spawn")
