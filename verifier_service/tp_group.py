@@ -6,7 +6,8 @@ or a Ray placement group packed onto one node), so the rendezvous needs no
 network at all: a FileStore in a private directory (mode 0700) instead of a
 TCP store, whose server would listen on every interface; and the collectives'
 own sockets are bound to the loopback interface (GLOO_SOCKET_IFNAME /
-NCCL_SOCKET_IFNAME), never reachable from another machine.
+NCCL_SOCKET_IFNAME), never reachable from another machine. CPU ranks add their
+partial sums through shared memory instead (verifier_service/shm_allreduce.py).
 
 Rank 0 lives in the caller's process and drives the model through
 `TensorParallelTarget`; `start_local_group` spawns the other ranks as local
@@ -38,6 +39,7 @@ from speculative.cpu_tuning import CpuTuning, apply_cpu_tuning
 from speculative.model import Transformer
 from speculative.quantize import INT4_GROUP, MODES as WEIGHT_ONLY_MODES, quantize, quantized_weights
 from speculative.tp import TensorParallelTarget, check_tp, check_tp_groups, serve_rank, shard_model, shard_weights
+from verifier_service import shm_allreduce
 
 log = logging.getLogger(__name__)
 
@@ -78,8 +80,13 @@ def rank_device(device: str, rank: int) -> str:
     return f"cuda:{rank % torch.cuda.device_count()}" if device == "cuda" else device
 
 
+# the CPU ranks' all-reduce through shared memory (verifier_service/shm_allreduce.py), if any
+_shm_all_reduce: shm_allreduce.SharedMemoryAllReduce | None = None
+
+
 def join_group(rank: int, world: int, store_dir: str, device: str) -> None:
-    """Join the group of `world` ranks that meet in `store_dir` (gloo, or NCCL on CUDA)."""
+    """Join the group of `world` ranks that meet in `store_dir` (gloo, or NCCL on CUDA; on the
+    CPU the all-reduces go through shared memory where the machine allows)."""
     cuda = device.startswith("cuda")
     os.environ["NCCL_SOCKET_IFNAME" if cuda else "GLOO_SOCKET_IFNAME"] = loopback_interface()
     if cuda:
@@ -87,15 +94,20 @@ def join_group(rank: int, world: int, store_dir: str, device: str) -> None:
     store = dist.FileStore(str(Path(store_dir) / "rendezvous"), world)
     dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=world,
                             timeout=IDLE_WAIT)
+    global _shm_all_reduce
+    if not cuda and world > 1 and shm_allreduce.available():
+        _shm_all_reduce = shm_allreduce.SharedMemoryAllReduce(rank, world, store, dist.barrier)
 
 
 def leave_group() -> None:
+    global _shm_all_reduce
+    _shm_all_reduce = None
     if dist.is_initialized():
         dist.destroy_process_group()
 
 
 def all_reduce(t: torch.Tensor) -> None:
-    dist.all_reduce(t)
+    (_shm_all_reduce or dist.all_reduce)(t)
     COUNTS.all_reduces += 1
     COUNTS.all_reduce_bytes += t.numel() * t.element_size()
 
