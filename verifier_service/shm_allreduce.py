@@ -1,9 +1,9 @@
 """All-reduce through shared memory, for the CPU ranks of a tensor-parallel target.
 
 The ranks of a CPU target all run on one node (verifier_service/tp_group.py), so
-their partial sums need not cross a socket: gloo's all-reduce of one pass's
-activations over loopback costs about 1.4 ms, through shared memory about 20 us
-(docs/SERVING.md, Tensor parallelism), and a pass makes two per decoder layer.
+their partial sums need not cross a socket: gloo's all-reduce is a round trip over
+loopback, this one a copy and a few reads of memory (docs/SERVING.md, Tensor
+parallelism, has both measured), and a pass makes two per decoder layer.
 
 One segment in /dev/shm, created by rank 0 with mode 0600 and unlinked as soon as
 every rank has mapped it (nothing is left behind if a rank dies), holds two banks
@@ -39,8 +39,6 @@ SLOT_BYTES = 1 << 20  # a decode or verification pass fits one slot; longer pref
 COUNTER_STRIDE = 8  # int64s: one cache line a rank's counter
 SPINS_BEFORE_YIELD = 64  # then yield the core to a rank that shares it
 WATCH_S = 0.05  # how often a waiting rank checks that the others are alive
-
-
 CHOICES = ("auto", "gloo")  # SPECSERVE_TP_ALLREDUCE: shared memory where `available`, or always gloo's
 
 
