@@ -99,3 +99,10 @@ def test_gloo_can_be_chosen_and_bad_choices_are_named(monkeypatch):
     monkeypatch.setenv("SPECSERVE_TP_ALLREDUCE", "nccl")
     with pytest.raises(ValueError, match="SPECSERVE_TP_ALLREDUCE must be auto or gloo"):
         shm_allreduce.available()
+
+
+def test_no_room_in_dev_shm_leaves_gloo_and_no_segment(caplog):
+    before = segments()
+    assert shm_allreduce._create(1 << 50) is None  # more than any /dev/shm holds
+    assert segments() <= before
+    assert "gloo's all-reduce runs" in caplog.text

@@ -5,8 +5,9 @@ their partial sums need not cross a socket: gloo's all-reduce is a round trip ov
 loopback, this one a copy and a few reads of memory (docs/SERVING.md, Tensor
 parallelism, has both measured), and a pass makes two per decoder layer.
 
-One segment in /dev/shm, created by rank 0 with mode 0600 and unlinked as soon as
-every rank has mapped it (nothing is left behind if a rank dies), holds two banks
+One segment in /dev/shm, created by rank 0 with mode 0600, its pages reserved at once
+(without room the group keeps gloo's), and unlinked as soon as every rank has mapped
+it (nothing is left behind if a rank dies), holds two banks
 of one slot a rank, and one counter a rank on a cache line of its own. An
 all-reduce writes the rank's tensor into its slot of the bank of this call's
 parity, then its counter; once every counter has reached the call, each rank adds
@@ -25,6 +26,7 @@ dead rank fails the pass at once (RuntimeError), as a broken gloo socket would.
 
 from __future__ import annotations
 
+import logging
 import os
 import platform
 import secrets
@@ -33,6 +35,8 @@ from pathlib import Path
 
 import psutil
 import torch
+
+log = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm")
 SLOT_BYTES = 1 << 20  # a decode or verification pass fits one slot; longer prefills go in pieces
@@ -53,30 +57,32 @@ def available() -> bool:
 
 
 class SharedMemoryAllReduce:
-    """The all-reduce of rank `rank` of `world`; `store` (the group's torch.distributed
-    store) carries the segment's name and the ranks' process ids. Every rank constructs
-    it at once; then `barrier` (the group's own) runs, and rank 0 unlinks the segment."""
+    """The all-reduce of rank `rank` of `world` through one mapped segment; `join` makes it."""
 
-    def __init__(self, rank: int, world: int, store, barrier):
-        self.rank, self.world, self.calls = rank, world, 0
-        size = 2 * world * SLOT_BYTES + world * COUNTER_STRIDE * 8
-        if rank == 0:
-            path = SHM_DIR / f"specserve-tp-{secrets.token_hex(8)}"
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-            try:
-                os.ftruncate(fd, size)
-            finally:
-                os.close(fd)
-            store.set("shm_allreduce", str(path))
-        path = Path(store.get("shm_allreduce").decode())
-        store.set(f"pid{rank}", str(os.getpid()))
-        self.pids = [int(store.get(f"pid{r}")) for r in range(world)]
-        segment = torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8)
+    def __init__(self, rank: int, world: int, segment: torch.Tensor, pids: list[int]):
+        self.rank, self.world, self.calls, self.pids = rank, world, 0, pids
         self.banks = segment[:2 * world * SLOT_BYTES].view(2, world, SLOT_BYTES)
         self.counters = segment[2 * world * SLOT_BYTES:].view(torch.int64).view(world, COUNTER_STRIDE)[:, 0]
+
+    @classmethod
+    def join(cls, rank: int, world: int, store, barrier) -> "SharedMemoryAllReduce | None":
+        """Every rank of the group at once: rank 0 creates the segment, `store` (the group's
+        torch.distributed store) carries its name and the ranks' process ids, and once every
+        rank has mapped it (`barrier`, the group's own) rank 0 unlinks it. None on every rank
+        when rank 0 cannot reserve the segment (a full /dev/shm): the group keeps gloo's."""
+        size = 2 * world * SLOT_BYTES + world * COUNTER_STRIDE * 8
+        if rank == 0:
+            store.set("shm_allreduce", str(_create(size) or ""))
+        name = store.get("shm_allreduce").decode()
+        if not name:
+            return None
+        store.set(f"pid{rank}", str(os.getpid()))
+        pids = [int(store.get(f"pid{r}")) for r in range(world)]
+        segment = torch.from_file(name, shared=True, size=size, dtype=torch.uint8)
         barrier()  # every rank has mapped it
         if rank == 0:
-            path.unlink()
+            Path(name).unlink()
+        return cls(rank, world, segment, pids)
 
     def __call__(self, t: torch.Tensor) -> None:
         """Sum `t` over the ranks, in place (CPU tensors of any float dtype)."""
@@ -118,6 +124,27 @@ class SharedMemoryAllReduce:
         for r, pid in enumerate(self.pids):
             if int(self.counters[r]) < call and not _alive(pid):
                 raise RuntimeError(f"tensor-parallel rank {r} (pid {pid}) died: the all-reduce cannot complete")
+
+
+def _create(size: int) -> Path | None:
+    """A new segment of `size` bytes, mode 0600, its pages reserved now (a full /dev/shm
+    then fails here, not with SIGBUS at a later write); None, with a warning, if it cannot."""
+    path = SHM_DIR / f"specserve-tp-{secrets.token_hex(8)}"
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    except OSError as e:
+        log.warning("tensor-parallel all-reduce: no shared memory segment (%s); gloo's all-reduce runs", e)
+        return None
+    try:
+        os.posix_fallocate(fd, 0, size)
+        return path
+    except OSError as e:
+        path.unlink()
+        log.warning("tensor-parallel all-reduce: %s has no room for %d bytes (%s); gloo's all-reduce runs",
+                    SHM_DIR, size, e)
+        return None
+    finally:
+        os.close(fd)
 
 
 def _alive(pid: int) -> bool:

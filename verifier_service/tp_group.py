@@ -96,7 +96,7 @@ def join_group(rank: int, world: int, store_dir: str, device: str) -> None:
                             timeout=IDLE_WAIT)
     global _shm_all_reduce
     if not cuda and world > 1 and shm_allreduce.available():
-        _shm_all_reduce = shm_allreduce.SharedMemoryAllReduce(rank, world, store, dist.barrier)
+        _shm_all_reduce = shm_allreduce.SharedMemoryAllReduce.join(rank, world, store, dist.barrier)
 
 
 def leave_group() -> None:
