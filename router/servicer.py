@@ -104,8 +104,8 @@ class RouterServicer(pb_grpc.SpecserveServicer):
         self.metrics = metrics or RouterMetrics()
         self.ongoing = 0  # requests in flight, gRPC and HTTP: what router autoscaling follows
         self._ongoing_lock = threading.Lock()
-        if coordinator.pass_costs is not None:
-            self.metrics.watch_pass_costs(coordinator.pass_costs)
+        if coordinator.services.pass_costs is not None:
+            self.metrics.watch_pass_costs(coordinator.services.pass_costs)
         if config.default_drafter == "auto" and (expertise is None or not config.routed_drafters):
             raise ValueError("default_drafter 'auto' needs an expertise router and routed_drafters")
         if config.fused_drafters < 1 or config.tree_budget < 1:
@@ -169,7 +169,7 @@ class RouterServicer(pb_grpc.SpecserveServicer):
         cfg = self.config
         return SpeculationControl(cfg.draft_length, prior=prior, pipelined=pipelined,
                                   verify_row_cost=cfg.verify_row_cost, verify_token_cost=cfg.verify_token_cost,
-                                  verify_pad_cost=cfg.verify_pad_cost, pass_costs=self.coordinator.pass_costs)
+                                  verify_pad_cost=cfg.verify_pad_cost, pass_costs=self.coordinator.services.pass_costs)
 
     def _drafters(self, req: pb.GenerateRequest, expertise: ExpertiseRouter | None, pipelined: bool = False
                   ) -> tuple[str | None, tuple[tuple[str, float], ...]]:

@@ -140,7 +140,7 @@ def local(prompts: list[str], max_tokens: int, threads: int) -> tuple[dict[str, 
             looped["call"] += stats.busy_seconds("verify", "prefill")
             looped["passes"] += stats.target_forward_passes
     finally:
-        coordinator.channels.close()
+        coordinator.services.channels.close()
         server.stop(None)
         engine.close()
     return ({key: 1000 * value / direct["passes"] for key, value in direct.items() if key != "passes"},

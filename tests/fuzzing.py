@@ -542,8 +542,8 @@ def tiny_services(kinds: tuple[str, ...] = TINY_KINDS, secret: str = TINY_SECRET
                                     "127.0.0.1", 0)
         errors = ServerErrors()
         logging.getLogger("grpc._server").addHandler(errors)
-        target = Target({"Specserve": f"127.0.0.1:{port}", "Verifier": coordinator.verifiers()[0],
-                         "Drafter": coordinator.drafters()[0]}, secret,
+        target = Target({"Specserve": f"127.0.0.1:{port}", "Verifier": coordinator.services.verifiers()[0],
+                         "Drafter": coordinator.services.drafters()[0]}, secret,
                         {"Verifier": engine.active_requests, "Drafter": pool.active_requests},
                         server_errors=errors)
         try:

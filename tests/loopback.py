@@ -27,7 +27,7 @@ def loopback(pool: DrafterPool, engine: VerifierEngine, pass_costs: PassCostMode
     try:
         yield coordinator
     finally:
-        coordinator.channels.close()
+        coordinator.services.channels.close()
         pool_server.stop(None)
         verifier_server.stop(None)
         engine.close()

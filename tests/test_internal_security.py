@@ -165,12 +165,12 @@ def test_a_coordinator_with_the_secret_drives_a_request(target):
         assert engine.stats()["active_requests"] == 0 and pool.active_requests() == 0
 
         # the same services, a coordinator holding another secret: refused, not retried as if down
-        outsider = Coordinator(verifiers=coordinator.verifiers, drafters=coordinator.drafters,
+        outsider = Coordinator(verifiers=coordinator.services.verifiers, drafters=coordinator.services.drafters,
                                channels=Channels(secret="not-the-cluster-secret"))
         with pytest.raises(grpc.RpcError) as refused:
             list(outsider.run(job("outsider"), RoundStats()))
         assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
-        outsider.channels.close()
+        outsider.services.channels.close()
         assert engine.stats()["active_requests"] == 0
 
 

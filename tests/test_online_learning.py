@@ -275,10 +275,11 @@ def test_router_sends_the_targets_scores_to_learning_drafters():
     assert learning_drafters(ServeConfig.model_validate({})) == []
     coordinator = Coordinator(lambda: [], lambda: [], learning_drafters=learning_drafters(on))
     try:
-        assert coordinator.learns_from_target("small-general") and coordinator.learns_from_target("recycle")
-        assert not coordinator.learns_from_target("pld") and not coordinator.learns_from_target("small-math")
+        learns = coordinator.services.learns_from_target
+        assert learns("small-general") and learns("recycle")
+        assert not learns("pld") and not learns("small-math")
     finally:
-        coordinator.calls.shutdown()
+        coordinator.services.calls.shutdown()
 
 
 def test_a_served_pool_learns_under_the_domain_the_router_names(smollm2, tmp_path):

@@ -34,7 +34,7 @@ def test_more_requests_than_rows_all_complete_alike():
     pool, engine = DrafterPool(target, kinds=["pld"]), VerifierEngine(target, max_batch=1, max_len=64)
     config = CONFIG
     with loopback(pool, engine) as coordinator:
-        coordinator.service_wait_s = 0.1  # a queued request waits past it: it is waiting for a row
+        coordinator.services.service_wait_s = 0.1  # a queued request waits past it: it is waiting for a row
         server, port = serve_router(RouterServicer(CharTokenizer(), coordinator, config), "127.0.0.1", 0)
         try:
             with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -76,13 +76,13 @@ def test_requests_waiting_for_a_row_get_it_in_the_order_they_came():
                     done = []
                     for i in range(waiters):  # each one waiting before the next comes
                         done.append(clients.submit(ask, i))
-                        wait_until(lambda: coordinator.row_line.waiting() == i + 1)
+                        wait_until(lambda: coordinator.services.row_line.waiting() == i + 1)
                         time.sleep(0.3)  # a few polls: an unordered retry would have shuffled them
                     engine.release("elsewhere")
                     for f in done:
                         f.result()
             assert finished == list(range(waiters))
-            assert coordinator.row_line.waiting() == 0 and engine.stats()["active_requests"] == 0
+            assert coordinator.services.row_line.waiting() == 0 and engine.stats()["active_requests"] == 0
         finally:
             server.stop(None)
 

@@ -28,7 +28,7 @@ from oracle import MAX_TOKENS, PROMPTS as ORACLE_PROMPTS, near_tie_or_equal
 from protos import specserve_pb2 as pb
 from protos import specserve_pb2_grpc as pb_grpc
 from router.adaptive import SpeculationControl
-import router.coordinator as coordinator_module
+import router.coordinator.draft_side as draft_side_module
 from router.coordinator import DECODE_ROUNDS, Channels, Coordinator, Job
 from router.servicer import RouterConfig, RouterServicer
 from router.servicer import serve as serve_router
@@ -150,13 +150,13 @@ def test_rounds_no_drafter_is_asked_to_draft_are_plain_rounds_on_the_verifier(ta
     are kept for it until it next drafts."""
     calls = decode_calls(monkeypatch, "drafter", "candidates")
     observed = []
-    keep = coordinator_module._DraftSide.observe
+    keep = draft_side_module.DraftSide.observe
 
     def kept(self, tokens, ids, probs):
         observed.append((self.drafter, len(tokens), len(ids)))
         keep(self, tokens, ids, probs)
 
-    monkeypatch.setattr(coordinator_module._DraftSide, "observe", kept)
+    monkeypatch.setattr(draft_side_module.DraftSide, "observe", kept)
     pool = CountingPool(target, kinds=["pld", second])
     with loopback(pool, VerifierEngine(target, max_batch=2, max_len=64)) as coordinator:
         fused = Job(request_id="r", prompt_ids=PROMPTS[0], params=GREEDY, drafters=(("pld", 0.5), (second, 0.5)),
@@ -337,7 +337,7 @@ def test_a_verifier_gone_mid_call_leaves_the_request_to_another(target):
     try:
         tokens, stats = served(coordinator, job(PROMPTS[0], GREEDY, "pld", verifier_drafting=True))
     finally:
-        coordinator.channels.close()
+        coordinator.services.channels.close()
         second_server.stop(None)
         for engine in (dying, healthy):
             engine.close()

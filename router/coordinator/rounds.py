@@ -1,0 +1,254 @@
+"""One request's rounds, a step each: prefill (the first round, or to resume), the verifier's
+own rounds (Decode), or plan, draft, verify and learn."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+from protos import specserve_pb2 as pb
+from speculative.calibration import Calibration
+from speculative.drafter_kinds import VERIFIER_DRAFTERS
+from speculative.pipeline import likeliest_path
+from speculative.recycling import CANDIDATES
+from speculative.tree import DraftTree
+
+from ..adaptive import DraftCostMemory
+from ..stats import RoundStats
+from .draft_side import Drafting
+from .job import Job
+from .services import Services
+from .verify_side import VerifySide
+
+
+def _load(resp: pb.VerifyResponse) -> int:
+    """Requests sharing the verifier, from a verdict: those of its pass and queued, and those it
+    holds between rounds (drafting, on the wire), which the next passes will carry too."""
+    return max(1, resp.batch_size + resp.queued, resp.active_requests)
+
+
+@dataclass
+class _Draft:
+    """One round's draft, as the steps after drafting need it."""
+    room: int  # draft tokens the request has room for before this round's bonus token
+    lengths: list[int]  # each drafter's draft length this round
+    budgets: list[int]  # ... cut to the room
+    proposals: list[DraftTree] = field(default_factory=list)  # each drafter's own tree; none when none drafts
+    tree: DraftTree = field(default_factory=DraftTree)  # what the verifier checks
+    costs: list[float] | None = None  # each drafter's seconds per token of depth, when drafted this round
+    round_cost: float | None = None  # what the drafting call cost beyond the drafters' own time
+    verify_seconds: float = 0.0  # the verify call's, once answered
+
+
+class Request:
+    """One request's rounds, a method per step (prefill, draft, verify, learn), and what
+    they carry from one round to the next."""
+
+    def __init__(self, services: Services, job: Job, stats: RoundStats, draft_costs: DraftCostMemory,
+                 calibration: Callable[[str, str], Calibration]):
+        """`draft_costs`: what drafting cost lately at each load, shared by the coordinator's
+        requests; `calibration(kind, namespace)`: a drafter kind's confidence calibration there."""
+        self.job, self.stats, self.draft_costs = job, stats, draft_costs
+        self.verified: list[int] = []  # generated tokens; the last one is pending at the verifier
+        self.verifier, self.drafting = VerifySide(services, job), Drafting(services, job, calibration)
+        # adaptive speculation: one control per drafter, each learning its own acceptance
+        self.controls = None if job.speculation is None else [
+            dataclasses.replace(job.speculation, prior=reliability) if len(job.drafters) > 1 else job.speculation
+            for _, reliability in job.drafters]
+        self.ready: list[DraftTree] | None = None  # each drafter's tree for this round, drafted ahead
+        self.candidates = CANDIDATES if any(services.learns_from_target(kind) for kind, _ in job.drafters) else 0
+        self.rnd, self.load = 0, 1  # round; requests sharing the verifier
+        # rounds the verifier runs itself (Decode): those that ask no drafter only a pool runs
+        # (the load makes none pay, or the request's own draft is one the verifier makes; plain
+        # ones bring back the target's candidates for the drafters that learn from them), and
+        # every one when each of the request's drafters is one the verifier runs
+        self.plain_on_verifier = job.verifier_drafting and not job.pipelined
+        self.own_rounds = (self.plain_on_verifier and not self.candidates
+                           and all(kind in VERIFIER_DRAFTERS for kind, _ in job.drafters))
+        # what those rounds draft with: the request's best drafter that the verifier runs
+        self.verifier_drafter = next((kind for kind, _ in job.drafters if kind in VERIFIER_DRAFTERS), "none")
+
+    def rounds(self, context: list[int]) -> Iterator[list[int]]:
+        """The next round's new tokens, or the verifier's own rounds' one by one; none when the
+        verifier lost the request (the next round prefills it again)."""
+        if not self.verified or self.verifier.stub is None:
+            yield self.prefill(context)  # the first round, or the verifier lost the request
+        elif self.own_rounds:
+            yield from self.decode(context)
+        else:
+            draft = self.plan()
+            if self.plain_on_verifier and not self.asks_pools(draft):
+                # no pool drafter's draft pays now: rounds on the verifier, drafted there (no
+                # pool, no hop) by the request's drafter it runs, if any, else plain
+                yield from self.decode(context)
+                return
+            self.draft(context, draft)
+            verdict = self.verify(context, draft)
+            if verdict is not None:
+                yield self.learn(context, draft, verdict)
+
+    def prefill(self, context: list[int]) -> list[int]:
+        """Prefill every verified token; the answer is the next token, exactly as a round
+        would give it."""
+        if not self.verified and self.job.prefill_pools_ahead and not self.own_rounds:
+            self.drafting.prefill_ahead(context)
+        with self.stats.span("prefill", self.rnd):
+            prefilled = self.verifier.prefill(context, self.candidates)
+        self.ready, self.load = None, max(1, self.verifier.active_requests)
+        if not self.verified and self.plain_on_verifier:
+            # what drafting costs at this load, where a drafted round pays a hop plain rounds do not
+            for c, (kind, _) in zip(self.controls or (), self.job.drafters):
+                self.draft_costs.start(c, kind, self.load)
+        seeded = len(prefilled.candidate_ids) // self.candidates if self.candidates else 0
+        if seeded:  # the target's predictions after the prompt's last tokens
+            self.drafting.observe(context[len(context) - seeded:], prefilled)
+        self.stats.record_prefill()
+        return [prefilled.next_token]
+
+    def decode(self, context: list[int]) -> Iterator[list[int]]:
+        """Rounds the verifier runs on its own (Decode), up to DECODE_ROUNDS, each round's new
+        tokens as it ends, drafted by the request's drafter it runs at the length that
+        drafter's control chooses at the start (plain if that is 0). Plain rounds bring back
+        the target's candidates at each round's token, for the drafters that learn from them.
+        Stops early when the verifier loses the request: the next round prefills it again."""
+        job = self.job
+        kind = self.verifier_drafter
+        control, length = None, 0
+        if kind != "none":
+            i = [k for k, _ in job.drafters].index(kind)
+            control = self.controls[i] if self.controls else None
+            length = job.draft_length if control is None else control.length(self.load, drafted_by_verifier=True)
+        # a verifier drafter's control that chose no draft: each of the call's rounds after the
+        # first, which its choice was for, counts towards its next probe (a probe here pays no hop)
+        undrafted = control if length == 0 else None
+        if length == 0:
+            kind, control = "none", None
+        candidates = self.candidates if kind == "none" else 0  # the caller knows no drafted round's tree
+        started, root = time.monotonic(), context[-1]
+        nodes = job.tree_nodes(length) if kind == "suffix" else 0
+        for n, resp in enumerate(self.verifier.decode(context, kind, length, nodes,
+                                                      job.params.max_tokens - len(self.verified), candidates)):
+            self.stats.record_span("verify", self.rnd, started, started := time.monotonic())
+            if candidates:
+                self.drafting.observe([root], resp)
+                root = resp.bonus
+            self.stats.record_draft_length(length)
+            self.stats.record_round(resp.drafted, len(resp.accepted), resp.batch_size)
+            if kind != "none":
+                self.stats.record_drafter(kind, resp.drafted, len(resp.accepted))
+            if control is not None:
+                control.record(resp.drafted_depth, len(resp.accepted))
+                control.observe_tree(resp.drafted, resp.drafted_depth)
+            self.load = _load(resp)
+            self.rnd += 1
+            if undrafted is not None and n:  # rounds after the first
+                undrafted.plain_rounds(1)
+            yield [*resp.accepted, resp.bonus]
+
+    def plan(self) -> _Draft:
+        """This round's draft lengths, as the controls choose them for the load, cut to the room."""
+        job = self.job
+        room = job.params.max_tokens - len(self.verified) - 1
+        lengths = ([job.draft_length] * len(job.drafters) if self.controls is None
+                   else [c.length(self.load) for c in self.controls])
+        return _Draft(room, lengths, [max(0, min(n, room)) for n in lengths])
+
+    def asks_pools(self, draft: _Draft) -> bool:
+        """Whether the planned round asks a drafter that only a pool runs: prompt lookup and the
+        suffix drafter are drafted as well by the verifier, without the pool's call and the
+        verify call's hop."""
+        return any(n and kind not in VERIFIER_DRAFTERS for (kind, _), n in zip(self.job.drafters, draft.budgets))
+
+    def draft(self, context: list[int], draft: _Draft) -> None:
+        """Each drafter's tree for the planned round (those drafted ahead, if the last verdict
+        kept them), and the tree to verify."""
+        self.stats.record_draft_length(max(draft.budgets))
+        if not any(draft.budgets):
+            # nothing to draft: the round verifies the bonus token alone, and a tree drafted
+            # ahead for this round's context would be one token behind the next round's
+            self.ready = None
+        elif self.ready is not None:
+            draft.proposals, self.ready = self.ready, None
+            self.stats.record_reuse()
+        else:
+            with self.stats.span("draft", self.rnd) as span:
+                draft.proposals = self.drafting.propose(context, draft.budgets)
+            draft.costs = self.drafting.seconds_per_token(draft.proposals)
+            draft.round_cost = self.drafting.overhead(span.seconds, draft.budgets)
+        draft.tree = self.drafting.merge(draft.proposals, draft.budgets)
+
+    def verify(self, context: list[int], draft: _Draft) -> pb.VerifyResponse | None:
+        """The verdict on the round's tree, or None when the request must be prefilled again.
+        Pipelined, the drafters draft the next round meanwhile."""
+        guess = [draft.tree.tokens[n] for n in likeliest_path(draft.tree)] if self.job.pipelined else []
+        ahead = draft.room - len(guess) - 1  # room left past a whole accepted guess and its bonus
+        if self.job.pipelined and len(draft.tree) and ahead > 0:
+            resp = self._verify_drafting_ahead(context, draft, guess, ahead)
+        else:
+            with self.stats.span("verify", self.rnd) as span:
+                resp = self.verifier.verify(draft.tree, len(context), self.candidates)
+            draft.verify_seconds = span.seconds
+        if resp is None:
+            self.ready = None
+        return resp
+
+    def _verify_drafting_ahead(self, context: list[int], draft: _Draft, guess: list[int],
+                               ahead: int) -> pb.VerifyResponse | None:
+        """Verify from another thread while the drafters draft the next round past `guess`
+        (the tree's likeliest path); keep that draft if the verdict allows."""
+        call = self.verifier.verify_async(draft.tree, len(context), self.candidates)
+        with self.stats.span("ahead", self.rnd):
+            drafted_ahead = self.drafting.propose(context, [min(n, ahead) for n in draft.lengths], speculative=guess)
+        resp = self.verifier.result(call)
+        draft.verify_seconds = self.stats.record_span("verify", self.rnd, call.started, call.ended).seconds
+        if resp is not None:
+            self.ready = self.drafting.reuse(drafted_ahead, guess, list(resp.accepted), resp.bonus)
+            for c in self.controls or ():
+                c.reused(self.ready is not None)
+        return resp
+
+    def learn(self, context: list[int], draft: _Draft, resp: pb.VerifyResponse) -> list[int]:
+        """Teach the verdict to all that learn from it (drafters that learn from the target's
+        scores, the fusion's calibrations, the stats, the adaptive controls); returns the
+        round's new tokens."""
+        if self.candidates:
+            self.drafting.observe([context[-1]] + draft.tree.tokens, resp)
+        new = list(resp.accepted) + [resp.bonus]
+        self.drafting.learn(draft.proposals, new)
+        self.stats.record_round(len(draft.tree), len(resp.accepted), resp.batch_size)
+        self.drafting.count(draft.proposals, resp.accepted, self.stats)
+        self._adapt(draft, resp)
+        self.load = _load(resp)
+        return new
+
+    def _adapt(self, draft: _Draft, resp: pb.VerifyResponse) -> None:
+        """Each drafter's control learns its acceptance and what drafting and verifying cost,
+        against a one-row, one-token pass (from the pass the verdict reports). When a round
+        with no draft would run on the verifier (Decode), a drafted round also pays its verify
+        call's hop: the round trip and the wait for the pass in flight."""
+        if not self.controls:
+            return
+        hop = max(0.0, draft.verify_seconds - resp.pass_seconds) if self.plain_on_verifier else 0.0
+        # a one-row, one-token pass's seconds (every control has the same verify costs)
+        unit = (resp.pass_seconds / self.controls[0].pass_units(resp.batch_size, resp.pass_tokens, resp.pass_width)
+                if resp.pass_seconds > 0 else draft.verify_seconds)
+        for i, (c, own) in enumerate(zip(self.controls, draft.proposals)):
+            if len(own):  # how deep the accepted path went in the drafter's own tree
+                depth = max(own.depths)
+                c.record(depth, own.path_prefix(resp.accepted))
+                c.observe_tree(len(own), depth)
+            if draft.costs and draft.costs[i]:
+                c.observe(draft.costs[i], unit)
+            if draft.round_cost is not None and draft.budgets[i] > 0:
+                c.observe_round(draft.round_cost + hop, unit)
+                if self.plain_on_verifier:  # at the load its length was chosen for
+                    self.draft_costs.remember(c, self.job.drafters[i][0], self.load)
+
+    def release(self) -> None:
+        self.drafting.release()
+        # the verifier's suffix index learns every suffix request's text, however its rounds
+        # were drafted (through the pools, pipelined), as the pools' index does (give_output)
+        learns = any(kind == "suffix" for kind, _ in self.job.drafters)
+        self.verifier.release(self.job.prompt_ids + self.verified if learns else ())
