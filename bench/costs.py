@@ -39,7 +39,7 @@ from cluster.local import LocalEngine
 from drafter_service.registry import make_drafter
 from speculative.batching import VerifyItem
 from speculative.decoding import DraftRequest, generate
-from speculative.model import attention_mask, causal_ancestors
+from runtime.model import attention_mask, causal_ancestors
 from speculative.sampling import SamplingParams
 from speculative.tree import DraftTree
 

@@ -32,13 +32,12 @@ from bench.chart import write_chart
 from bench.http_client import REQUEST_FAILED, HttpClient
 from bench.llamacpp import LLAMACPP_MODES, LlamaCppRunner, agreement_lines
 from bench.load import CLIENT_TIMEOUT_S, WARM_UP
+from bench.questions import CATEGORIES, load_questions
 from cluster.local import LocalEngine, Request
 from drafter_service.registry import SHIPPED_DRAFTERS
-from router.domains import BENCH_GROUPS, BENCH_PROMPTS_PER_GROUP, bench_group, read_questions
-from speculative.cpu_tuning import PAD_ROWS_TO
+from runtime.cpu_tuning import PAD_ROWS_TO
 from speculative.sampling import SamplingParams
 
-CATEGORIES = list(BENCH_GROUPS)
 HF_MODES = {"hf-ar", "hf-pld"}
 MODEL_DRAFTERS = ("layerskip",) + SHIPPED_DRAFTERS  # drafters that run a network per draft token
 SERVED = "served-"  # served-<mode>: the same drafter through a running server (--server), rounds in sequence
@@ -72,18 +71,6 @@ def mode_namespace(run_id: str, mode: str, repeat: int | str) -> str:
     """The memory namespace of one bench run's mode and repeat: nothing any other mode or
     repeat taught the drafters reaches it."""
     return f"bench-{run_id}/{mode}/{repeat}"
-
-
-def load_questions(path: str, limit_per_category: int) -> list[dict]:
-    if limit_per_category > BENCH_PROMPTS_PER_GROUP:
-        raise ValueError(f"--limit-per-category must be at most {BENCH_PROMPTS_PER_GROUP}: later dev questions "
-                         "are training data for the classifier and the shipped drafters")
-    picked: dict[str, list[dict]] = defaultdict(list)
-    for q in read_questions(path):
-        cat = bench_group(q["category"])
-        if len(picked[cat]) < limit_per_category:
-            picked[cat].append({**q, "bench_category": cat})
-    return [q for cat in CATEGORIES for q in picked.get(cat, [])]
 
 
 class HFRunner:
@@ -215,7 +202,7 @@ def _overhead_table(report: dict) -> list[str]:
 
 def forward_ms(engine: LocalEngine, sizes=(1, 2, 4, 6, 8, 16, 32), prefix: int = 128, repeats: int = 10) -> dict[str, float]:
     """Median time of one target forward of T new tokens after a cached prefix."""
-    from speculative.model import attention_mask, causal_ancestors
+    from runtime.model import attention_mask, causal_ancestors
 
     m = engine.model
     dev = m.device
@@ -284,7 +271,7 @@ def draft_token_ms(engine: LocalEngine, drafters: list[str], target_ms: float, p
 def load_seconds(model: str | None, device: str = "cpu") -> dict[str, float]:
     """Cold load (GGUF conversion into an empty cache) and cached load, onto `device`."""
     from cluster.env import cpu_tuning_from_env
-    from speculative import loading
+    from runtime import loading
 
     tuning = cpu_tuning_from_env()
     src = loading.resolve_source(model)
@@ -324,7 +311,7 @@ class Runners:
 
     @classmethod
     def start(cls, args, questions: list[dict], run_id: str) -> "Runners":
-        from speculative import loading
+        from runtime import loading
 
         served = ServedRunner(args.server) if any(m.startswith(GRPC) for m in args.modes) else None
         http = ServedRunner(args.http, http=True) if any(m.startswith(HTTP) for m in args.modes) else None
@@ -363,7 +350,8 @@ class Runners:
             return Generation(*runner.run(prompt, params, mode, namespace))
         r = self.engine.run(Request(prompt, True, params, "none" if mode == "ar" else mode, args.draft_length,
                                     getattr(args, "tree_budget", None), namespace,
-                                    getattr(args, "parallel_layers", None) or 1))
+                                    getattr(args, "parallel_layers", None) or 1,
+                                    calibrate=not getattr(args, "no_calibrate", False)))
         return Generation(r.token_ids, r.seconds, r.target_forward_passes,
                           (r.draft_tokens, r.accepted_draft_tokens))
 

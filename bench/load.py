@@ -43,6 +43,7 @@ import numpy as np
 from tqdm import tqdm
 
 from bench.http_client import REQUEST_FAILED, HttpClient
+from bench.questions import load_questions
 from specserve.client import Client
 
 BASELINE = "none"  # plain decoding; the ratios are against it
@@ -199,8 +200,6 @@ WARM_UP = "Say hello in one short sentence."
 
 
 def run_load(args) -> dict:
-    from bench.harness import load_questions  # torch and the engine: imported only when run
-
     questions = load_questions(args.questions, args.limit_per_category)
     if not questions:
         raise ValueError(f"--questions: no questions in {args.questions}")

@@ -101,11 +101,11 @@ def load_on_one_thread(cfg: ServeConfig):
     once its teams hold more threads than there are cores it stops spinning between
     regions: had this (the actor's) thread run one with several threads, every op of the
     thread that serves would pay a wake-up (linear layers 2-3x slower, docs/DESIGN-NOTES.md).
-    So only the threads that serve go wider (`speculative.cpu_tuning.own_torch_threads`)."""
+    So only the threads that serve go wider (`runtime.cpu_tuning.own_torch_threads`)."""
     import torch
 
     from cluster.env import cache_dir_from_env, cpu_tuning_from_env
-    from speculative import loading
+    from runtime import loading
 
     torch.set_num_threads(1)
     return loading.load(cfg.model, cfg.device, cfg.dtype, cache_dir=cache_dir_from_env(),
@@ -163,8 +163,7 @@ def serve_metrics(registry, bind_host: str, advertise_host: str, port: int = 0):
 
 class _ServiceHost:
     """A service's process: what it serves, its gRPC server and its registration. Hosted
-    by a plain Ray actor (`specserve serve` without Serve, the tests) or a Serve replica
-    (deploy/app.py)."""
+    by a Serve replica (deploy/app.py), or by a plain Ray actor in the tests."""
 
     kind = ""
 
@@ -264,9 +263,9 @@ def online_learning(cfg: ServeConfig, store, target, registry):
     from drafter_service.learner import OnlineLearning
     from drafter_service.metrics import LearnerMetrics
     from drafter_service.published import PublishedDrafters
-    from speculative import loading
+    from runtime.cache import cache_root
 
-    published = PublishedDrafters(loading.cache_root(cache_dir_from_env()) / "online-drafters", store,
+    published = PublishedDrafters(cache_root(cache_dir_from_env()) / "online-drafters", store,
                                   settings.refresh_s)
     learning = OnlineLearning(settings, published, target.config.vocab_size, LearnerMetrics(registry))
     learning.start()
@@ -318,7 +317,7 @@ class RouterHost(_ServiceHost):
         from router.expertise import ExpertiseRouter
         from router.metrics import RouterMetrics
         from router.servicer import RouterConfig, RouterServicer, serve
-        from speculative import loading
+        from runtime import loading
         from speculative.drafter_kinds import drafter_domains
 
         # the router's tensor work (trees, fusion) is small and spread over many threads:
@@ -339,7 +338,7 @@ class RouterHost(_ServiceHost):
         coordinator = Coordinator(verifiers=live("verifier"), drafters=live("drafter"), pass_costs=pass_costs,
                                   service_wait_s=settings.service_wait_s,
                                   channels=Channels(secret=cluster_secret(cfg, store)),
-                                  learning_drafters=learning_drafters(cfg))
+                                  learning_drafters=learning_drafters(cfg), calibrate=settings.calibrate)
         # a request, and the largest tree a round can send, must fit the verifier's KV slots
         # as well as the model's context
         largest_tree = max(settings.draft_length, settings.tree_budget)
@@ -421,18 +420,3 @@ def services_ready(store, cfg: ServeConfig, timeout_s: float = 1.0) -> str | Non
         if missing:
             return f"no drafter pool serving {', '.join(missing)} yet"
     return None
-
-
-@ray.remote(num_cpus=0, max_restarts=-1)
-class VerifierActor(VerifierHost):
-    pass
-
-
-@ray.remote(num_cpus=0, max_restarts=-1)
-class DrafterPoolActor(DrafterPoolHost):
-    pass
-
-
-@ray.remote(num_cpus=0, max_restarts=-1)
-class RouterActor(RouterHost):
-    pass

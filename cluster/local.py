@@ -9,7 +9,7 @@ import torch
 
 from cluster.env import cache_dir_from_env, cpu_tuning_from_env
 from drafter_service.registry import make_drafter
-from speculative import loading
+from runtime import loading
 from speculative.decoding import GenerationResult, generate
 from speculative.sampling import InvalidArgument, SamplingParams
 
@@ -52,6 +52,7 @@ class Request:
     tree_budget: int | None = None  # most draft nodes per round; None: draft_length
     namespace: str = ""  # the memory drafters learn in across requests (speculative.namespaces)
     parallel_layers: int = 1  # EasySpec layer-parallel drafting of model drafters (1: exact)
+    calibrate: bool = True  # fused drafters rank nodes by calibrated confidences (greedy)
 
 
 class LocalEngine:
@@ -87,7 +88,7 @@ class LocalEngine:
     def run(self, req: Request, on_tokens=None) -> GenerationResult:
         ids = self.prompt_ids(req.prompt, req.chat)
         drafter = make_drafter(req.drafter, self.model, namespace=req.namespace,
-                               parallel_layers=req.parallel_layers)
+                               parallel_layers=req.parallel_layers, calibrate=req.calibrate)
         eos = self.tokenizer.eos_token_ids or self.model.config.eos_token_ids
         return generate(self.model, ids, req.params, drafter, req.draft_length, eos, on_tokens,
                         tree_budget=req.tree_budget)

@@ -1,4 +1,4 @@
-"""Starting a local Ray cluster, again when a start stalls.
+"""Starting a local Ray cluster (or joining one), again when a start stalls.
 
 Ray gives a starting raylet 30 s to register with the GCS (a constant in its code),
 and a starting GCS `RAY_gcs_server_port_wait_time_s` (30 s by default) to publish its
@@ -25,6 +25,24 @@ log = logging.getLogger(__name__)
 STALLED = ("timed out during startup", "Timed out waiting for file")
 ATTEMPTS = 3
 PAUSE_S = 5.0  # between attempts: what held up a start may be passing load
+
+
+def init_ray(cfg) -> None:
+    """Join RAY_ADDRESS, or start a local cluster offering the services' resources
+    (`cfg`: a cluster.config.ServeConfig)."""
+    from .actors import NAMESPACE
+
+    if ray.is_initialized():
+        return
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(namespace=NAMESPACE, log_to_driver=False)
+        return
+    resources: dict[str, float] = {}
+    for part in (cfg.verifiers, cfg.drafter_pools):
+        most = max(part.count, part.max_count or 0)  # room for every replica autoscaling may start
+        for name, amount in part.resources.items():
+            resources[name] = resources.get(name, 0) + amount * most
+    start_local_ray(namespace=NAMESPACE, resources=resources, include_dashboard=False, log_to_driver=False)
 
 
 class RayStartStalled(RuntimeError):

@@ -47,8 +47,8 @@ class ServedRanks:
     """Ranks 1..N-1 of this verifier, started and joined; `target` is rank 0's model."""
 
     def __init__(self, cfg: ServeConfig, threads: int):
-        from speculative import loading
-        from speculative.tp import TensorParallelTarget
+        from runtime import loading
+        from runtime.tp import TensorParallelTarget
         from verifier_service import tp_group
 
         world = cfg.verifiers.tensor_parallel

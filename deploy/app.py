@@ -36,6 +36,7 @@ from . import autoscaling
 from . import metrics as service_metrics
 from . import openai_api as oa
 
+APP_NAME = "specserve"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 # requests one replica takes at once (Serve's default, 5, would queue streams in the proxy):
 # the ingress only relays; a router runs each request on a thread of its own
@@ -44,6 +45,7 @@ ROUTER_MAX_ONGOING = 64
 # how often a replica being stopped checks whether its requests are done (Serve's default, 2 s,
 # made every stop of an idle application take 8 s)
 SHUTDOWN_POLL_S = 0.5
+READY_POLL_S = 0.5  # how often a starting application is asked whether it would serve a request
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -453,3 +455,21 @@ def build_app(args: dict[str, Any]):
     if warning:
         logging.getLogger(__name__).warning(warning)
     return build(cfg)
+
+
+def start_app(cfg: ServeConfig, redis_url: str | None = None, progress=print):
+    """Deploy the application on the Ray cluster (initialised) and return the router's handle
+    once a request would succeed (`progress` hears why not yet)."""
+    http = {"host": cfg.host, "port": cfg.http.port}
+    if cfg.security.tls() is not None:
+        http.update(ssl_certfile=cfg.security.tls_cert_file, ssl_keyfile=cfg.security.tls_key_file)
+    serve.start(http_options=http)
+    serve.run(build(cfg, redis_url), name=APP_NAME, route_prefix="/", blocking=False)
+    router = serve.get_deployment_handle("Router", app_name=APP_NAME)
+    said = None
+    while (reason := router.ready.remote().result()) is not None:
+        if reason != said:
+            progress(f"specserve: waiting: {reason}")
+            said = reason
+        time.sleep(READY_POLL_S)
+    return router

@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from speculative.loading import load_hf_dir
-from speculative.model import Transformer
+from runtime.loading import load_hf_dir
+from runtime.model import Transformer
 
 FORMAT = "specserve-drafter/1"
 

@@ -20,8 +20,8 @@ from typing import Callable, Iterable
 
 import torch
 
-from speculative.model import Transformer, attention_mask, causal_ancestors
-from speculative.tokenizer import Tokenizer
+from runtime.model import Transformer, attention_mask, causal_ancestors
+from runtime.tokenizer import Tokenizer
 
 TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".jsonl"}
 MIN_WINDOW_TOKENS = 9  # a text's last window shorter than this teaches too little to keep

@@ -14,12 +14,12 @@ from typing import Sequence
 
 import torch
 
-from speculative.model import Transformer, attention_mask, causal_ancestors
+from runtime.model import Transformer, attention_mask, causal_ancestors
 from speculative.calibration import Calibration
 from speculative.decoding import DraftRequest
 from speculative.easyspec import fuzzy_forward, run_sequentially
 from speculative.drafter_kinds import Abilities, abilities as kind_abilities
-from speculative.cpu_tuning import PAD_ROWS_TO
+from runtime.cpu_tuning import PAD_ROWS_TO
 from speculative.fusion import fuse
 from speculative.ngram import lookup_draft
 from speculative.recycling import RecycledCandidates

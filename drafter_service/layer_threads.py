@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from speculative.cpu_tuning import own_torch_threads
+from runtime.cpu_tuning import own_torch_threads
 from speculative.easyspec import Jobs, run_sequentially
 
 

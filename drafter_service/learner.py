@@ -26,9 +26,9 @@ from typing import Callable
 
 import torch
 
-from speculative.cpu_tuning import own_torch_threads
+from runtime.cpu_tuning import own_torch_threads
 from speculative.drafter_kinds import drafter_path
-from speculative.model import Transformer
+from runtime.model import Transformer
 
 from .checkpoint import load_drafter
 from .drafters import ModelDrafter

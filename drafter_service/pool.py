@@ -21,7 +21,7 @@ import torch
 
 from speculative.decoding import Drafter, DraftRequest
 from speculative.domains import DOMAINS
-from speculative.model import Transformer
+from runtime.model import Transformer
 from speculative.namespaces import DEFAULT_NAMESPACE, check_namespace
 from speculative.sampling import InvalidArgument, SamplingParams, make_generator
 from speculative.tree import DraftTree

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from speculative.model import Transformer
+from runtime.model import Transformer
 
 from .checkpoint import load_drafter, save_drafter
 
@@ -57,7 +57,7 @@ class PublishedDrafters:
     def load(self, record: dict[str, Any], target: Transformer) -> tuple[Transformer, list[int] | None]:
         """The drafter a record points at, loaded once per process and target, tuned for
         serving as the shipped ones are (registry.py)."""
-        from speculative.cpu_tuning import apply_cpu_tuning, tuning_of
+        from runtime.cpu_tuning import apply_cpu_tuning, tuning_of
 
         key = (str(Path(record["path"]).parent), record["version"], id(target))
         with self._lock:

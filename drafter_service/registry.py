@@ -10,13 +10,13 @@ from __future__ import annotations
 import threading
 import weakref
 
-from speculative.calibration import Calibration, enabled as calibration_enabled
+from speculative.calibration import Calibration
 from speculative.drafter_kinds import (DRAFTER_NAMES, SELF_INT4, SHIPPED_DIR, SHIPPED_DRAFTERS,  # noqa: F401
                                        check_drafter, drafter_domains, drafter_path, is_drafter)
-from speculative.cpu_tuning import apply_cpu_tuning, tuning_of
-from speculative.model import Transformer
+from runtime.cpu_tuning import apply_cpu_tuning, tuning_of
+from runtime.model import Transformer
 from speculative.ngram import PLD_MAX_NGRAM, PLD_MIN_NGRAM
-from speculative.quantize import quantized_copy
+from runtime.quantize import quantized_copy
 from speculative.sampling import InvalidArgument
 from speculative.recycling import RecycledCandidates
 from speculative.suffix import SuffixIndex
@@ -83,14 +83,15 @@ def memory(target: Transformer, namespace: str = DEFAULT_NAMESPACE) -> DrafterMe
 
 
 def make_drafter(name: str, target: Transformer, draft_top_k: int | None = None,
-                 namespace: str = DEFAULT_NAMESPACE, parallel_layers: int = 1):
+                 namespace: str = DEFAULT_NAMESPACE, parallel_layers: int = 1, calibrate: bool = True):
     """A fresh per-request drafter of kind `name` for `target`; None for plain decoding.
 
     `draft_top_k` makes a model drafter sample from its top-k renormalised
     distribution, so its q is exactly sparse (k pairs on the wire). A drafter that
     learns across requests learns and drafts in `namespace`'s memory alone.
     `parallel_layers` > 1 makes model drafters draft EasySpec-style, that many
-    layers' attentions at once (speculative.easyspec); other kinds ignore it."""
+    layers' attentions at once (speculative.easyspec); other kinds ignore it. `calibrate`:
+    greedy, a fused drafter ranks its members' nodes by calibrated confidences."""
     if parallel_layers < 1:
         raise InvalidArgument("parallel_layers", f"must be >= 1, got {parallel_layers}")
     # 1 keeps the model's own (CPU-tuned) forward: the same drafts, bit for bit
@@ -101,7 +102,8 @@ def make_drafter(name: str, target: Transformer, draft_top_k: int | None = None,
         parts = name.split("+")
         return FusedDrafter([(make_drafter(part, target, draft_top_k, namespace, parallel_layers), 1.0)
                              for part in parts],
-                            calibrations=[calibration(part, target, namespace) for part in parts])
+                            calibrations=[calibration(part, target, namespace) if calibrate else None
+                                          for part in parts])
     if name == "none":
         return None
     if name == "pld":
@@ -121,16 +123,13 @@ def make_drafter(name: str, target: Transformer, draft_top_k: int | None = None,
                         target_vocab_size=target.config.vocab_size, **easyspec)
 
 
-def calibration(name: str, target: Transformer, namespace: str = DEFAULT_NAMESPACE) -> Calibration | None:
-    """`namespace`'s calibration of drafter kind `name`'s confidences for `target`
-    (None: SPECSERVE_CALIBRATE=0)."""
-    if not calibration_enabled():
-        return None
+def calibration(name: str, target: Transformer, namespace: str = DEFAULT_NAMESPACE) -> Calibration:
+    """`namespace`'s calibration of drafter kind `name`'s confidences for `target`."""
     return memory(target, namespace).calibration(name)
 
 
 def _int4_twin(target: Transformer) -> Transformer:
-    """`target` with int4 linear layers (speculative.quantize.quantized_copy), made once."""
+    """`target` with int4 linear layers (runtime.quantize.quantized_copy), made once."""
     with _load_lock:
         if target not in _int4_twins:
             try:

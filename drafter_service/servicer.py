@@ -13,7 +13,7 @@ from protos import specserve_pb2 as pb
 from protos import specserve_pb2_grpc as pb_grpc
 from protos.server import start_server
 from protos.convert import params_from_pb, tree_to_pb
-from speculative.cpu_tuning import own_torch_threads
+from runtime.cpu_tuning import own_torch_threads
 from speculative.sampling import InvalidArgument
 
 from .pool import DrafterPool, Observed

@@ -37,11 +37,12 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from speculative import loading
-from speculative.config import ModelConfig
-from speculative.cpu_tuning import CpuTuning
+from runtime import loading
+from runtime.cache import cache_root
+from runtime.config import ModelConfig
+from runtime.cpu_tuning import CpuTuning
 from speculative.domains import DOMAINS
-from speculative.model import Transformer
+from runtime.model import Transformer
 
 from .checkpoint import load_drafter, save_drafter
 from .corpus import answer_with_teacher, corpus_files, read_corpus, teacher_top_k
@@ -101,7 +102,7 @@ def prepare_data(cfg: TrainConfig, target: Transformer, tokenizer, log, cache_di
     prompts = [p for p in prompts if 2 <= len(p) <= cfg.max_prompt_tokens]
     log(f"data: {len(prompts)} prompts ({len(skipped)} longer than --max-prompt-tokens skipped), "
         f"{len(texts)} text windows")
-    store = loading.cache_root(cache_dir) / "distill" / _target_key(cfg.target)
+    store = cache_root(cache_dir) / "distill" / _target_key(cfg.target)
     store.mkdir(parents=True, exist_ok=True)
 
     def key(kind: str, tokens: list[int]) -> Path:
@@ -262,7 +263,7 @@ def evaluate(model: Transformer, batches: list[Batch]) -> float:
 
 def train(cfg: TrainConfig, log=print, *, cache_dir: str | None = None, cpu_tuning: CpuTuning = CpuTuning()) -> Path:
     """Train the drafter `cfg` asks for; the target is loaded tuned by `cpu_tuning`, and
-    converted models and the target's answers are cached under `cache_dir` (`loading.cache_root`)."""
+    converted models and the target's answers are cached under `cache_dir` (`runtime.cache.cache_root`)."""
     cfg.validate()
     out = Path(cfg.out)
     work = out / "work"

@@ -13,7 +13,7 @@ of the B rows. The pass costs 1 + `verify_row_cost` x (B - 1)
 + `verify_token_cost` x width x k + `verify_pad_cost` x B x width x k one-token
 passes: another request's row costs more than another token in a row (its
 own attention over its own context, its cache writes), measured apart by
-`scripts/verify_cost_probe.py`, and learned online from the verifier's own
+`experiments/verify_cost_probe.py`, and learned online from the verifier's own
 pass timings (`PassCostModel`) when a control is given one. The other B - 1 rows
 gain one token each whatever this request drafts: under load a draft pays
 only if it gains more than it slows every other request.
@@ -256,7 +256,7 @@ class PassCostModel:
     second row, at one client) keeps its prior. Until `min_passes` passes are in, the
     priors are the costs. Every request of a batch reports the same pass: `observe`
     counts each (verifier, pass id) once. The model is linear: on a CPU that pads a lone
-    row's 2- to 3-token draft (speculative.cpu_tuning), it costs as much as a 4-token one,
+    row's 2- to 3-token draft (runtime.cpu_tuning), it costs as much as a 4-token one,
     which the fit averages over what the traffic drafts. Thread-safe: one model serves
     every request of a router."""
 

@@ -15,11 +15,11 @@ from protos import specserve_pb2_grpc as pb_grpc
 from protos.convert import params_from_pb
 from protos.server import call_deadline, start_server
 from speculative.drafter_kinds import VERIFIER_DRAFTERS, check_drafter
-from speculative.errors import PromptTooLong
+from runtime.errors import PromptTooLong
 from speculative.namespaces import DEFAULT_NAMESPACE, Namespaces, check_namespace
 from speculative.sampling import InvalidArgument
 from speculative.stopping import clip
-from speculative.tokenizer import Tokenizer
+from runtime.tokenizer import Tokenizer
 
 from .coordinator import Cancelled, Coordinator, DeadlineExceeded, Job, NoService
 from .domains import DOMAINS

@@ -47,6 +47,10 @@ class RouterSettings(BaseModel):
     learn_verify_costs: bool = Field(True, description="learn the three verify costs from the verifiers' pass "
                                                       "timings, starting from the settings above; off: the "
                                                       "settings as they are")
+    calibrate: bool = Field(True, description="greedy fusion ranks each drafter's nodes by its confidence "
+                                              "calibrated to the rate the target took its tokens at that "
+                                              "confidence (learned as the router runs); off: as the drafters "
+                                              "give them")
     routing_refresh_s: float = Field(5.0, ge=0, description="how often a router syncs drafter statistics")
     service_wait_s: float = Field(30.0, ge=0, description="how long a request waits (within its deadline) for a "
                                   "verifier while none is registered: the service is starting or one restarts")

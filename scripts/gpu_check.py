@@ -30,8 +30,8 @@ from torch import nn
 from bench.harness import HFRunner, departure
 from drafter_service.registry import make_drafter
 from speculative.decoding import generate
-from speculative.loading import load, load_hf_dir, parse_dtype
-from speculative.quantize import Int4Linear, Int8Linear, quantize, quantize_int4
+from runtime.loading import load, load_hf_dir, parse_dtype
+from runtime.quantize import Int4Linear, Int8Linear, quantize, quantize_int4
 from speculative.sampling import SamplingParams
 
 QUESTIONS = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "spec_bench" / "dev.jsonl"
@@ -126,7 +126,7 @@ def against_hf(hf: HFRunner, ids: list[int], got: list[int], max_tokens: int) ->
 
 def models(args, source: Path | None, tiny: bool, report: dict) -> None:
     """Fills report["models"], written out and summarised after each precision."""
-    from speculative.loading import resolve_source
+    from runtime.loading import resolve_source
 
     hf = None  # Hugging Face on the device, loaded for the first float32 prompt
     out = report["models"] = {}

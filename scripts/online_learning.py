@@ -27,7 +27,7 @@ from drafter_service.published import PublishedDrafters
 from drafter_service.registry import make_drafter
 from drafter_service.settings import LearnerSettings
 from router.domains import read_questions
-from speculative import loading
+from runtime import loading
 from speculative.decoding import generate
 from speculative.sampling import SamplingParams
 

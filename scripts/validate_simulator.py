@@ -244,7 +244,7 @@ def served_sides(before: dict[str, float], after: dict[str, float]) -> dict[str,
 
 
 def first_prompts(args, n: int = 2) -> list[str]:
-    from bench.harness import load_questions
+    from bench.questions import load_questions
 
     return [q["turns"][0] for q in load_questions(args.questions, args.limit_per_category)][:n]
 

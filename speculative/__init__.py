@@ -1,4 +1,7 @@
-"""The shared core of specserve: model, loading, sampling, verification, token trees.
+"""The algorithms of speculative decoding: token trees, sampling and verification,
+the round and the loop, batching, fusion, pipelining, the lookup indexes and the
+confidence calibration.
 
-Plain PyTorch, no processes or network: every algorithm lives here once.
+Each lives here once, as plain functions over a model of `runtime/`, with no
+processes or network around them.
 """

@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from .model import KVCache, Transformer
+from runtime.model import KVCache, Transformer
 from .sampling import SamplingParams, choice_scores, probabilities
 from .tree import DraftTree
 from .verification import verify_greedy, verify_sampling

@@ -25,7 +25,6 @@ not rank by confidence (docs/DESIGN-NOTES.md, "Draw order, not value order").
 from __future__ import annotations
 
 import bisect
-import os
 import threading
 from dataclasses import replace
 from typing import Sequence
@@ -38,11 +37,6 @@ EDGES = (0.1, 0.3, 0.5, 0.7, 0.9)
 MIDPOINTS = (0.05, 0.2, 0.4, 0.6, 0.8, 0.95)
 PRIOR_WEIGHT = 8.0
 DECAY = 0.999  # per label: old evidence fades, so a changing workload is followed
-
-
-def enabled() -> bool:
-    """Calibration is on unless SPECSERVE_CALIBRATE=0 (to measure fusion without it)."""
-    return os.environ.get("SPECSERVE_CALIBRATE", "1") != "0"
 
 
 def _confidences(tree: DraftTree, default: float) -> list[float]:

@@ -18,7 +18,7 @@ from typing import Callable, Protocol, Sequence
 
 import torch
 
-from .model import KVCache, Transformer, attention_mask, causal_ancestors
+from runtime.model import KVCache, Transformer, attention_mask, causal_ancestors
 from .sampling import InvalidArgument, SamplingParams, first_token, make_generator
 from .batching import VerifyItem, verify_batch
 from .drafter_kinds import Abilities

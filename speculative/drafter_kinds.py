@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import InvalidArgument
+from runtime.errors import InvalidArgument
 
 # the shipped checkpoints are package data of drafter_service; only their path is needed here
 SHIPPED_DIR = Path(__file__).resolve().parent.parent / "drafter_service" / "checkpoints"

@@ -24,7 +24,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from .model import KVCache, Transformer
+from runtime.model import KVCache, Transformer
 
 Jobs = Sequence[Callable[[], torch.Tensor]]
 

@@ -21,7 +21,7 @@ import threading
 from collections import OrderedDict
 from typing import Callable, Generic, TypeVar
 
-from .errors import InvalidArgument
+from runtime.errors import InvalidArgument
 
 DEFAULT_NAMESPACE = ""
 MAX_NAMESPACE_LENGTH = 128

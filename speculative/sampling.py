@@ -8,7 +8,7 @@ from typing import Sequence
 
 import torch
 
-from .errors import InvalidArgument  # raised here, and imported from here by the services
+from runtime.errors import InvalidArgument  # raised here, and imported from here by the services
 
 # A seeded request's stream draws from torch seed seed * STREAM_STRIDE + stream: a prime far
 # above any stream number, so each (seed, stream) pair gets its own torch seed. Changing it

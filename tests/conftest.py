@@ -55,7 +55,7 @@ def every_core_for_each_module():
 def smollm2():
     """Our model and tokenizer: the default target."""
     from cluster.local import set_cpu_threads
-    from speculative import loading
+    from runtime import loading
 
     set_cpu_threads()
     return loading.load()

@@ -171,11 +171,11 @@ def stop() -> None:
 
 
 def cli_json(argv: tuple[str, ...]) -> dict:
-    """`specserve generate ... --json` run in a worker (cluster.cli.main), its JSON output.
+    """`specserve generate ... --json` run in a worker (commands.cli.main), its JSON output.
     As a fresh CLI process would start, but with the model loaded once per worker: the load
     is memoised on its arguments and the drafters' memory (the suffix index, the recycling
     table, fused calibrations) is dropped before each call."""
-    from cluster.cli import main as cli_main
+    from commands.cli import main as cli_main
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):

@@ -29,7 +29,7 @@ def hf_model():
         from transformers import AutoModelForCausalLM, AutoTokenizer
         from transformers.utils import logging as hf_logging
 
-        from speculative.loading import default_gguf_path
+        from runtime.loading import default_gguf_path
 
         hf_logging.set_verbosity_error()
         gguf = default_gguf_path()

@@ -42,7 +42,7 @@ def specserve_serve(config: Path, config_text: str,
     config.write_text(config_text)
     http, grpc_port = free_port(), free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "SPECSERVE_REDIS_URL")}
-    proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", "--config", str(config), "--port",
+    proc = subprocess.Popen([sys.executable, "-m", "commands.cli", "serve", "--config", str(config), "--port",
                              str(grpc_port), "--http-port", str(http)], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
     served = Served(f"http://127.0.0.1:{http}", f"127.0.0.1:{grpc_port}", proc)

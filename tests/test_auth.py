@@ -26,7 +26,7 @@ from ray import serve
 from certs import self_signed
 from cluster.config import ServeConfig
 from cluster.ray_start import start_local_ray
-from cluster.serve import start_app
+from deploy.app import start_app
 from cluster.state import EmbeddedStateStore, RedisStateStore
 from drafter_service.pool import DrafterPool
 from loopback import loopback
@@ -167,7 +167,7 @@ def test_grpc_limit_spent_on_one_replica_holds_on_the_other(two_routers):
 # -- HTTP: the Serve application, keys from `specserve keys` ------------------------------
 def _keys_cli(redis_url: str, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "SPECSERVE_REDIS_URL": redis_url}
-    return subprocess.run([sys.executable, "-m", "cluster.cli", "keys", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "commands.cli", "keys", *args], capture_output=True, text=True,
                           env=env, timeout=60)
 
 

@@ -16,7 +16,7 @@ from ray import serve
 
 from cluster.config import ServeConfig
 from cluster.ray_start import start_local_ray
-from cluster.serve import APP_NAME, start_app
+from deploy.app import APP_NAME, start_app
 from oracle import MAX_TOKENS, PROMPTS, near_tie_or_equal
 from redis_server import redis_server_fixture
 from serve_process import free_port

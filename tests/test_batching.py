@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from speculative import model as model_module
+from runtime import model as model_module
 from speculative.batching import VerifyItem, verify_batch
-from speculative.model import attention_mask, causal_ancestors
+from runtime.model import attention_mask, causal_ancestors
 from speculative.sampling import SamplingParams
 from speculative.tree import DraftTree
 from tiny import tiny_model

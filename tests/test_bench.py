@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from cluster.cli import main as cli_main
+from commands.cli import main as cli_main
 from conftest import DEV_QUESTIONS
 from drafter_service.pool import DrafterPool
 from http_front import http_front
@@ -193,7 +193,7 @@ def test_a_departure_from_hf_ar_names_the_token_and_hfs_margin_there(smollm2):
     import torch
 
     from bench.harness import HFRunner, departure
-    from speculative.loading import converted_gguf_dir, default_gguf_path
+    from runtime.loading import converted_gguf_dir, default_gguf_path
     from speculative.sampling import SamplingParams
 
     _, tokenizer = smollm2

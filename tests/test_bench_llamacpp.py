@@ -12,15 +12,15 @@ import pytest
 import torch
 
 from bench.llamacpp import LlamaCppRunner, agreement, agreement_lines, built_with_amx
-from cluster.cli import main as cli_main
+from commands.cli import main as cli_main
 from cluster.local import cpu_cores
 from conftest import DEV_QUESTIONS
-from speculative.loading import default_gguf_path
+from runtime.loading import default_gguf_path
 from speculative.sampling import SamplingParams
 
 REPO = Path(__file__).resolve().parents[1]
 # the CLI in a fresh interpreter where `import llama_cpp` fails, as it does without the extra
-WITHOUT_LLAMA_CPP = ("import sys; sys.modules['llama_cpp'] = None; from cluster.cli import main; "
+WITHOUT_LLAMA_CPP = ("import sys; sys.modules['llama_cpp'] = None; from commands.cli import main; "
                      "sys.exit(main(sys.argv[1:]))")
 
 

@@ -16,7 +16,7 @@ import pytest
 from bench import load
 from bench.http_client import REQUEST_FAILED, HttpClient, HttpError
 from bench.load import schedule, summarize
-from cluster.cli import main as cli_main
+from commands.cli import main as cli_main
 from conftest import DEV_QUESTIONS
 from drafter_service.pool import DrafterPool
 from http_front import http_front

@@ -11,7 +11,7 @@ import pytest
 
 
 def specserve(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cluster.cli", *args], capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-m", "commands.cli", *args], capture_output=True, text=True, timeout=300)
 
 
 def test_generate_json_fields():

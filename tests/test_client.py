@@ -287,7 +287,7 @@ def test_async_deadline_and_metadata(server):
 # ---- specserve generate --server ---------------------------------------------
 
 def specserve(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cluster.cli", "generate", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "commands.cli", "generate", *args], capture_output=True, text=True,
                           timeout=60, cwd=ROOT)
 
 

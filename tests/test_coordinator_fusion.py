@@ -37,7 +37,7 @@ from speculative.batching import VerifyItem, verify_batch
 from speculative.calibration import Calibration
 from speculative.decoding import DraftRequest, generate
 from speculative.fusion import fuse
-from speculative.model import attention_mask, causal_ancestors
+from runtime.model import attention_mask, causal_ancestors
 from speculative.sampling import InvalidArgument, SamplingParams, make_generator, probabilities, sample
 from speculative.tree import DraftTree
 from tiny import TINY, DigitTokenizer, tiny_model

@@ -1,4 +1,4 @@
-"""specserve's own int4/int8 and float32 CPU products (speculative/cpu_kernels.py): right,
+"""specserve's own int4/int8 and float32 CPU products (runtime/cpu_kernels.py): right,
 row-exact, and replaced by torch's kernels, with a warning, where they cannot be built."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ from dataclasses import replace
 import pytest
 import torch
 
-from speculative import cpu_kernels, cpu_tuning
-from speculative.cpu_tuning import LONG_ROWS_TIMED, PACKED_CHUNK_ROWS, CpuTuning, NativeLinear, NativeRMSNorm, \
+from runtime import cpu_kernels, cpu_tuning
+from runtime.cpu_tuning import LONG_ROWS_TIMED, PACKED_CHUNK_ROWS, CpuTuning, NativeLinear, NativeRMSNorm, \
     PackedLinear, apply_cpu_tuning
-from speculative.model import FUSED_ATTENTION_MAX_TOKENS, Transformer, attention_mask, causal_ancestors
-from speculative.quantize import Int4Linear, Int8Linear, quantize
+from runtime.model import FUSED_ATTENTION_MAX_TOKENS, Transformer, attention_mask, causal_ancestors
+from runtime.quantize import Int4Linear, Int8Linear, quantize
 from tiny import TINY, tiny_model
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="needs an x86 CPU with AVX2 and a C++ compiler")
@@ -198,7 +198,7 @@ def unbuildable(monkeypatch):
 
 
 def test_without_a_compiler_auto_falls_back_to_torch_with_a_warning(unbuildable, tmp_path, caplog):
-    with caplog.at_level(logging.WARNING, logger="speculative.cpu_kernels"):
+    with caplog.at_level(logging.WARNING, logger="runtime.cpu_kernels"):
         assert not cpu_kernels.preferred("auto", tmp_path)
     assert "unavailable" in caplog.text and "/bin/false failed" in caplog.text
     model = quantize(tiny_model(0), "int4")

@@ -16,7 +16,7 @@ import ray
 from cluster.config import ServeConfig
 from cluster.local import LocalEngine, Request
 from cluster.ray_start import start_local_ray
-from cluster.serve import deploy, shutdown
+from raw_actors import deploy, shutdown
 from cluster.state import open_state_store
 from conftest import dev_prompts
 from oracle import MAX_TOKENS as ORACLE_TOKENS

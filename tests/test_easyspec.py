@@ -14,12 +14,12 @@ import warnings
 import pytest
 import torch
 
-from cluster.cli import main as cli_main
+from commands.cli import main as cli_main
 from drafter_service.drafters import ModelDrafter
 from drafter_service.layer_threads import LayerThreads
 from speculative.decoding import DraftRequest
 from speculative.easyspec import fuzzy_forward, layer_groups
-from speculative.model import attention_mask, causal_ancestors
+from runtime.model import attention_mask, causal_ancestors
 from speculative.sampling import SamplingParams, probabilities
 from oracle import NEAR_TIE, PROMPTS, oracle
 from tiny import tiny_model

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from cluster.env import cache_dir_from_env, cpu_tuning_from_env
-from speculative.cpu_tuning import CpuTuning
-from speculative.loading import cache_root
+from runtime.cpu_tuning import CpuTuning
+from runtime.cache import cache_root
 
 
 def test_cpu_tuning_from_env(monkeypatch):

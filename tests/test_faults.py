@@ -35,7 +35,7 @@ from ray import serve
 
 from cluster.config import ServeConfig
 from cluster.ray_start import start_local_ray
-from cluster.serve import start_app
+from deploy.app import start_app
 from cluster.state import RedisStateStore
 from oracle import NEAR_TIE, PROMPTS, hf_keyed, keyed_oracle, oracle
 from serve_process import free_port

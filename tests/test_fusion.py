@@ -25,7 +25,7 @@ from drafter_service.drafters import FusedDrafter, ModelDrafter, MultiSampleDraf
 from speculative.batching import VerifyItem, verify_batch
 from speculative.decoding import DraftRequest
 from speculative.fusion import draw_order, fuse
-from speculative.model import attention_mask, causal_ancestors
+from runtime.model import attention_mask, causal_ancestors
 from speculative.sampling import SamplingParams, make_generator, sample
 from speculative.tree import DraftTree
 from speculative.verification import residual

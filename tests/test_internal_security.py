@@ -181,7 +181,7 @@ def test_a_coordinator_with_the_secret_drives_a_request(target):
 def served_cluster():
     from cluster.actors import connect_store
     from cluster.config import ServeConfig
-    from cluster.serve import deploy, shutdown
+    from raw_actors import deploy, shutdown
 
     with pytest.MonkeyPatch.context() as mp:
         # the defaults: no secret configured anywhere (the actors inherit this environment)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from speculative.model import attention_mask, causal_ancestors
+from runtime.model import attention_mask, causal_ancestors
 from speculative.tree import DraftTree
 
 
@@ -59,7 +59,7 @@ def test_additive_mask_attends_exactly_as_the_boolean_one():
     attention must come out bit for bit as SDPA computes it from the boolean mask."""
     import torch.nn.functional as F
 
-    from speculative.model import additive_mask
+    from runtime.model import additive_mask
 
     torch.manual_seed(0)
     tree = DraftTree(tokens=[3, 4, 5, 6], parents=[-1, 0, 0, 2])
@@ -78,8 +78,8 @@ def test_a_prefill_attends_without_a_mask_exactly_as_with_it(smollm2, monkeypatc
     A pass after a cached prefix, or a tree's, keeps the mask."""
     import torch.nn.functional as F
 
-    import speculative.model as model_module
-    from speculative.model import CAUSAL_MIN_TOKENS, KVCache
+    import runtime.model as model_module
+    from runtime.model import CAUSAL_MIN_TOKENS, KVCache
 
     model, tok = smollm2
     prompt = tok.encode("The quick brown fox jumps over the lazy dog, again and again. " * 12)

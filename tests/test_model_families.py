@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from speculative.loading import load_hf_dir
-from speculative.model import attention_mask, causal_ancestors
+from runtime.loading import load_hf_dir
+from runtime.model import attention_mask, causal_ancestors
 
 SHAPE = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=256)

@@ -11,7 +11,7 @@ from ray.cluster_utils import Cluster
 
 from cluster.config import ServeConfig
 from cluster.local import LocalEngine, Request
-from cluster.serve import deploy, shutdown
+from raw_actors import deploy, shutdown
 from conftest import dev_prompts
 from protos import specserve_pb2 as pb
 from protos import specserve_pb2_grpc as pb_grpc

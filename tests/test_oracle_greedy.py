@@ -15,7 +15,7 @@ import warnings
 import pytest
 import torch
 
-from cluster.cli import main as cli_main
+from commands.cli import main as cli_main
 from core_workers import WORKERS, cli_json
 from drafter_service.registry import DRAFTER_NAMES, SHIPPED_DRAFTERS
 from oracle import GREEDY_PROMPTS, MAX_TOKENS, PROMPTS, near_tie_or_equal

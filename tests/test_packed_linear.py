@@ -1,4 +1,4 @@
-"""CPU tuning (speculative.cpu_tuning): prepacked linear layers give the same logits as
+"""CPU tuning (runtime.cpu_tuning): prepacked linear layers give the same logits as
 the plain model, the paths of one row, of 2-3 rows and of long passes are chosen by what
 this CPU does faster, and a short row runs padded (or by BLAS, unpadded) with the plain
 model's results. oneDNN's packed layers (`PackedLinear`, what `kernels="torch"` asks for);
@@ -14,10 +14,10 @@ import weakref
 import pytest
 import torch
 
-from speculative import cpu_tuning
-from speculative.cpu_tuning import (LONG_ROWS_TIMED, PACKED_CHUNK_ROWS, PAD_ROWS_TO, CpuTuning, PackedLinear,
+from runtime import cpu_tuning
+from runtime.cpu_tuning import (LONG_ROWS_TIMED, PACKED_CHUNK_ROWS, PAD_ROWS_TO, CpuTuning, PackedLinear,
                                     apply_cpu_tuning)
-from speculative.model import Transformer, attention_mask, causal_ancestors
+from runtime.model import Transformer, attention_mask, causal_ancestors
 from tiny import tiny_model
 
 

@@ -1,4 +1,4 @@
-"""Low precision (speculative/quantize.py, `load(dtype=...)`): lossless within each precision.
+"""Low precision (runtime/quantize.py, `load(dtype=...)`): lossless within each precision.
 
 In bfloat16, int8 and int4 greedy speculative decoding gives exactly the tokens of plain
 decoding in that same precision, for every kind of drafter and for fused trees, on the
@@ -18,11 +18,12 @@ from conftest import dev_prompts
 from core_workers import seed_shares
 from drafter_service.drafters import ModelDrafter
 from drafter_service.registry import make_drafter
-from speculative import loading
+from runtime import loading
 from speculative.decoding import generate
-from speculative.gguf_blocks import cached_int4_blocks
-from speculative.model import attention_mask, causal_ancestors
-from speculative.quantize import (LINEAR_PARTS, Int4Linear, Int8Linear, RowSlicedLinear, cuda_inner_k_tiles,
+from runtime.gguf_blocks import cached_int4_blocks
+from runtime.gguf_convert import converted_gguf_dir
+from runtime.model import attention_mask, causal_ancestors
+from runtime.quantize import (LINEAR_PARTS, Int4Linear, Int8Linear, RowSlicedLinear, cuda_inner_k_tiles,
                                   quantize)
 from speculative.sampling import SamplingParams
 from test_sampling_distribution import PROMPT, chi_square_p, exact_drafted_joint
@@ -94,7 +95,7 @@ def test_bfloat16_attends_in_float64_off_the_cpu_too():
 @pytest.mark.parametrize("native", [True, False])
 def test_bfloat16_on_a_cpu_without_bfloat16_kernels_says_it_will_be_slow(smollm2, monkeypatch, caplog, native):
     monkeypatch.setattr(loading, "cpu_has_bfloat16", lambda: native)
-    with caplog.at_level("WARNING", logger="speculative.loading"):
+    with caplog.at_level("WARNING", logger="runtime.loading"):
         loading.load(dtype="bfloat16")
     warned = [r.getMessage() for r in caplog.records if "bfloat16" in r.getMessage()]
     assert (warned == []) if native else ("float32 or int4 is faster here" in warned[0])
@@ -147,7 +148,7 @@ def test_int4_weights_are_the_gguf_blocks_exactly(models):
     layer computes with exactly gguf's own dequantisation of the blocks (the float32
     conversion in the cache is gguf.quants.dequantize's output), and the loaded model holds
     the same blocks (with torch's kernels, its scales rounded to its bfloat16 activations)."""
-    directory = loading.converted_gguf_dir(loading.default_gguf_path())
+    directory = converted_gguf_dir(loading.default_gguf_path())
     converted = loading.load_hf_dir(directory)
     blocks = cached_int4_blocks(loading.default_gguf_path(), directory)
     for i, (ours, theirs) in enumerate(zip(models["int4"].layers, converted.layers)):

@@ -7,7 +7,7 @@ import torch
 
 import speculative.decoding as decoding
 from drafter_service.drafters import RecyclingDrafter
-from speculative.model import attention_mask, causal_ancestors
+from runtime.model import attention_mask, causal_ancestors
 from speculative.recycling import RecycledCandidates, top_candidates
 from speculative.sampling import SamplingParams
 from tiny import TINY, tiny_model

@@ -29,7 +29,7 @@ from drafter_service.pool import DrafterPool
 from loopback import loopback
 from router.coordinator import Job
 from router.stats import RoundStats
-from speculative.model import attention_mask, causal_ancestors
+from runtime.model import attention_mask, causal_ancestors
 from speculative.sampling import SamplingParams, make_generator, probabilities
 from tiny import TINY, tiny_model
 from verifier_service.engine import VerifierEngine

@@ -24,7 +24,7 @@ import speculative.sampling as sampling
 from core_workers import seed_shares
 from drafter_service.drafters import (ModelDrafter, MultiSampleDrafter, PromptLookupDrafter, RecyclingDrafter,
                                       SuffixDrafter)
-from speculative.model import attention_mask, causal_ancestors
+from runtime.model import attention_mask, causal_ancestors
 from speculative.sampling import SamplingParams, probabilities
 from speculative.recycling import RecycledCandidates
 from speculative.suffix import SuffixIndex

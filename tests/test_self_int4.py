@@ -1,4 +1,4 @@
-"""`self-int4`: the target drafting for itself with int4 weights (speculative.quantize.quantized_copy).
+"""`self-int4`: the target drafting for itself with int4 weights (runtime.quantize.quantized_copy).
 
 Its greedy losslessness is the oracle test's (tests/test_oracle_greedy.py runs every drafter
 kind); here: the twin leaves the target as it was, the pool serves it, a target it cannot
@@ -17,8 +17,8 @@ from conftest import dev_prompts
 from drafter_service.pool import DrafterPool
 from drafter_service.registry import make_drafter
 from speculative.decoding import generate
-from speculative.model import Transformer, attention_mask, causal_ancestors
-from speculative.quantize import LINEAR_PARTS, Int4Linear, Int8Linear, quantize, quantized_copy
+from runtime.model import Transformer, attention_mask, causal_ancestors
+from runtime.quantize import LINEAR_PARTS, Int4Linear, Int8Linear, quantize, quantized_copy
 from speculative.sampling import InvalidArgument, SamplingParams
 from test_sampling_distribution import PROMPT, chi_square_p, exact_drafted_joint
 from tiny import TINY, tiny_model

@@ -19,7 +19,7 @@ def test_serve_answers_and_stops_on_sigterm(tmp_path):
     config = tmp_path / "serve.toml"
     config.write_text('[drafter_pools]\nkinds = ["pld"]\n[verifiers]\nmax_len = 1024\nthreads = 1\n')
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "SPECSERVE_REDIS_URL")}
-    proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", "--config", str(config),
+    proc = subprocess.Popen([sys.executable, "-m", "commands.cli", "serve", "--config", str(config),
                              "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env)
     try:

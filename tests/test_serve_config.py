@@ -115,7 +115,7 @@ def test_tls_files_go_together_and_must_exist(tmp_path):
 
 
 def test_serve_refuses_open_access_in_one_line(capsys):
-    from cluster.cli import main
+    from commands.cli import main
 
     assert main(["serve", "--host", "0.0.0.0", "--port", "1"]) == 2
     err = capsys.readouterr().err

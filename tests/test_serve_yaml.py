@@ -61,7 +61,7 @@ def test_serve_run_deploy_yaml_answers_a_chat_completion():
         # the config asks for keys: make one with the CLI, in the cluster's embedded store
         env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
         env.pop("SPECSERVE_REDIS_URL", None)
-        made = subprocess.run([sys.executable, "-m", "cluster.cli", "keys", "create", "--name", "yaml-test"],
+        made = subprocess.run([sys.executable, "-m", "commands.cli", "keys", "create", "--name", "yaml-test"],
                               capture_output=True, text=True, env=env, timeout=120)
         assert made.returncode == 0, made.stderr
         with pytest.raises(openai.AuthenticationError):

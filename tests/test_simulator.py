@@ -11,7 +11,7 @@ import pytest
 
 from bench.simulator import (Costs, DrafterProfile, Question, SimConfig, costs_from_dict, fit_linear, grid,
                              load_costs, replicate, saturation_points, simulate)
-from cluster.cli import main as cli_main
+from commands.cli import main as cli_main
 
 DOMAIN = "qa"
 

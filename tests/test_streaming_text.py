@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from router.text import StreamingText
-from speculative.loading import load_tokenizer
+from runtime.loading import load_tokenizer
 
 
 @pytest.fixture(scope="module")

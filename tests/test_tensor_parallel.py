@@ -1,4 +1,4 @@
-"""Tensor-parallel targets (speculative/tp.py, verifier_service/tp_group.py): every rank a
+"""Tensor-parallel targets (runtime/tp.py, verifier_service/tp_group.py): every rank a
 spawned process in a gloo group, checked against the same model in one process."""
 
 from __future__ import annotations
@@ -10,13 +10,13 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from speculative import loading
+from runtime import loading
 from speculative.batching import VerifyItem, verify_batch
-from speculative.errors import InvalidArgument
-from speculative.model import attention_mask, causal_ancestors
-from speculative.quantize import quantize, quantized_weights
+from runtime.errors import InvalidArgument
+from runtime.model import attention_mask, causal_ancestors
+from runtime.quantize import quantize, quantized_weights
 from speculative.sampling import SamplingParams
-from speculative.tp import TensorParallelTarget, check_tp, head_shard, serve_rank, shard_plan, shard_weights
+from runtime.tp import TensorParallelTarget, check_tp, head_shard, serve_rank, shard_plan, shard_weights
 from speculative.tree import DraftTree
 from tiny import TINY, tiny_model
 from verifier_service import tp_group
@@ -266,7 +266,7 @@ def test_killed_rank_fails_the_pass_and_the_request_resumes_on_a_new_group():
 def default_group():
     """The default model on 3 ranks, rank 0 in this process, untuned (the one-process
     reference is too): one group for this module's default-model tests, for time."""
-    from speculative import loading
+    from runtime import loading
 
     loader = tp_group.checkpoint_loader(None)
     tokenizer, cfg = loading.load_tokenizer(loader.directory)
@@ -327,7 +327,7 @@ def test_generate_tensor_parallel_3_matches_hf(hf_oracle, default_group):
         assert len(got) == GENERATED
         near_tie_or_equal(hf_oracle, i, got + want[GENERATED:], label)  # the oracle runs longer
 
-    run = subprocess.run([sys.executable, "-m", "cluster.cli", "generate", "--tensor-parallel", "3", "--chat",
+    run = subprocess.run([sys.executable, "-m", "commands.cli", "generate", "--tensor-parallel", "3", "--chat",
                           "--json", "--prompt", PROMPTS[0][1], "--max-tokens", str(GENERATED), "--drafter", "pld"],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
@@ -373,7 +373,7 @@ def _precision_rank(rank: int, world: int, store_dir: str, dtype: str, prompts: 
     """One rank of the default model in `dtype`, CPU-tuned as served; rank 0 decodes each
     prompt plainly and with each of TP_DRAFTERS: their token ids, and the tokens they accepted."""
     from drafter_service.registry import make_drafter
-    from speculative.cpu_tuning import CpuTuning
+    from runtime.cpu_tuning import CpuTuning
     from speculative.decoding import generate
 
     torch.set_num_threads(1)

@@ -1,4 +1,4 @@
-"""A serving thread keeps its own torch thread count (speculative.cpu_tuning.own_torch_threads)."""
+"""A serving thread keeps its own torch thread count (runtime.cpu_tuning.own_torch_threads)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import threading
 
 import torch
 
-from speculative.cpu_tuning import own_torch_threads
+from runtime.cpu_tuning import own_torch_threads
 
 
 def test_a_threads_count_stays_its_own_when_another_thread_sets_one_later():

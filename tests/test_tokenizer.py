@@ -9,7 +9,7 @@ import threading
 import psutil
 import pytest
 
-from speculative.loading import load_tokenizer
+from runtime.loading import load_tokenizer
 
 THREADS = 8
 

@@ -11,12 +11,13 @@ from dataclasses import replace
 import pytest
 import torch
 
-from cluster.cli import main as cli_main
+from commands.cli import main as cli_main
 from drafter_service.checkpoint import hf_state_dict, load_drafter
 from drafter_service.registry import drafter_domains, make_drafter
-from speculative import loading
+from runtime import loading
+from runtime.gguf_convert import converted_gguf_dir
 from speculative.decoding import generate
-from speculative.model import Transformer
+from runtime.model import Transformer
 from speculative.sampling import SamplingParams
 from tiny import TINY
 
@@ -30,7 +31,7 @@ def tiny_target(tmp_path_factory):
     from safetensors.torch import save_file
 
     out = tmp_path_factory.mktemp("target")
-    tok_dir = loading.converted_gguf_dir(loading.default_gguf_path())
+    tok_dir = converted_gguf_dir(loading.default_gguf_path())
     for f in tok_dir.iterdir():
         if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
             shutil.copy(f, out / f.name)

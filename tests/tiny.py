@@ -6,8 +6,8 @@ from dataclasses import replace
 
 import torch
 
-from speculative.config import ModelConfig
-from speculative.model import Transformer
+from runtime.config import ModelConfig
+from runtime.model import Transformer
 
 TINY = ModelConfig(vocab_size=8, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                    num_kv_heads=2, head_dim=8, max_position_embeddings=64, rope_theta=10000.0)

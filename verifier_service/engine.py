@@ -31,8 +31,8 @@ from typing import Any, Callable, Iterator, Protocol, Sequence
 import torch
 
 from speculative.batching import VerifyItem, verify_batch
-from speculative.cpu_tuning import PAD_ROWS_TO, own_torch_threads
-from speculative.model import Transformer, attention_mask, causal_ancestors
+from runtime.cpu_tuning import PAD_ROWS_TO, own_torch_threads
+from runtime.model import Transformer, attention_mask, causal_ancestors
 from speculative.recycling import PROMPT_SEED, top_candidates
 from speculative.sampling import InvalidArgument, SamplingParams, first_token, make_generator
 from speculative.tree import DraftTree
@@ -241,7 +241,7 @@ class VerifierEngine:
                  threads: int | None = None, metrics: VerifierMetrics | None = None):
         """`threads`: torch threads of the worker thread, which runs every forward pass
         (None: torch's setting). A process that serves should run nothing multi-threaded
-        on any other thread (`speculative.cpu_tuning.own_torch_threads`). `metrics`: where
+        on any other thread (`runtime.cpu_tuning.own_torch_threads`). `metrics`: where
         the engine records its Prometheus metrics (default: a fresh registry of its own)."""
         if max_batch < 1 or max_batch_tokens < 1:
             raise ValueError("max_batch and max_batch_tokens must be positive")

@@ -12,7 +12,7 @@ from protos import specserve_pb2 as pb
 from protos import specserve_pb2_grpc as pb_grpc
 from protos.server import call_deadline, start_server
 from protos.convert import params_from_pb, tree_from_pb
-from speculative.cpu_tuning import own_torch_threads
+from runtime.cpu_tuning import own_torch_threads
 from speculative.drafter_kinds import VERIFIER_DRAFTERS
 from speculative.namespaces import check_namespace
 from speculative.sampling import InvalidArgument

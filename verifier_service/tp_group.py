@@ -1,4 +1,4 @@
-"""The processes of a tensor-parallel target (speculative/tp.py) on one machine.
+"""The processes of a tensor-parallel target (runtime/tp.py) on one machine.
 
 Every rank joins one torch.distributed group: gloo on the CPU, NCCL on CUDA
 (rank r on cuda:r), chosen by the device. All ranks run on one node (locally,
@@ -33,12 +33,13 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from speculative import loading
-from speculative.config import ModelConfig
-from speculative.cpu_tuning import CpuTuning, apply_cpu_tuning
-from speculative.model import Transformer
-from speculative.quantize import INT4_GROUP, MODES as WEIGHT_ONLY_MODES, quantize, quantized_weights
-from speculative.tp import TensorParallelTarget, check_tp, check_tp_groups, serve_rank, shard_model, shard_weights
+from runtime import loading
+from runtime.gguf_convert import converted_gguf_dir
+from runtime.config import ModelConfig
+from runtime.cpu_tuning import CpuTuning, apply_cpu_tuning
+from runtime.model import Transformer
+from runtime.quantize import INT4_GROUP, MODES as WEIGHT_ONLY_MODES, quantize, quantized_weights
+from runtime.tp import TensorParallelTarget, check_tp, check_tp_groups, serve_rank, shard_model, shard_weights
 from verifier_service import shm_allreduce
 
 log = logging.getLogger(__name__)
@@ -150,7 +151,7 @@ class CheckpointLoader:
     def int4_blocks(self) -> dict[str, tuple] | None:
         if self.dtype != "int4" or self.gguf is None:
             return None
-        from speculative.gguf_blocks import cached_int4_blocks
+        from runtime.gguf_blocks import cached_int4_blocks
 
         return cached_int4_blocks(self.gguf, Path(self.directory))
 
@@ -160,7 +161,7 @@ def checkpoint_loader(source: str | None, dtype: str = "float32", cache_dir: str
     loading.parse_dtype(dtype)
     path = gguf = loading.resolve_source(source)
     if path.suffix == ".gguf":
-        path = loading.converted_gguf_dir(path, cache_dir)
+        path = converted_gguf_dir(path, cache_dir)
     return CheckpointLoader(str(path), dtype, str(gguf) if gguf.suffix == ".gguf" else None, cache_dir)
 
 

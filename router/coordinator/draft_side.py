@@ -11,7 +11,7 @@ import grpc
 from protos import specserve_pb2 as pb
 from protos import specserve_pb2_grpc as pb_grpc
 from protos.convert import params_to_pb, tree_from_pb
-from speculative.calibration import Calibration, enabled as calibration_enabled
+from speculative.calibration import Calibration
 from speculative.drafter_kinds import abilities
 from speculative.fusion import fuse
 from speculative.pipeline import reuse_ahead
@@ -32,8 +32,9 @@ PROPOSE_ATTEMPTS = 3
 class Drafting:
     """Every drafter of one request; the trees of several are fused into one."""
 
-    def __init__(self, services: Services, job: Job, calibration: Callable[[str, str], Calibration]):
-        """`calibration(kind, namespace)`: the namespace's confidence calibration of a drafter kind."""
+    def __init__(self, services: Services, job: Job, calibration: Callable[[str, str], Calibration] | None):
+        """`calibration(kind, namespace)`: the namespace's confidence calibration of a drafter kind
+        (None: greedy fusion takes the drafters' confidences as they are)."""
         self.job = job
         several = len(job.drafters) > 1
         # drafters of one request may share a pool: each needs its own id there
@@ -43,7 +44,7 @@ class Drafting:
         self._threads = ThreadPoolExecutor(len(self.sides), thread_name_prefix="draft") if several else None
         # greedy fusion ranks nodes by each drafter's calibrated confidence (`speculative.calibration`)
         self.calibrations = ([calibration(kind, job.namespace) for kind, _ in job.drafters]
-                             if several and job.params.greedy and calibration_enabled() else None)
+                             if several and job.params.greedy and calibration is not None else None)
 
     def propose(self, context: list[int], budgets: list[int], speculative: list[int] = ()) -> list[DraftTree]:
         """Each drafter's own tree of up to its budget (empty for one that cannot draft),

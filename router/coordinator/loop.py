@@ -24,9 +24,10 @@ class Coordinator:
 
     def __init__(self, verifiers: Callable[[], list[str]], drafters: Callable[[], list[str]],
                  channels: Channels | None = None, pass_costs: PassCostModel | None = None,
-                 service_wait_s: float = 0.0, learning_drafters: Collection[str] = ()):
+                 service_wait_s: float = 0.0, learning_drafters: Collection[str] = (), calibrate: bool = True):
         """`learning_drafters`: drafter kinds the pools train online (`[drafter_pools.learner]`),
-        sent the target's scores after each pass as the kinds that learn from them are."""
+        sent the target's scores after each pass as the kinds that learn from them are.
+        `calibrate`: greedy fusion ranks nodes by calibrated confidences (`[router] calibrate`)."""
         # what the requests' verify and draft sides reach: the services, channels, threads
         self.services = Services(verifiers, drafters, channels or Channels(), pass_costs, service_wait_s,
                                  learning_drafters)
@@ -37,6 +38,7 @@ class Coordinator:
         # from every request of that namespace here
         self._calibrations: Namespaces[dict[str, Calibration]] = Namespaces(lambda _: {})
         self._calibrations_lock = threading.Lock()
+        self.calibrate = calibrate
         self._running = 0  # jobs running here now (`load`)
         self._running_lock = threading.Lock()
 
@@ -54,7 +56,7 @@ class Coordinator:
 
     def run(self, job: Job, stats: RoundStats) -> Iterator[list[int]]:
         """Yield each round's newly verified tokens, recording into `stats`."""
-        req = Request(self.services, job, stats, self.draft_costs, self.calibration)
+        req = Request(self.services, job, stats, self.draft_costs, self.calibration if self.calibrate else None)
         finish = None
         with self._running_lock:
             self._running += 1

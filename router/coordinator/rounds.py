@@ -47,9 +47,10 @@ class Request:
     they carry from one round to the next."""
 
     def __init__(self, services: Services, job: Job, stats: RoundStats, draft_costs: DraftCostMemory,
-                 calibration: Callable[[str, str], Calibration]):
+                 calibration: Callable[[str, str], Calibration] | None):
         """`draft_costs`: what drafting cost lately at each load, shared by the coordinator's
-        requests; `calibration(kind, namespace)`: a drafter kind's confidence calibration there."""
+        requests; `calibration(kind, namespace)`: a drafter kind's confidence calibration there (None: fusion
+        uncalibrated)."""
         self.job, self.stats, self.draft_costs = job, stats, draft_costs
         self.verified: list[int] = []  # generated tokens; the last one is pending at the verifier
         self.verifier, self.drafting = VerifySide(services, job), Drafting(services, job, calibration)

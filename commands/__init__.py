@@ -1,0 +1,1 @@
+"""The `specserve` commands, on top of everything: nothing imports them."""

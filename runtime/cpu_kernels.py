@@ -1,0 +1,284 @@
+"""specserve's own int4 and int8 weight-only products, and float32 products on weights it
+prepacks, for x86 CPUs with AVX2 (cpu_kernels.cpp), RMSNorm, the int models' short passes'
+float64 attention with RoPE, and the attention of short passes over cached rows (float32
+or float64), each one call.
+
+torch's CPU kernels for int weights take bfloat16 activations, and on the AMD EPYCs measured
+(AVX2, and AVX-512 without AMX) they are slower than these (docs/BENCHMARKS.md); for float32,
+oneDNN's prepacked product is slower than these for passes of a few rows. These take
+float32 activations as they are and give each row the same result whatever the rows beside
+it (the lossless contract). The source is compiled with the system's C++ compiler on first
+use, a second or two, for AVX-512 where torch finds it and AVX2 otherwise, and kept in the
+cache directory (`runtime.cache.cache_root`).
+
+Who multiplies (`preferred`, `CpuTuning.kernels`, SPECSERVE_CPU_KERNELS at the edge):
+`auto` these, except on a CPU with AMX (there torch's were measured fast and these were not
+measured) or where these cannot be built (no compiler, no AVX2, not x86: a warning says so);
+`native` these on any AVX2 CPU, an error if they cannot be built; `torch` torch's.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from .cache import cache_root
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+GROUP = 32  # inputs per int4 group and per step of every product
+FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC"]
+AVX512_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]  # what torch's AVX512 capability means
+CHOICES = ("auto", "native", "torch")  # who multiplies (module doc)
+
+_library: ctypes.CDLL | None = None
+_error: str | None = None  # why they cannot load, once tried
+
+
+def available(cache_dir: str | os.PathLike | None = None, compiler: str | None = None) -> bool:
+    """Whether the native products can run here (built, under `cache_dir`, by `compiler`
+    (None: g++ or c++ on the PATH), and loaded on first call)."""
+    return library(cache_dir, compiler) is not None
+
+
+def preferred(choice: str = "auto", cache_dir: str | os.PathLike | None = None, compiler: str | None = None) -> bool:
+    """Whether linear layers on the CPU take the native products, by `choice` (module doc)."""
+    if choice not in CHOICES:
+        raise ValueError(f"CPU kernels: choice must be one of {', '.join(CHOICES)}, got {choice!r}")
+    if choice == "torch" or (choice == "auto" and has_amx()):
+        return False
+    if available(cache_dir, compiler):
+        return True
+    if choice == "native":
+        raise RuntimeError(f"specserve's CPU kernels were asked for (native), but they cannot load: {_error}")
+    return False
+
+
+def has_amx() -> bool:
+    """Whether this CPU has AMX tiles (Linux's /proc/cpuinfo; False where it cannot tell)."""
+    try:
+        return " amx_tile" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+def fits(in_features: int) -> bool:
+    return in_features % GROUP == 0
+
+
+FLOAT32_CHANNELS = 4  # output channels a float32 product takes at once (kF32Channels)
+
+
+def float32_fits(out_features: int, in_features: int) -> bool:
+    return fits(in_features) and out_features % FLOAT32_CHANNELS == 0
+
+
+def library(cache_dir: str | os.PathLike | None = None, compiler: str | None = None) -> ctypes.CDLL | None:
+    """The loaded products, or None (once, a warning says why) where they cannot load."""
+    global _library, _error
+    if _library is None and _error is None:
+        try:
+            _library = _load(cache_dir, compiler)
+        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+            _error = str(e)
+            log.warning("specserve's CPU kernels are unavailable (%s): linear layers use torch's", e)
+    return _library
+
+
+def _cpu_supported() -> bool:
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
+def build_flags() -> list[str]:
+    """The compiler's flags for this CPU: AVX-512 where torch finds it, else AVX2."""
+    return FLAGS + AVX512_FLAGS if torch.backends.cpu.get_cpu_capability() == "AVX512" else FLAGS
+
+
+def _load(cache_dir, compiler: str | None) -> ctypes.CDLL:
+    if not _cpu_supported():
+        raise RuntimeError(f"needs an x86-64 CPU with AVX2, this one is {platform.machine()} "
+                           f"{torch.backends.cpu.get_cpu_capability()}")
+    path = _built(cache_dir, compiler)
+    lib = ctypes.CDLL(str(path))
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.int4_linear.argtypes = [ptr, i64, i64, ptr, i64, ptr]
+    lib.int8_linear.argtypes = [ptr, i64, i64, ptr, ptr, ctypes.c_int, i64, ptr]
+    lib.int4_dequantize.argtypes = [i64, ptr, i64, ptr]
+    lib.float32_linear.argtypes = [ptr, i64, i64, ptr, i64, ptr]
+    lib.float32_pack.argtypes = [ptr, i64, i64, ptr]
+    lib.rms_norm.argtypes = [ptr, i64, i64, ptr, ctypes.c_float, ptr]
+    lib.attend.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, i64, i64, ptr, i64, ptr]
+    lib.attend_rows_float32.argtypes = lib.attend_rows_float64.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr,
+                                                                           i64, i64, ptr, i64, ptr, ptr]
+    for fn in (lib.float32_pack, lib.float32_linear, lib.int4_linear, lib.int8_linear, lib.int4_dequantize,
+               lib.rms_norm, lib.attend, lib.attend_rows_float32, lib.attend_rows_float64):
+        fn.restype = None
+    return lib
+
+
+def _built(cache_dir, compiler: str | None) -> Path:
+    """The compiled library for this source and these flags, compiling it if needed."""
+    flags = build_flags()
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode()).hexdigest()[:16]
+    path = cache_root(cache_dir) / "kernels" / f"cpu_kernels-{key}.so"
+    if path.exists():  # built before: no compiler needed
+        return path
+    compiler = compiler or shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        raise RuntimeError("no C++ compiler (g++) to build them with")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, partial = tempfile.mkstemp(suffix=".so", dir=path.parent)  # processes may build at once
+    os.close(fd)
+    try:
+        done = subprocess.run([compiler, *flags, "-o", partial, str(SOURCE)], capture_output=True, text=True,
+                              timeout=300)
+        if done.returncode:
+            raise RuntimeError(f"{compiler} failed (exit {done.returncode}): {done.stderr.strip()[-2000:]}")
+        os.replace(partial, path)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+    return path
+
+
+def int4_linear(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """x [rows, in] float32 contiguous @ W.T, W given as Q4_1 `blocks` [out, in/32, 24] (`to_blocks`)."""
+    rows, k = x.shape
+    y = torch.empty(rows, blocks.shape[0], dtype=torch.float32)
+    _library.int4_linear(x.data_ptr(), rows, k, blocks.data_ptr(), blocks.shape[0], y.data_ptr())
+    return y
+
+
+def float32_pack(w: torch.Tensor) -> torch.Tensor:
+    """w [out, in] float32 (`float32_fits`) in the layout `float32_linear` reads: [out / 4, in / 16,
+    4, 16], a tile of 4 output channels' weights one stream. Viewed as [out, in]."""
+    out, k = w.shape
+    packed = torch.empty(out * k, dtype=torch.float32)
+    _library.float32_pack(w.contiguous().data_ptr(), out, k, packed.data_ptr())
+    return packed.view(out, k)
+
+
+def float32_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """x [rows, in] float32 contiguous @ W.T, W [out, in] as `float32_pack` packed it."""
+    rows, k = x.shape
+    y = torch.empty(rows, packed.shape[0], dtype=torch.float32)
+    _library.float32_linear(x.data_ptr(), rows, k, packed.data_ptr(), packed.shape[0], y.data_ptr())
+    return y
+
+
+def int8_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x [rows, in] float32 contiguous @ W.T, W = q [out, in] int8 times float32 `scales`: [out],
+    one per channel, or [out, in/32], one per group of 32 inputs (GGUF's Q8_0)."""
+    rows, k = x.shape
+    y = torch.empty(rows, q.shape[0], dtype=torch.float32)
+    _library.int8_linear(x.data_ptr(), rows, k, q.data_ptr(), scales.data_ptr(), int(scales.dim() == 2), q.shape[0],
+                         y.data_ptr())
+    return y
+
+
+def int4_dequantize(blocks: torch.Tensor) -> torch.Tensor:
+    """The weights [out, in] float32 that `int4_linear` multiplies by."""
+    out, groups, _ = blocks.shape
+    w = torch.empty(out, groups * GROUP, dtype=torch.float32)
+    _library.int4_dequantize(groups * GROUP, blocks.data_ptr(), out, w.data_ptr())
+    return w
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of x [rows, k] float32 contiguous, k a multiple of 8: weight * x / sqrt(mean(x^2) + eps)."""
+    rows, k = x.shape
+    y = torch.empty(rows, k, dtype=torch.float32)
+    _library.rms_norm(x.data_ptr(), rows, k, weight.data_ptr(), eps, y.data_ptr())
+    return y
+
+
+MAX_HEAD_DIM = 256  # attend's limit (kMaxHeadDim)
+MAX_QUERIES = 1024  # of one row and kv head in one call (kMaxQueries)
+ATTEND_ROWS_FLOAT32_LANES = 16  # float32 heads go 16 floats a vector (8 in the AVX2 build: 16 suits both)
+
+
+def attends(head_dim: int) -> bool:
+    """Whether `attend` takes heads of this size."""
+    return head_dim % 4 == 0 and head_dim <= MAX_HEAD_DIM
+
+
+def attend(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+           start: int, mask: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """One sequence's attention for t new tokens in float64 (cpu_kernels.cpp's `attend`).
+
+    qkv [t, (n_heads + 2 n_kv) * d] float32; cos, sin [t, d] float32 (model.Transformer's
+    rope tables at the tokens' positions); k_cache, v_cache [n_kv, max_len, d] float32 (the
+    keys and values are float32 values: the attention widens them as it reads them), written
+    at slots start..start+t-1; mask [t, span] float64, 0 or -inf. Returns [t, n_heads * d]
+    float32, each query's output the one it gets alone."""
+    t = qkv.shape[0]
+    n_kv, max_len, d = k_cache.shape
+    if n_heads // n_kv * t > MAX_QUERIES:
+        raise ValueError(f"attend: {n_heads // n_kv * t} queries of one kv head exceed {MAX_QUERIES}")
+    if k_cache.dtype != torch.float32 or v_cache.dtype != torch.float32 or mask.dtype != torch.float64:
+        raise ValueError(f"attend: caches {k_cache.dtype} and {v_cache.dtype}, mask {mask.dtype}: "
+                         "float32 caches and a float64 mask")
+    out = torch.empty(t, n_heads * d, dtype=torch.float32)
+    _library.attend(qkv.data_ptr(), t, n_heads, n_kv, d, cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(),
+                    v_cache.data_ptr(), max_len, start, mask.data_ptr(), mask.shape[-1], out.data_ptr())
+    return out
+
+
+def attends_rows(head_dim: int, dtype: torch.dtype) -> bool:
+    """Whether `attend_rows` takes heads of this size attending in this dtype."""
+    if dtype == torch.float64:
+        return attends(head_dim)
+    return dtype == torch.float32 and head_dim % ATTEND_ROWS_FLOAT32_LANES == 0 and head_dim <= MAX_HEAD_DIM
+
+
+def attend_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, mask: torch.Tensor,
+                limits: Sequence[int]) -> torch.Tensor:
+    """The attention of b rows of t new queries each, their keys and values in the caches already
+    (cpu_kernels.cpp's `attend_rows`), in the queries' dtype (float32 or float64, `attends_rows`).
+
+    q [b, n_heads, t, d] in that dtype; k_cache, v_cache [b, n_kv, max_len, d] float32 in
+    either (a rows view of the cache, each row's heads and slots contiguous); mask [b, 1, t,
+    span] additive (0 or -inf) in the queries' dtype; row r's queries see slots below
+    limits[r] at most. Returns [b, t, n_heads * d] float32, each query's output the one it gets
+    in any batch: one thread's fixed sequence of operations over the slots its mask row allows."""
+    b, n_heads, t, d = q.shape
+    n_kv, max_len = k_cache.shape[1], k_cache.shape[2]
+    if not attends_rows(d, q.dtype) or k_cache.dtype != torch.float32 or v_cache.dtype != torch.float32 \
+            or mask.dtype != q.dtype:
+        raise ValueError(f"attend_rows: heads of {d} in {q.dtype} (cache {k_cache.dtype}, mask {mask.dtype}) "
+                         "do not fit it")
+    if n_heads // n_kv * t > MAX_QUERIES:
+        raise ValueError(f"attend_rows: {n_heads // n_kv * t} queries of one kv head exceed {MAX_QUERIES}")
+    if k_cache.stride()[1:] != (max_len * d, d, 1) or v_cache.stride() != k_cache.stride():
+        raise ValueError("attend_rows: each cache row's heads and slots must be contiguous")
+    q, mask = q.contiguous(), mask.contiguous()
+    out = torch.empty(b, t, n_heads * d, dtype=torch.float32)
+    bounds = (ctypes.c_int64 * b)(*limits)
+    kernel = _library.attend_rows_float64 if q.dtype == torch.float64 else _library.attend_rows_float32
+    kernel(q.data_ptr(), b, t, n_heads, n_kv, d, k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0),
+           k_cache.stride(1), mask.data_ptr(), mask.shape[-1], bounds, out.data_ptr())
+    return out
+
+
+def to_blocks(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """Q4_1 blocks [out, in/32, 24] uint8 of w = d * q + m: q [out, in] in 0..15, d and m
+    [out, in/32] float32. Each block is d and m, then 16 bytes whose byte i holds q[i] low
+    and q[i + 16] high (a GGUF's Q4_1 block with its float16 d and m widened, exactly)."""
+    out, k = q.shape
+    groups = q.to(torch.uint8).reshape(out, k // GROUP, GROUP)
+    nibbles = groups[..., :GROUP // 2] | (groups[..., GROUP // 2:] << 4)
+    scales = torch.stack((d, m), dim=-1).float().contiguous().view(torch.uint8)
+    return torch.cat((scales, nibbles), dim=-1).contiguous()
