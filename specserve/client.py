@@ -36,6 +36,7 @@ or the system's roots when None.
 
 from __future__ import annotations
 
+import inspect
 import json
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -123,10 +124,12 @@ def _credentials(tls: bool, root_certificates: bytes | None) -> grpc.ChannelCred
     return grpc.ssl_channel_credentials(root_certificates) if tls else None
 
 
-def _request(prompt: str | None, messages: Sequence[Mapping[str, str]] | None, max_tokens: int,
-             temperature: float, top_p: float, top_k: int, seed: int | None, stop: Sequence[str],
-             domain_hint: str, drafter: str, request_id: str, pipelined: bool | None = None,
-             namespace: str = "") -> pb.GenerateRequest:
+def request(prompt: str | None = None, *, messages: Sequence[Mapping[str, str]] | None = None,
+            max_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+            seed: int | None = None, stop: Sequence[str] = (), domain_hint: str = "", drafter: str = "",
+            request_id: str = "", pipelined: bool | None = None, namespace: str = "") -> pb.GenerateRequest:
+    """The `GenerateRequest` of a prompt (or chat `messages`) and its settings: every
+    method of `Client` and `AsyncClient` takes these fields, written once here."""
     if (prompt is None) == (messages is None):
         raise ValueError("give exactly one of prompt or messages")
     if messages is not None and not messages:
@@ -146,6 +149,17 @@ def _request(prompt: str | None, messages: Sequence[Mapping[str, str]] | None, m
                 raise ValueError(f"a message needs exactly 'role' and 'content', got {sorted(m)}")
             req.messages.add(role=m["role"], content=m["content"])
     return req
+
+
+def _takes_request_fields(method):
+    """`method(self, prompt=None, *, timeout=None, metadata=(), **fields)` shown (help, IDEs)
+    with `request`'s fields in place of `**fields`."""
+    own = inspect.signature(method).parameters
+    fields = list(inspect.signature(request).parameters.values())
+    method.__signature__ = inspect.Signature(
+        [own["self"], *fields, own["timeout"], own["metadata"]],
+        return_annotation=inspect.signature(method).return_annotation)
+    return method
 
 
 def _usage(u: pb.Usage) -> Usage:
@@ -195,28 +209,22 @@ class Client(_Base):
                          else grpc.insecure_channel(target, self._options))
         self._stub = pb_grpc.SpecserveStub(self._channel)
 
-    def generate(self, prompt: str | None = None, *, messages: Sequence[Mapping[str, str]] | None = None,
-                 max_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-                 seed: int | None = None, stop: Sequence[str] = (), domain_hint: str = "", drafter: str = "",
-                 request_id: str = "", pipelined: bool | None = None, namespace: str = "",
-                 timeout: float | None = None,
-                 metadata: Sequence[tuple[str, str]] = ()) -> Completion:
-        req = _request(prompt, messages, max_tokens, temperature, top_p, top_k, seed, stop, domain_hint, drafter,
-                       request_id, pipelined, namespace)
+    @_takes_request_fields
+    def generate(self, prompt: str | None = None, *, timeout: float | None = None,
+                 metadata: Sequence[tuple[str, str]] = (), **fields: Any) -> Completion:
+        """The whole completion (`request`'s fields; `timeout`, `metadata`: this call's)."""
+        req = request(prompt, **fields)
         try:
             return _completion(self._stub.Generate(req, **self._call_args(timeout, metadata)))
         except grpc.RpcError as e:
             raise _error(e) from e
 
-    def stream(self, prompt: str | None = None, *, messages: Sequence[Mapping[str, str]] | None = None,
-               max_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-               seed: int | None = None, stop: Sequence[str] = (), domain_hint: str = "", drafter: str = "",
-               request_id: str = "", pipelined: bool | None = None, namespace: str = "",
-               timeout: float | None = None,
-               metadata: Sequence[tuple[str, str]] = ()) -> Iterator[Chunk]:
+    @_takes_request_fields
+    def stream(self, prompt: str | None = None, *, timeout: float | None = None,
+                 metadata: Sequence[tuple[str, str]] = (), **fields: Any) -> Iterator[Chunk]:
+        """The completion's chunks as they come (`request`'s fields)."""
         # Not a generator itself, so bad arguments raise here and the call starts now.
-        req = _request(prompt, messages, max_tokens, temperature, top_p, top_k, seed, stop, domain_hint, drafter,
-                       request_id, pipelined, namespace)
+        req = request(prompt, **fields)
         return self._chunks(self._stub.GenerateStream(req, **self._call_args(timeout, metadata)))
 
     @staticmethod
@@ -250,27 +258,21 @@ class AsyncClient(_Base):
                          else grpc.aio.insecure_channel(target, self._options))
         self._stub = pb_grpc.SpecserveStub(self._channel)
 
-    async def generate(self, prompt: str | None = None, *, messages: Sequence[Mapping[str, str]] | None = None,
-                       max_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-                       seed: int | None = None, stop: Sequence[str] = (), domain_hint: str = "", drafter: str = "",
-                       request_id: str = "", pipelined: bool | None = None, namespace: str = "",
-                       timeout: float | None = None,
-                       metadata: Sequence[tuple[str, str]] = ()) -> Completion:
-        req = _request(prompt, messages, max_tokens, temperature, top_p, top_k, seed, stop, domain_hint, drafter,
-                       request_id, pipelined, namespace)
+    @_takes_request_fields
+    async def generate(self, prompt: str | None = None, *, timeout: float | None = None,
+                 metadata: Sequence[tuple[str, str]] = (), **fields: Any) -> Completion:
+        """The whole completion (`request`'s fields; `timeout`, `metadata`: this call's)."""
+        req = request(prompt, **fields)
         try:
             return _completion(await self._stub.Generate(req, **self._call_args(timeout, metadata)))
         except grpc.RpcError as e:
             raise _error(e) from e
 
-    def stream(self, prompt: str | None = None, *, messages: Sequence[Mapping[str, str]] | None = None,
-               max_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-               seed: int | None = None, stop: Sequence[str] = (), domain_hint: str = "", drafter: str = "",
-               request_id: str = "", pipelined: bool | None = None, namespace: str = "",
-               timeout: float | None = None,
-               metadata: Sequence[tuple[str, str]] = ()) -> AsyncIterator[Chunk]:
-        req = _request(prompt, messages, max_tokens, temperature, top_p, top_k, seed, stop, domain_hint, drafter,
-                       request_id, pipelined, namespace)
+    @_takes_request_fields
+    def stream(self, prompt: str | None = None, *, timeout: float | None = None,
+                 metadata: Sequence[tuple[str, str]] = (), **fields: Any) -> AsyncIterator[Chunk]:
+        """The completion's chunks as they come (`request`'s fields)."""
+        req = request(prompt, **fields)
         return self._chunks(self._stub.GenerateStream(req, **self._call_args(timeout, metadata)))
 
     @staticmethod
