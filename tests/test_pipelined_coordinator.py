@@ -288,3 +288,50 @@ def test_a_drafter_with_nothing_to_draft_is_not_called_but_the_suffix_index_lear
     index = registry.memory(target).suffix_index()  # the default namespace's, which the request used
     # after the whole prompt, which no other text holds, the index goes on with the output
     assert index.propose(prompt, len(tokens)).tokens == tokens, "the suffix index never saw the request's output"
+
+
+def wait_for(condition, seconds: float) -> bool:
+    give_up = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > give_up:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_a_release_the_busy_pool_times_out_is_sent_again(target, services, monkeypatch):
+    """A pool too busy to answer a release within its timeout (every gRPC thread drafting for
+    a burst) still lets the request go soon after, not at its idle eviction minutes later."""
+    from router.coordinator import services as services_module
+
+    coordinator, pool, _ = services
+    real_release, slow = DrafterPool.release, [1]
+
+    def busy_release(self, request_id):
+        if slow:  # the first release waits past the router's timeout, as a busy pool's would
+            slow.pop()
+            time.sleep(getattr(services_module, "RELEASE_TIMEOUT_S", 2.0) + 0.5)
+            return False
+        return real_release(self, request_id)
+
+    monkeypatch.setattr(services_module, "RELEASE_RETRY_PAUSE_S", 0.1, raising=False)
+    monkeypatch.setattr(DrafterPool, "release", busy_release)
+    tokens, _ = served(coordinator, job("busy-release", PROMPTS[0], SamplingParams(max_tokens=8),
+                                        (("layerskip", 1.0),), pipelined=False))
+    assert tokens == generate(target, PROMPTS[0], SamplingParams(max_tokens=8)).token_ids
+    assert wait_for(lambda: pool.active_requests() == 0, 10.0), "the pool still holds the request"
+
+
+def test_a_pool_that_fails_a_call_past_the_deadline_is_released(target, services):
+    """A drafting call that outlives the request's deadline fails the request, and the pool,
+    which took the request, lets it go rather than hold it until its idle eviction."""
+    coordinator, pool, engine = services
+    pool.delay = 1.0
+    try:
+        j = dataclasses.replace(job("late-pool", PROMPTS[1], SamplingParams(max_tokens=8), (("layerskip", 1.0),),
+                                    pipelined=False), deadline=time.monotonic() + 0.6)
+        with pytest.raises(Exception):
+            served(coordinator, j)
+    finally:
+        pool.delay = 0.0
+    assert wait_for(lambda: pool.active_requests() == 0 and engine.stats()["active_requests"] == 0, 10.0)

@@ -197,6 +197,8 @@ class DraftSide(Side):
             try:
                 stub.Prefill(req, timeout=self.job.timeout())
             except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.UNAVAILABLE:  # the pool may have taken it before failing
+                    self.services.release_later(stub, self.request_id)
                 if e.code() not in RETRYABLE:
                     raise
                 self._fail(address, e)

@@ -4,6 +4,8 @@ passes cost, and who learns from the target."""
 
 from __future__ import annotations
 
+import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Collection, Sequence
 
@@ -15,7 +17,9 @@ from speculative.namespaces import DEFAULT_NAMESPACE
 
 from ..adaptive import PassCostModel
 from ..row_line import RowLine
-from .channels import Channels
+from .channels import RETRYABLE, Channels
+
+log = logging.getLogger(__name__)
 
 # how often a request waiting for a verifier looks at the registry again
 SERVICE_POLL_S = 0.2
@@ -25,6 +29,13 @@ VERIFY_CALL_THREADS = 64
 # pools' prefills sent ahead: one per drafter of a request just starting; a prefill not
 # started when the request first drafts is sent then instead
 POOL_PREFILL_THREADS = 16
+RELEASE_TIMEOUT_S = 2.0  # a release's first try, on the request's own thread
+# a release whose call failed while the service may still hold the request (busy past the
+# timeout, a lost answer) is sent again from a thread of its own for this long, so that no
+# request stays held until the service's idle eviction
+RELEASE_RETRY_S = 60.0
+RELEASE_RETRY_PAUSE_S = 1.0
+RELEASE_THREADS = 4
 
 
 class Services:
@@ -48,16 +59,37 @@ class Services:
         # pools' prefills sent while the verifier prefills (`Job.prefill_pools_ahead`)
         self.pool_prefills = ThreadPoolExecutor(max_workers=POOL_PREFILL_THREADS, thread_name_prefix="pool-prefill")
         self.row_line = RowLine(SERVICE_POLL_S)  # prefills waiting for a verifier row, in arrival order
+        self.releases = ThreadPoolExecutor(max_workers=RELEASE_THREADS, thread_name_prefix="release-retry")
 
     def learns_from_target(self, kind: str) -> bool:
         """Whether drafter `kind`'s pools are sent the target's scores at the positions it scored."""
         return abilities(kind).learns_from_target or kind in self.learning_drafters
 
     def release(self, stub, request_id: str, learn: Sequence[int] = (), namespace: str = DEFAULT_NAMESPACE) -> None:
-        """Release a request at a service (best effort); a verifier's suffix index of
-        `namespace` learns the text `learn` first, if any."""
+        """Release a request at a service; a verifier's suffix index of `namespace` learns the
+        text `learn` first, if any. A call that fails while the service may still hold the
+        request is sent again in the background (without `learn`: the first may have landed)."""
         request = pb.ReleaseRequest(request_id=request_id, learn_token_ids=learn, namespace=namespace)
         try:
-            stub.Release(request, timeout=2.0)
-        except grpc.RpcError:
-            pass  # best effort: idle timeouts reclaim what we could not release
+            stub.Release(request, timeout=RELEASE_TIMEOUT_S)
+        except grpc.RpcError as e:
+            if e.code() in RETRYABLE:
+                self.release_later(stub, request_id)
+
+    def release_later(self, stub, request_id: str) -> None:
+        """Release a request from a background thread, trying again for RELEASE_RETRY_S."""
+        self.releases.submit(_release_until_done, stub, pb.ReleaseRequest(request_id=request_id))
+
+
+def _release_until_done(stub, request: pb.ReleaseRequest) -> None:
+    give_up = time.monotonic() + RELEASE_RETRY_S
+    while True:
+        try:
+            stub.Release(request, timeout=RELEASE_TIMEOUT_S)
+            return
+        except grpc.RpcError as e:
+            if e.code() not in RETRYABLE or time.monotonic() >= give_up:
+                log.warning("could not release %s (%s); the service's idle eviction will", request.request_id,
+                            e.code())
+                return
+        time.sleep(RELEASE_RETRY_PAUSE_S)

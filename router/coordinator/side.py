@@ -32,9 +32,11 @@ class Side:
     def _fail(self, address: str, err: grpc.RpcError) -> None:
         log.warning("%s %s failed for %s (%s); trying another", self.kind, address, self.request_id, err.code())
         self.failed.add(address)
-        self.services.channels.drop(address)
         if self.address == address:
+            if err.code() != grpc.StatusCode.UNAVAILABLE:  # it may still hold the request: let it go
+                self.services.release_later(self.stub, self.request_id)
             self.address, self.stub = None, None
+        self.services.channels.drop(address)
 
     def release(self) -> None:
         if self.stub is not None:
