@@ -190,16 +190,16 @@ def test_auto_takes_ours_except_on_a_cpu_with_amx(monkeypatch):
 
 @pytest.fixture
 def unbuildable(monkeypatch):
-    """The kernels loaded anew on first use, with a compiler that fails."""
+    """The kernels loaded anew on first use; the compiler to give them, one that fails."""
     monkeypatch.setattr(cpu_kernels, "_library", None)
     monkeypatch.setattr(cpu_kernels, "_error", None)
     monkeypatch.setattr(cpu_kernels, "has_amx", lambda: False)
-    monkeypatch.setenv("CXX", "/bin/false")
+    return "/bin/false"
 
 
 def test_without_a_compiler_auto_falls_back_to_torch_with_a_warning(unbuildable, tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="runtime.cpu_kernels"):
-        assert not cpu_kernels.preferred("auto", tmp_path)
+        assert not cpu_kernels.preferred("auto", tmp_path, compiler=unbuildable)
     assert "unavailable" in caplog.text and "/bin/false failed" in caplog.text
     model = quantize(tiny_model(0), "int4")
     assert not any(m.native for m in model.modules() if isinstance(m, (Int4Linear, Int8Linear)))
@@ -207,7 +207,7 @@ def test_without_a_compiler_auto_falls_back_to_torch_with_a_warning(unbuildable,
 
 def test_native_kernels_asked_for_but_unbuildable_is_an_error(unbuildable, tmp_path):
     with pytest.raises(RuntimeError, match="asked for .native., but they cannot load"):
-        cpu_kernels.preferred("native", tmp_path)
+        cpu_kernels.preferred("native", tmp_path, compiler=unbuildable)
 
 
 def test_an_unknown_choice_is_refused():

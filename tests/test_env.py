@@ -18,6 +18,7 @@ def test_cpu_tuning_from_env(monkeypatch):
     monkeypatch.delenv("SPECSERVE_SHORT_ROWS_LINEAR", raising=False)
     monkeypatch.delenv("SPECSERVE_LONG_ROWS_LINEAR", raising=False)
     monkeypatch.delenv("SPECSERVE_CPU_KERNELS", raising=False)
+    monkeypatch.delenv("CXX", raising=False)
     assert cpu_tuning_from_env() == CpuTuning(packed_linear=True, one_row="auto", short_rows="auto", long_rows="auto")
     for choice in ("auto", "blas", "packed"):
         monkeypatch.setenv("SPECSERVE_ONE_ROW_LINEAR", choice)
@@ -50,6 +51,11 @@ def test_cpu_tuning_from_env(monkeypatch):
     monkeypatch.setenv("SPECSERVE_CPU_KERNELS", "fast")
     with pytest.raises(ValueError, match="SPECSERVE_CPU_KERNELS must be auto, native or torch, got 'fast'"):
         cpu_tuning_from_env()
+    monkeypatch.setenv("SPECSERVE_CPU_KERNELS", "auto")
+    monkeypatch.setenv("CXX", "/usr/bin/clang++")  # the compiler that builds specserve's products
+    assert cpu_tuning_from_env().compiler == "/usr/bin/clang++"
+    monkeypatch.setenv("SPECSERVE_PACKED_LINEAR", "0")
+    assert cpu_tuning_from_env().compiler == "/usr/bin/clang++"
 
 
 def test_cache_dir_from_env(monkeypatch, tmp_path):
