@@ -9,6 +9,8 @@ bugs are kept below as regression tests."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 
@@ -97,6 +99,18 @@ FOUND = [  # (RPC, request, the field its INVALID_ARGUMENT must name)
     (next(r for r in rpcs("Drafter") if r.method == "Prefill"), pb.DrafterPrefillRequest(
         request_id="r0", drafter="layerskip", token_ids=[1, 2], sampling=pb.SamplingParams(temperature=1e-45)),
      "temperature"),
+    # an infinite temperature (HTTP's 1e309 too, or a float32 overflow: 1e39) was taken, and
+    # sampled uniform noise
+    (GENERATE, pb.GenerateRequest(prompt="hello", sampling=pb.SamplingParams(max_tokens=4, temperature=math.inf)),
+     "temperature"),
+    (GENERATE, pb.GenerateRequest(prompt="hello", sampling=pb.SamplingParams(max_tokens=4, temperature=1e39)),
+     "temperature"),
+    (next(r for r in rpcs("Verifier") if r.method == "Prefill"), pb.VerifierPrefillRequest(
+        request_id="r0", token_ids=[1, 2], sampling=pb.SamplingParams(temperature=math.inf, max_tokens=2)),
+     "temperature"),
+    (next(r for r in rpcs("Drafter") if r.method == "Prefill"), pb.DrafterPrefillRequest(
+        request_id="r0", drafter="layerskip", token_ids=[1, 2], sampling=pb.SamplingParams(temperature=math.inf)),
+     "temperature"),
 ]
 
 
@@ -115,3 +129,4 @@ def test_a_served_drafter_and_the_smallest_temperature_still_generate(target):
             prompt="hello", drafter=drafter, sampling=pb.SamplingParams(max_tokens=4, temperature=1e-4, seed=1)),
             20.0)
         assert status == "OK" and 1 <= len(resp.token_ids) <= 4, (drafter, details)  # 0 is the end token
+
