@@ -162,8 +162,7 @@ class ChatCompletionRequest(_Request):
 
     def fill_input(self, req: pb.GenerateRequest) -> None:
         for m in self.messages:
-            # "developer" is OpenAI's newer name for the system role
-            req.messages.add(role="system" if m.role == "developer" else m.role, content=m.text())
+            req.messages.add(role=m.role, content=m.text())
 
 
 class CompletionRequest(_Request):

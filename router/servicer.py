@@ -31,7 +31,8 @@ from .settings import RouterSettings
 from .stats import RoundStats
 from .text import StreamingText
 
-ROLES = {"system", "user", "assistant"}
+ROLES = {"system", "developer", "user", "assistant"}
+TEMPLATE_ROLES = {"developer": "system"}  # OpenAI's newer name for the system role, which templates know
 
 
 class RequestFailed(Exception):
@@ -122,7 +123,8 @@ class RouterServicer(pb_grpc.SpecserveServicer):
                     raise InvalidArgument(f"messages[{i}].role", f"must be one of {', '.join(sorted(ROLES))}")
             if not any(m.content.strip() for m in req.messages):
                 raise InvalidArgument("messages", "all messages are empty")
-            ids = self.tokenizer.encode_chat([{"role": m.role, "content": m.content} for m in req.messages])
+            ids = self.tokenizer.encode_chat([{"role": TEMPLATE_ROLES.get(m.role, m.role), "content": m.content}
+                                              for m in req.messages])
         else:
             if not req.prompt.strip():
                 raise InvalidArgument("prompt", "must not be empty")
