@@ -337,6 +337,24 @@ def well_formed_tree(draw, vocab_size: int) -> pb.DraftTree:
 
 # ------------------------------------------------------------------- calling --
 
+@dataclass(frozen=True)
+class RawRequest:
+    """A request sent as `raw` rather than as `message` serialises: what the protobuf library
+    will not build (a string that is not UTF-8, groups nested past its limit, a message past
+    gRPC's size limit). Reads as `message` otherwise (its request_id...)."""
+    message: object
+    raw: bytes
+    why: str = ""
+
+    def SerializeToString(self) -> bytes:
+        return self.raw
+
+    def __getattr__(self, name: str):
+        if name in ("message", "raw", "why"):  # not set yet (copying): no recursion
+            raise AttributeError(name)
+        return getattr(self.message, name)
+
+
 def call(channel: grpc.Channel, rpc: Rpc, request, timeout: float, secret: str | None = None
          ) -> tuple[str, str, object]:
     """(status name, details, response or None) of one call; a streamed response is read
@@ -463,6 +481,8 @@ def describe(request) -> str:
     """A request as one line of text (protobuf's text format)."""
     from google.protobuf import text_format
 
+    if isinstance(request, RawRequest):
+        return f"{describe(request.message)} sent as {len(request.raw)} bytes, {request.why}: {request.raw[:200]!r}"
     return text_format.MessageToString(request, as_one_line=True)
 
 

@@ -14,8 +14,8 @@ import math
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from fuzzing import (TINY_KINDS, Strategies, Tally, Target, allowed_statuses, call, describe, message_class,
-                     rpcs, still_serving, tiny_services)
+from fuzzing import (TINY_KINDS, RawRequest, Strategies, Tally, Target, allowed_statuses, call, describe,
+                     message_class, rpcs, still_serving, tiny_services)
 from protos import specserve_pb2 as pb
 from tiny import TINY
 
@@ -141,3 +141,15 @@ def test_the_role_error_lists_every_role_and_developer_is_the_system_role(target
         sampling=pb.SamplingParams(max_tokens=4)), 20.0)
     assert status == "OK" and resp.token_ids, details
 
+
+@pytest.mark.parametrize("service", ["Specserve", "Verifier", "Drafter"])
+def test_a_string_that_is_not_utf8_on_the_wire_is_invalid_argument(target, service):
+    """Found: a protobuf string cannot hold a lone surrogate (the Python library refuses to set
+    one), but a client may send its bytes (ED A0 80): gRPC answered INTERNAL, "Exception
+    deserializing request!"."""
+    rpc = next(r for r in rpcs(service) if r.method in ("Generate", "Prefill"))
+    message = message_class(rpc.request)(request_id="x\x01\x02\x03y")
+    raw = message.SerializeToString().replace(b"\x01\x02\x03", b"\xed\xa0\x80")
+    status, details, _ = call(target.channel(service), rpc, RawRequest(message, raw), 20.0, target.secret)
+    assert status == "INVALID_ARGUMENT" and details.startswith("request:"), (status, details)
+    assert not target.server_errors.since(0)
