@@ -196,10 +196,7 @@ class _Metrics:
 
 # the ingress's helpers come first: serve.ingress serialises the class where it is defined
 async def _json_body(request: Request) -> Any:
-    try:
-        return json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise oa.OpenAIError(400, f"the body is not valid JSON: {e}", None, "invalid_json") from None
+    return oa.loads(await request.body())
 
 
 def _router_lost(e: Exception) -> oa.OpenAIError:
