@@ -415,6 +415,41 @@ def _post_raw(base: str, path: str, head: bytes, size: int = 0, chunked: bool = 
         sender.join(timeout=timeout)
 
 
+def test_big_bodies_are_refused_at_once_and_do_not_stall_the_server(server):
+    """Found: nothing bounded a body, and the prompt was tokenized before its length was checked:
+    a 10 MB body got its 413 after 10.6 s; with three in flight, a "Hello!" took 58.8 s (1.5 s
+    alone) and /health answered 503. Now each is a 413 before it is read whole (by its
+    Content-Length, or counted as it comes, chunked), and the rest of the server serves on."""
+    import time
+
+    base = server[0]
+    small = json.dumps({"model": MODEL, "prompt": "Hello!", "max_tokens": 4, "temperature": 0}).encode()
+    started = time.monotonic()
+    assert _post(f"{base}/v1/completions", small)[0] == 200
+    alone = time.monotonic() - started
+    big = 10 * 1024 * 1024
+    head = json.dumps({"model": MODEL, "max_tokens": 1, "prompt": "a" * (big // 2)}).encode()
+    results: list = []
+    senders = [threading.Thread(target=lambda c=chunked: results.append(
+        _post_raw(base, "/v1/completions", head, big, chunked=c))) for chunked in (False, False, True)]
+    for sender in senders:
+        sender.start()
+    started = time.monotonic()
+    health = _get(f"{base}/health")
+    health_s = time.monotonic() - started
+    started = time.monotonic()
+    status, reply = _post(f"{base}/v1/completions", small)
+    small_s = time.monotonic() - started
+    for sender in senders:
+        sender.join(timeout=120)
+    assert health == (200, {"status": "ok"}) and health_s < 1.0, (health, health_s)
+    assert status == 200 and small_s < alone + 3.0, (reply, small_s, alone)
+    assert len(results) == 3
+    for status_, body, answered in results:
+        assert status_ == 413 and body["error"]["code"] == "request_too_large", body
+        assert set(body["error"]) == {"message", "type", "param", "code"} and answered < 5.0, (answered, body)
+
+
 def _raw_body(change: dict | str, chat: bool = True) -> bytes:
     """A good request's body with `change` over it; a str is spliced in as raw JSON text."""
     body = {"model": MODEL, "max_tokens": 4, **({"messages": [{"role": "user", "content": "hi"}]} if chat
