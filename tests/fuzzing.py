@@ -7,7 +7,10 @@ strategy built by walking its request message's DESCRIPTOR, so every field is
 covered and a field added to the proto is fuzzed without touching this file:
 integers over their type's whole range and near the edges, floats with NaN and the
 infinities, unicode and empty strings, repeated fields short and long, nested
-messages set or not, `optional` fields present or not. Fields we know by name also
+messages set or not, `optional` fields present or not. Some requests go as bytes
+no message serialises to (`raw_request`): a string holding a lone surrogate, groups
+nested past protobuf's depth limit, a field with the wrong wire type, a message
+past gRPC's size limit. Fields we know by name also
 get likely values (token ids inside the vocabulary, request ids from a small pool so
 that the calls of one example meet the same request, the pool's drafter names...)
 and values just outside; a message is drawn with every field generic, or every
@@ -19,7 +22,8 @@ the model as well as into every check.
 An example is a short program of calls to one service (Prefill, Verify, Verify,
 Release...); the property is that each call ends OK or with a status in
 `allowed_statuses` (INVALID_ARGUMENT naming the field, RESOURCE_EXHAUSTED when the
-rows are full...), never INTERNAL or UNKNOWN, that no server of this process raised
+rows are full...), never INTERNAL or UNKNOWN, never OK with a NaN or infinite
+sampling parameter, that no server of this process raised
 an exception it did not handle (even one the caller never saw as such), and that
 afterwards no request holds state: the fuzz releases every id it prefilled, and the
 router frees its own.
@@ -240,12 +244,108 @@ class Strategies:
             lambda off: self.fields(descriptor, True, off))
 
     def request(self, rpc: Rpc) -> st.SearchStrategy:
-        return self.message(rpc.request)
+        """Messages of the RPC's request type; one in HOSTILE_SHARE is sent as bytes no message
+        serialises to (`raw_request`), and one is a likely message with a float made NaN or
+        infinite (`with_non_finite`: the others let it reach the check)."""
+        message, choice = self.message(rpc.request), st.integers(0, 2**16)
+        raw = st.builds(raw_request, message, st.sampled_from(RAW_KINDS), choice)
+        non_finite = st.builds(with_non_finite, self.message(rpc.request, hinted=True), choice)
+        return st.integers(0, HOSTILE_SHARE - 1).flatmap(lambda i: (raw, non_finite, message)[min(i, 2)])
 
     def program(self, service: str, max_calls: int = 6) -> st.SearchStrategy[list[tuple[Rpc, object]]]:
         """A short sequence of calls to `service`'s RPCs with fuzzed requests."""
         calls = [st.tuples(st.just(rpc), self.request(rpc)) for rpc in rpcs(service)]
         return st.lists(st.one_of(calls), min_size=1, max_size=max_calls)
+
+
+# -------------------------------------------------------- requests as raw bytes --
+
+HOSTILE_SHARE = 6  # one request in this many is raw, one has a non-finite float
+# by weight: a message past the size limit costs 4 MiB to send, so it comes rarely
+RAW_KINDS = ("surrogate",) * 7 + ("deep",) * 4 + ("retyped",) * 4 + ("oversized",)
+_PLACEHOLDER = "\x01\x02\x03"
+_SURROGATE = b"\xed\xa0\x80"  # U+D800 as UTF-8 would write it, which UTF-8 forbids
+GRPC_MAX_MESSAGE = 4 * 1024 * 1024  # what a server receives by default
+
+
+def raw_request(msg, kind: str, choice: int) -> RawRequest:
+    """`msg` sent as bytes that no message serialises to: one of its strings a lone surrogate,
+    unknown groups nested past protobuf's depth limit, a field again with the wrong wire type,
+    or padding past gRPC's message size limit."""
+    data = msg.SerializeToString()
+    if kind == "surrogate" and _set_placeholder(msg, choice):
+        return RawRequest(msg, msg.SerializeToString().replace(_PLACEHOLDER.encode(), _SURROGATE), kind)
+    if kind == "oversized":
+        return RawRequest(msg, data + _record(1001, 2, b"\0" * (GRPC_MAX_MESSAGE + 1)), kind)
+    fields = msg.ListFields()
+    if kind == "retyped" and fields:
+        fd = fields[choice % len(fields)][0]
+        wire = 0 if fd.message_type is not None or fd.type in (fd.TYPE_STRING, fd.TYPE_BYTES) or fd.is_repeated else 2
+        return RawRequest(msg, data + _record(fd.number, wire, b"ab"), f"{fd.name} retyped")
+    depth = 100 + choice % 5000  # protobuf parses groups recursively, up to a depth of 100
+    return RawRequest(msg, data + _varint(1000 << 3 | 3) * depth + _varint(1000 << 3 | 4) * depth, "deep")
+
+
+def with_non_finite(msg, choice: int):
+    """`msg` with one float field (or one in a message in it) set to NaN or an infinity."""
+    _set_one(msg, (FieldDescriptor.TYPE_FLOAT, FieldDescriptor.TYPE_DOUBLE), (math.inf, -math.inf, math.nan)[choice % 3],
+             choice // 3)
+    return msg
+
+
+def _set_placeholder(msg, choice: int) -> bool:
+    return _set_one(msg, (FieldDescriptor.TYPE_STRING,), _PLACEHOLDER, choice)
+
+
+def _set_one(msg, types: tuple[int, ...], value, choice: int) -> bool:
+    """Set one field of `msg` of one of `types` (a repeated one: add `value`), in it or in a message
+    in it (a singular one, set or not, or an element of a repeated one); False if there is none."""
+    slots = []
+
+    def walk(m) -> None:
+        for fd in m.DESCRIPTOR.fields:
+            if fd.type in types:
+                slots.append((m, fd))
+            elif fd.message_type is not None and not fd.message_type.GetOptions().map_entry:
+                for sub in getattr(m, fd.name) if fd.is_repeated else [getattr(m, fd.name)]:
+                    walk(sub)
+
+    walk(msg)
+    if not slots:
+        return False
+    m, fd = slots[choice % len(slots)]
+    if fd.is_repeated:
+        getattr(m, fd.name).append(value)
+    else:
+        setattr(m, fd.name, value)
+    return True
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    return bytes(out + bytes([n]))
+
+
+def _record(number: int, wire: int, payload: bytes) -> bytes:
+    """One field on the wire: a varint (wire 0, payload ignored) or a length-delimited one (2)."""
+    if wire == 0:
+        return _varint(number << 3) + _varint(1)
+    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
+
+
+def non_finite_sampling(request) -> str | None:
+    """The sampling field of `request` that is NaN or infinite (no service may take it), or None."""
+    if isinstance(request, RawRequest) or "sampling" not in request.DESCRIPTOR.fields_by_name:
+        return None
+    sampling = request.sampling
+    if not math.isfinite(sampling.temperature):
+        return "temperature"
+    if sampling.HasField("top_p") and not math.isfinite(sampling.top_p):
+        return "top_p"
+    return None
 
 
 def _one_input(msg: pb.GenerateRequest, choice: int, off: str | None) -> pb.GenerateRequest:
@@ -449,6 +549,8 @@ class Target:
             secret = None if rpc.service == "Specserve" else self.secret
             status, details, _ = call(self.channel(rpc.service), rpc, request, self.timeout_s, secret)
             outcome = Outcome(rpc.name, status, details, request)
+            if status == "OK" and non_finite_sampling(request):  # taken: it sampled noise
+                outcome = Outcome(rpc.name, "TOOK_NON_FINITE", f"{non_finite_sampling(request)} accepted", request)
             if not tally.add(outcome, allowed_statuses(rpc.service)):
                 bad.append(outcome)
         for service in {rpc.service for rpc, _ in program} - {"Specserve"}:
