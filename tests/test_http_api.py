@@ -237,7 +237,9 @@ HTTP_FUZZ_EXAMPLES = 150
 
 def test_fuzzed_requests_get_2xx_or_openai_errors_and_leave_nothing_held(server):
     """schemathesis over /openapi.json (tests/fuzzing.py; scripts/fuzz.py runs thousands):
-    every operation, bodies valid by the document and not, most steered to reach the model.
+    every operation, bodies valid by the document and not, most steered to reach the model,
+    and one in three a hostile body (a lone surrogate, a non-finite float, a wrong JSON type,
+    deep nesting, a body past the size limit) that must get the error naming its field.
     Never a 5xx; every 4xx in OpenAI's error shape; then no verifier row or pool request
     held, and a plain request still succeeds."""
     pytest.importorskip("schemathesis")
@@ -260,6 +262,7 @@ def test_fuzzed_requests_get_2xx_or_openai_errors_and_leave_nothing_held(server)
     # the steered requests reached the model, and the others were refused in the error shape
     statuses = {status for (op, status) in fuzz.counts if op.startswith("POST")}
     assert 200 in statuses and 400 in statuses, fuzz.counts
+    assert {400, 413} <= {status for (op, status) in fuzz.counts if op.endswith("[hostile]")}, fuzz.counts
     assert fuzz.leaks() == {}
     ok, reply = fuzz.still_serving()
     assert ok, reply
@@ -372,47 +375,10 @@ def test_valid_bodies_still_parse_as_before():
     assert [m.content for m in first.messages] == ["be brief", "é漢🙂"] and list(first.stop) == ["é漢🙂"]
 
 
-def _post_raw(base: str, path: str, head: bytes, size: int = 0, chunked: bool = False,
-              timeout: float = 120.0) -> tuple[int, dict, float]:
-    """POST `head` padded with spaces to `size` bytes (JSON allows them) over a socket of its
-    own, reading the answer while sending: a server may answer before it has read the whole
-    body. (status, JSON body, seconds to the answer)."""
-    import http.client
-    import socket
-    import time
-    from urllib.parse import urlsplit
+def _post_raw(base: str, path: str, head: bytes, size: int = 0, chunked: bool = False) -> tuple[int, dict, float]:
+    from fuzzing import post_raw
 
-    body_size = max(size, len(head))
-    host, port = urlsplit(base).hostname, urlsplit(base).port
-    sock = socket.create_connection((host, port), timeout=timeout)
-    framing = b"Transfer-Encoding: chunked" if chunked else f"Content-Length: {body_size}".encode()
-    started = time.monotonic()
-    sock.sendall(b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n%s\r\n\r\n"
-                 % (path.encode(), host.encode(), framing))
-
-    def send() -> None:
-        left, piece = body_size, head
-        try:
-            while left > 0:
-                part = (piece or b" " * 65536)[:left]
-                piece = b""
-                sock.sendall(b"%x\r\n%s\r\n" % (len(part), part) if chunked else part)
-                left -= len(part)
-            if chunked:
-                sock.sendall(b"0\r\n\r\n")
-        except OSError:  # the server answered and closed before taking it all
-            pass
-
-    sender = threading.Thread(target=send, daemon=True)
-    sender.start()
-    try:
-        response = http.client.HTTPResponse(sock)
-        response.begin()
-        answered = time.monotonic() - started
-        return response.status, _json(response.read()), answered
-    finally:
-        sock.close()
-        sender.join(timeout=timeout)
+    return post_raw(base, path, head, size, chunked)
 
 
 def test_big_bodies_are_refused_at_once_and_do_not_stall_the_server(server):
