@@ -92,8 +92,7 @@ class DecodeCheck(grpc.ServerInterceptor):
 
         def checked(request, context: grpc.ServicerContext):
             if isinstance(request, _Undecodable):
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request: not a valid message ({request.error}); "
-                                                                "every string must be UTF-8")
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request: does not parse: {request.error}")
             return behaviour(request, context)
 
         shape = grpc.unary_stream_rpc_method_handler if handler.response_streaming else \
