@@ -316,7 +316,7 @@ class RouterHost(_ServiceHost):
         from router.coordinator import SPARE_SLOTS, Channels, Coordinator
         from router.expertise import ExpertiseRouter
         from router.metrics import RouterMetrics
-        from router.servicer import RouterConfig, RouterServicer, serve
+        from router.servicer import RouterConfig, RouterServicer, prompt_char_limit, serve
         from runtime import loading
         from speculative.drafter_kinds import drafter_domains
 
@@ -345,7 +345,8 @@ class RouterHost(_ServiceHost):
         context = min(model_cfg.max_position_embeddings, cfg.verifiers.max_len - largest_tree - SPARE_SLOTS)
         config = RouterConfig.of(settings, context_length=context,
                                  eos_token_ids=tokenizer.eos_token_ids or model_cfg.eos_token_ids,
-                                 vocab_size=model_cfg.vocab_size, routed_drafters=tuple(cfg.drafter_pools.kinds))
+                                 vocab_size=model_cfg.vocab_size, routed_drafters=tuple(cfg.drafter_pools.kinds),
+                                 max_prompt_chars=prompt_char_limit(tokenizer, settings.max_prompt_tokens))
         # expertise statistics live in the shared store: every router replica learns from all traffic
         # a drafter trained for a domain is tried first there before there is any evidence
         specialties = {kind: drafter_domains(kind) for kind in cfg.drafter_pools.kinds}

@@ -54,6 +54,10 @@ class HttpSettings(_Section):
     port: int = Field(8000, ge=0, le=65535, description="HTTP port on the router's host")
     served_model_name: str | None = Field(None, description="the model's id in the API (default: the model "
                                                             "file's or directory's name)")
+    # 2 MiB: a prompt that fits the default router.max_prompt_tokens with the default model (4096
+    # tokens of at most 81 bytes) takes at most 1.99 MB of JSON even with every byte a \u escape
+    max_body_bytes: int = Field(2 * 1024 * 1024, ge=1024, description="larger request bodies get a 413 before "
+                                                                      "they are read whole")
 
 
 class SecuritySettings(_Section):

@@ -47,6 +47,8 @@ ROUTER_MAX_ONGOING = 64
 SHUTDOWN_POLL_S = 0.5
 READY_POLL_S = 0.5  # how often a starting application is asked whether it would serve a request
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+# bodies at least this large are parsed on a thread, not on the ingress's event loop
+PARSE_OFF_LOOP_BYTES = 64 * 1024
 
 
 def served_model_name(cfg: ServeConfig) -> str:
@@ -197,11 +199,30 @@ class _Metrics:
 
 
 # the ingress's helpers come first: serve.ingress serialises the class where it is defined
-async def _json_body(request: Request) -> Any:
-    try:
-        return json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise oa.OpenAIError(400, f"the body is not valid JSON: {e}", None, "invalid_json") from None
+async def _body(request: Request, limit: int) -> bytes:
+    """The body, refused (413) once it is known to be over `limit` bytes: by its Content-Length
+    before any of it is read, else counted as it comes (chunked)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _too_large(limit)
+    parts, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        if size > limit:
+            raise _too_large(limit)
+        parts.append(part)
+    return b"".join(parts)
+
+
+def _too_large(limit: int) -> oa.OpenAIError:
+    return oa.OpenAIError(413, f"the body is over {limit} bytes ([http] max_body_bytes)", None, "request_too_large")
+
+
+async def _parsed(kind: type, raw: bytes):
+    """The request in `raw`; a large body parses on a thread, so the loop serves the others."""
+    if len(raw) < PARSE_OFF_LOOP_BYTES:
+        return oa.parse(kind, oa.loads(raw))
+    return await asyncio.to_thread(lambda: oa.parse(kind, oa.loads(raw)))
 
 
 def _router_lost(e: Exception) -> oa.OpenAIError:
@@ -332,7 +353,7 @@ class OpenAIIngress:
     async def _complete(self, request: Request, kind: type, route: str):
         status = 500
         try:
-            req = oa.parse(kind, await _json_body(request))
+            req = await _parsed(kind, await _body(request, self.cfg.http.max_body_bytes))
             if req.model != self.model:
                 raise oa.OpenAIError(404, f"model {req.model!r} does not exist; this server serves {self.model!r}",
                                      "model", "model_not_found")

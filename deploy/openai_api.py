@@ -9,6 +9,7 @@ HTTP's own (the body's shape, the model name, fields we do not support).
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from typing import Any, Literal
@@ -54,6 +55,8 @@ class OpenAIError(Exception):
 # the router's gRPC status names and the HTTP status each becomes
 HTTP_STATUS = {"INVALID_ARGUMENT": 400, "NOT_FOUND": 404, "UNAUTHENTICATED": 401, "RESOURCE_EXHAUSTED": 429,
                "UNAVAILABLE": 503, "DEADLINE_EXCEEDED": 504}
+# the router refuses values (a range, an unknown drafter): OpenAI's code for those
+ROUTER_CODE = {"INVALID_ARGUMENT": "invalid_value"}
 
 
 def router_error(status: str, message: str, field: str | None = None, too_long: bool = False,
@@ -63,17 +66,19 @@ def router_error(status: str, message: str, field: str | None = None, too_long: 
     param = {"domain_hint": "domain"}.get(field, field)
     if too_long:
         return OpenAIError(413, message, param, "prompt_too_long")
-    return OpenAIError(HTTP_STATUS.get(status, 500), message, param, status.lower(), retry_after_s)
+    return OpenAIError(HTTP_STATUS.get(status, 500), message, param, ROUTER_CODE.get(status, status.lower()),
+                       retry_after_s)
 
 
+# strict: a bool is not an integer, nor a string a number (OpenAI refuses `max_tokens: true`)
 class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     type: Literal["text"]
     text: str
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     role: str
     content: str | list[ContentPart] | None = ""
     name: str | None = None
@@ -85,7 +90,7 @@ class Message(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
@@ -94,7 +99,7 @@ class _Request(BaseModel):
     """Fields both endpoints take. specserve's own (`top_k`, `drafter`, `domain`, `namespace`,
     `return_token_ids`) come in the body beside OpenAI's, as vLLM takes its extras."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     model: str
     max_tokens: int | None = Field(None, **INT32)
     temperature: float = 1.0
@@ -119,7 +124,7 @@ class _Request(BaseModel):
             if value not in NEUTRAL[key]:
                 raise OpenAIError(400, f"{key!r} is not supported by this server", key, "unsupported_field")
         if self.stream_options is not None and not self.stream:
-            raise OpenAIError(400, "stream_options needs stream: true", "stream_options")
+            raise OpenAIError(400, "stream_options: needs stream: true", "stream_options", "invalid_value")
 
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -136,9 +141,10 @@ class _Request(BaseModel):
                 sampling.top_p = self.top_p
             if self.seed is not None:
                 if self.seed < 0:
-                    raise OpenAIError(400, f"must be >= 0, got {self.seed}", "seed")
+                    raise OpenAIError(400, f"seed: must be >= 0, got {self.seed}", "seed", "invalid_value")
                 if self.seed + self.n > 2**64:  # choice i samples with seed + i, a uint64
-                    raise OpenAIError(400, f"must be at most 2^64 - n ({2**64 - self.n}), got {self.seed}", "seed")
+                    raise OpenAIError(400, f"seed: must be at most 2^64 - n ({2**64 - self.n}), got {self.seed}",
+                                      "seed", "invalid_value")
                 sampling.seed = self.seed + i
             req = pb.GenerateRequest(sampling=sampling, stop=self.stops(), domain_hint=self.domain,
                                      request_id=f"{request_id}-{i}", drafter=self.drafter, namespace=self.namespace)
@@ -162,8 +168,7 @@ class ChatCompletionRequest(_Request):
 
     def fill_input(self, req: pb.GenerateRequest) -> None:
         for m in self.messages:
-            # "developer" is OpenAI's newer name for the system role
-            req.messages.add(role="system" if m.role == "developer" else m.role, content=m.text())
+            req.messages.add(role=m.role, content=m.text())
 
 
 class CompletionRequest(_Request):
@@ -180,18 +185,93 @@ class CompletionRequest(_Request):
         req.prompt = self.prompt if isinstance(self.prompt, str) else self.prompt[0]
 
 
+def loads(raw: bytes) -> Any:
+    """The body's JSON, or a 400 `invalid_json` (nesting too deep for the parser included)."""
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        reason = "nested too deeply" if isinstance(e, RecursionError) else str(e)
+        raise OpenAIError(400, f"the body is not valid JSON: {reason}", None, "invalid_json") from None
+
+
 def parse(model: type[_Request], body: Any) -> _Request:
     """The request, or an OpenAIError naming the first field at fault."""
     if not isinstance(body, dict):
         raise OpenAIError(400, "the body must be a JSON object", None, "invalid_json")
+    unencodable = _lone_surrogate(body)
+    if unencodable is not None:  # JSON's \ud800 escapes decode to one; protobuf strings cannot carry it
+        raise OpenAIError(400, f"{unencodable}: not valid Unicode text (a lone UTF-16 surrogate)", unencodable,
+                          "invalid_value")
     try:
         req = model.model_validate(body)
     except ValidationError as e:
-        err = e.errors()[0]
-        param = ".".join(str(p) for p in err["loc"]) or None
-        raise OpenAIError(400, f"{param}: {err['msg']}" if param else err["msg"], param) from None
+        raise _validation_error(e) from None
     req.check_supported()
     return req
+
+
+def _lone_surrogate(body: dict) -> str | None:
+    """The path (`messages[0].content`) of the first string or key holding a lone surrogate, or None.
+    A loop, not recursion: the body may nest as deep as the JSON parser allows."""
+    todo: list[tuple[str, Any]] = [("", body)]
+    while todo:
+        path, value = todo.pop()
+        if isinstance(value, dict):
+            for key, item in reversed(value.items()):
+                name = f"{path}.{key}" if path else key
+                if not _encodable(key):
+                    return name.encode("utf-8", "backslashreplace").decode()
+                todo.append((name, item))
+        elif isinstance(value, list):
+            todo.extend((f"{path}[{i}]", item) for i, item in reversed(list(enumerate(value))))
+        elif isinstance(value, str) and not _encodable(value):
+            return path
+    return None
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _validation_error(e: ValidationError) -> OpenAIError:
+    """The first field's error, with `param` as OpenAI writes it (`messages[0].content`, not pydantic's
+    `messages.0.content.str`) and a code. Of a union's errors, the deepest: the member that matched
+    furthest (`prompt[0]` for `"prompt": [5]`)."""
+    errors = e.errors()
+    first = [err for err in errors if err["loc"][:1] == errors[0]["loc"][:1]]
+    err = max(first, key=lambda err: len(_param(err)))
+    param = _param(err) or None
+    return OpenAIError(400, f"{param}: {err['msg']}" if param else err["msg"], param, _code(err["type"]))
+
+
+def _param(err: dict) -> str:
+    """pydantic's location as OpenAI writes a param, without the union members' tags (`str`,
+    `list[ContentPart]`): names of our fields, list indices, and a forbidden extra key."""
+    param = ""
+    for i, part in enumerate(err["loc"]):
+        if isinstance(part, int):
+            param += f"[{part}]"
+        elif part in _FIELDS or (err["type"] == "extra_forbidden" and i == len(err["loc"]) - 1):
+            param += f".{part}" if param else part
+    return param
+
+
+def _code(error_type: str) -> str:
+    if error_type == "missing":
+        return "missing_required_parameter"
+    if error_type == "extra_forbidden":
+        return "unknown_field"
+    if error_type.endswith(("_type", "_parsing")):
+        return "invalid_type"
+    return "invalid_value"
+
+
+_FIELDS = {name for m in (ChatCompletionRequest, CompletionRequest, Message, ContentPart, StreamOptions)
+           for name in m.model_fields}
 
 
 def body_schema(model: type[BaseModel]) -> dict[str, Any]:

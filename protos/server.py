@@ -1,6 +1,7 @@
 """Start the gRPC server of one of our services, with standard health
 checking and server reflection, as every specserve server has; the internal
-services (verifier, drafter pools) also check the cluster secret of every call."""
+services (verifier, drafter pools) also check the cluster secret of every call. A request
+that does not parse is refused as INVALID_ARGUMENT."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from concurrent import futures
 from typing import Any, Callable
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -65,6 +67,39 @@ def _refusal(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
                  response_serializer=handler.response_serializer)
 
 
+class _Undecodable:
+    """What a request that did not parse becomes, so that its call can be refused."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+
+class DecodeCheck(grpc.ServerInterceptor):
+    """A request that does not parse (a string field that is not UTF-8, as a lone surrogate's
+    bytes; a truncated message) gets INVALID_ARGUMENT: gRPC answers INTERNAL for it."""
+
+    def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
+        handler = continuation(details)
+        if handler is None or handler.request_streaming or handler.request_deserializer is None:
+            return handler  # our services take one request a call
+        parse, behaviour = handler.request_deserializer, handler.unary_unary or handler.unary_stream
+
+        def lenient(data: bytes):
+            try:
+                return parse(data)
+            except DecodeError as e:
+                return _Undecodable(e)
+
+        def checked(request, context: grpc.ServicerContext):
+            if isinstance(request, _Undecodable):
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request: does not parse: {request.error}")
+            return behaviour(request, context)
+
+        shape = grpc.unary_stream_rpc_method_handler if handler.response_streaming else \
+            grpc.unary_unary_rpc_method_handler
+        return shape(checked, request_deserializer=lenient, response_serializer=handler.response_serializer)
+
+
 def start_server(register: Callable[[Any, grpc.Server], None], servicer: Any, service: str,
                  host: str, port: int, max_workers: int,
                  thread_init: Callable[[], None] | None = None,
@@ -75,7 +110,8 @@ def start_server(register: Callable[[Any, grpc.Server], None], servicer: Any, se
     With a `secret`, every call but health checks and reflection must carry it
     (`ClusterSecretCheck`). With `tls` (PEM certificate chain, PEM private key) the port
     speaks only TLS. Returns the started server and its bound port."""
-    interceptors = [ClusterSecretCheck(secret)] if secret is not None else []
+    # the secret first: a caller without it learns nothing, not even whether its request parsed
+    interceptors = ([ClusterSecretCheck(secret)] if secret is not None else []) + [DecodeCheck()]
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, initializer=thread_init,
                                                     thread_name_prefix=service.rsplit(".", 1)[-1]),
                          interceptors=interceptors)

@@ -31,7 +31,28 @@ from .settings import RouterSettings
 from .stats import RoundStats
 from .text import StreamingText
 
-ROLES = {"system", "user", "assistant"}
+ROLES = {"system", "developer", "user", "assistant"}
+TEMPLATE_ROLES = {"developer": "system"}  # OpenAI's newer name for the system role, which templates know
+
+
+# text that a tokenizer gives back as it was unless it normalises: composes (e + U+0301, Hangul
+# jamo), drops (a control character), strips or folds (case, accents, outer whitespace)
+ROUND_TRIP = " e\u0301\x01\u1100\u1161 Ab\u00e9  \t"
+
+
+def prompt_char_limit(tokenizer: Tokenizer, max_prompt_tokens: int) -> int | None:
+    """The most characters a text of max_prompt_tokens tokens can have, or None where the
+    tokenizer gives no safe bound. Each token stands for at most as many characters of the text
+    as its piece has: a byte-level piece writes each byte as one character (and a character is
+    at least one byte), a SentencePiece piece each character as one (a byte-fallback piece, six
+    for one byte), a special token is its own text. That is the text after the normaliser, so
+    it bounds the prompt only where the normaliser does not shorten it: a tokenizer must give
+    ROUND_TRIP back unchanged (SmolLM2's and the other byte-level BPE ones do; Qwen2's NFC
+    composes and gets no bound). Then more characters than max_prompt_tokens x the longest
+    piece are more than max_prompt_tokens tokens."""
+    if tokenizer.decode(tokenizer.encode(ROUND_TRIP, add_special_tokens=False)) != ROUND_TRIP:
+        return None
+    return max_prompt_tokens * max(len(tokenizer.id_to_token(i) or "") for i in range(tokenizer.vocab_size))
 
 
 class RequestFailed(Exception):
@@ -75,6 +96,7 @@ class RouterConfig(RouterSettings):
     routed_drafters: tuple[str, ...] = ()  # what "auto" routes over: the pools' kinds
     default_max_tokens: int = 128  # of a request that sets no max_tokens
     max_stop_strings: int = 8
+    max_prompt_chars: int | None = None  # longer prompts are refused untokenized (prompt_char_limit)
 
     @classmethod
     def of(cls, settings: RouterSettings, **runtime) -> RouterConfig:
@@ -122,11 +144,9 @@ class RouterServicer(pb_grpc.SpecserveServicer):
                     raise InvalidArgument(f"messages[{i}].role", f"must be one of {', '.join(sorted(ROLES))}")
             if not any(m.content.strip() for m in req.messages):
                 raise InvalidArgument("messages", "all messages are empty")
-            ids = self.tokenizer.encode_chat([{"role": m.role, "content": m.content} for m in req.messages])
-        else:
-            if not req.prompt.strip():
-                raise InvalidArgument("prompt", "must not be empty")
-            ids = self.tokenizer.encode(req.prompt)
+        elif not req.prompt.strip():
+            raise InvalidArgument("prompt", "must not be empty")
+        ids = self._prompt_ids(req)
         if len(ids) > cfg.max_prompt_tokens:
             raise PromptTooLong("prompt", f"{len(ids)} tokens exceeds the limit of {cfg.max_prompt_tokens}")
         s = req.sampling
@@ -154,6 +174,21 @@ class RouterServicer(pb_grpc.SpecserveServicer):
                    deadline=call.deadline, is_cancelled=lambda: not call.is_active(), pipelined=pipelined,
                    speculation=speculation, stop_confidence=cfg.stop_confidence, namespace=namespace,
                    verifier_drafting=cfg.verifier_drafting, prefill_pools_ahead=cfg.prefill_pools_ahead)
+
+    def _prompt_ids(self, req: pb.GenerateRequest) -> list[int]:
+        """The prompt's tokens (of messages: of the chat template's rendering). A text longer than
+        max_prompt_chars is refused untokenized: `tokenizers` holds the GIL while it encodes,
+        and a 10 MB prompt stalled every thread of the router for 10 s."""
+        limit = self.config.max_prompt_chars
+        if not req.messages:
+            _check_chars(req.prompt, limit)
+            return self.tokenizer.encode(req.prompt)
+        messages = [{"role": TEMPLATE_ROLES.get(m.role, m.role), "content": m.content} for m in req.messages]
+        if limit is None:
+            return self.tokenizer.encode_chat(messages)
+        text = self.tokenizer.render_chat(messages)  # as encode_chat: the template writes the special tokens
+        _check_chars(text, limit)
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def close(self) -> None:
         """Write every namespace's routing outcomes not yet in the state store."""
@@ -292,6 +327,12 @@ class RouterServicer(pb_grpc.SpecserveServicer):
             yield from self.chunks(request, Call.of_grpc(context))
         except RequestFailed as e:
             e.abort(context)
+
+
+def _check_chars(text: str, limit: int | None) -> None:
+    if limit is not None and len(text) > limit:
+        raise PromptTooLong("prompt", f"{len(text)} characters are more than the {limit} that the token limit "
+                                      "can hold")
 
 
 def _user_text(req: pb.GenerateRequest) -> str:

@@ -11,11 +11,16 @@ with a cluster secret (the servicers and validation `specserve serve` runs; the
 tiny target keeps each call cheap), split evenly over the three services; after
 each program every request id it prefilled is released and no service may hold
 anything. With --grpc-router, programs of Generate / GenerateStream calls also go
-to that running router (its real model). HTTP: schemathesis cases of every
+to that running router (its real model). One gRPC request in six goes as bytes no
+message serialises to (a lone surrogate, nesting, a wrong wire type, a message over
+4 MiB) and one has a NaN or infinite float. HTTP: schemathesis cases of every
 operation of the server's /openapi.json, valid by the document and not, three in
-four steered to reach the model; afterwards the ingress's /metrics must show every
-verifier's `specserve_verifier_rows_held` and every pool's
-`specserve_drafter_requests_held` at 0, and a plain request must succeed.
+four steered to reach the model, and one case in three a hostile body (a lone
+surrogate, a non-finite float, a wrong JSON type, deep nesting, a body over
+--http-max-body-bytes) that must get the error naming its field; afterwards the
+ingress's /metrics must show every verifier's `specserve_verifier_rows_held` and
+every pool's `specserve_drafter_requests_held` at 0, and a plain request must
+succeed.
 
 Counts per RPC / operation and status, the crashes (INTERNAL / UNKNOWN / 5xx /
 no answer) with the first failing inputs, and the leak checks: printed as a
@@ -40,6 +45,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the services, and the fuzz he
 from hypothesis import HealthCheck, Phase, given, seed, settings  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+from cluster.config import HttpSettings  # noqa: E402
 from drafter_service.settings import DrafterPoolSettings  # noqa: E402
 from fuzzing import (SERVICES, TINY_KINDS, HttpFuzz, Strategies, Tally, Target, describe,  # noqa: E402
                      still_serving, tiny_services)
@@ -127,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
                          "served default)")
     ap.add_argument("--http", metavar="URL", help="a running `specserve serve`'s HTTP API, e.g. http://127.0.0.1:8092")
     ap.add_argument("--http-examples", type=int, default=1000, help="schemathesis cases (default 1000)")
+    ap.add_argument("--http-max-body-bytes", type=int, default=HttpSettings().max_body_bytes,
+                    help="that server's [http] max_body_bytes (default: the setting's default)")
     ap.add_argument("--seed", type=int, default=0, help="hypothesis seed (default 0)")
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "fuzz" / "fuzz",
                     help="write OUT.json and OUT.md (default docs/fuzz/fuzz)")
@@ -172,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
             import requests
 
             model = requests.get(f"{args.http.rstrip('/')}/v1/models", timeout=30).json()["data"][0]["id"]
-            http = HttpFuzz(args.http, model)
+            http = HttpFuzz(args.http, model, max_body_bytes=args.http_max_body_bytes)
             fuzz_http(http, args.http_examples, args.seed, bar)
             ok, detail = http.still_serving()
             checks.append({"check": "HTTP: a plain chat request succeeds afterwards", "ok": ok, "detail": detail})

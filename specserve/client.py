@@ -18,7 +18,7 @@ Errors: every failed call raises `SpecserveError`, whose `.code` is the
 `grpc.StatusCode` (e.g. `DEADLINE_EXCEEDED`, `UNAVAILABLE`, `INVALID_ARGUMENT`)
 and `.details` the server's message; the original `grpc.RpcError` is its
 `__cause__`. Bad arguments caught before sending (neither or both of
-`prompt` / `messages`) raise `ValueError`.
+`prompt` / `messages`, text with a lone surrogate) raise `ValueError`.
 
 Deadlines: `timeout` (seconds) on a call, else the client's `timeout`, becomes
 the gRPC deadline. It covers the whole call, retries included; None = no deadline.
@@ -124,6 +124,15 @@ def _credentials(tls: bool, root_certificates: bytes | None) -> grpc.ChannelCred
     return grpc.ssl_channel_credentials(root_certificates) if tls else None
 
 
+def _text(name: str, value: str) -> str:
+    """`value`, if protobuf can send it: UTF-8 has no lone surrogate (a JSON "\\ud800" escape makes one)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{name}: not valid Unicode text (a lone surrogate at {e.start})") from None
+    return value
+
+
 def request(prompt: str | None = None, *, messages: Sequence[Mapping[str, str]] | None = None,
             max_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
             seed: int | None = None, stop: Sequence[str] = (), domain_hint: str = "", drafter: str = "",
@@ -137,17 +146,19 @@ def request(prompt: str | None = None, *, messages: Sequence[Mapping[str, str]] 
     sampling = pb.SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k)
     if seed is not None:  # `optional` on the wire: unset means unseeded
         sampling.seed = seed
-    req = pb.GenerateRequest(sampling=sampling, stop=list(stop), domain_hint=domain_hint, drafter=drafter,
+    req = pb.GenerateRequest(sampling=sampling, stop=[_text(f"stop[{i}]", s) for i, s in enumerate(stop)],
+                             domain_hint=domain_hint, drafter=drafter,
                              request_id=request_id, namespace=namespace)
     if pipelined is not None:  # unset: the server's setting
         req.pipelined = pipelined
     if prompt is not None:
-        req.prompt = prompt
+        req.prompt = _text("prompt", prompt)
     else:
-        for m in messages or ():
+        for i, m in enumerate(messages or ()):
             if set(m) != {"role", "content"}:
                 raise ValueError(f"a message needs exactly 'role' and 'content', got {sorted(m)}")
-            req.messages.add(role=m["role"], content=m["content"])
+            req.messages.add(role=_text(f"messages[{i}].role", m["role"]),
+                             content=_text(f"messages[{i}].content", m["content"]))
     return req
 
 

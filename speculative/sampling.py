@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -56,8 +57,8 @@ class SamplingParams:
             raise InvalidArgument(
                 "max_tokens", f"prompt ({prompt_tokens} tokens) + max_tokens ({self.max_tokens}) "
                 f"exceeds the model's context of {context_length} tokens")
-        if not self.temperature >= 0.0:  # also rejects NaN
-            raise InvalidArgument("temperature", f"must be >= 0, got {self.temperature}")
+        if not 0.0 <= self.temperature < math.inf:  # also rejects NaN; infinity would sample uniform noise
+            raise InvalidArgument("temperature", f"must be a finite number >= 0, got {self.temperature}")
         if 0.0 < self.temperature < _MIN_TEMPERATURE_F32:
             raise InvalidArgument("temperature", f"must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, "
                                                  f"got {self.temperature:g}")

@@ -7,7 +7,10 @@ strategy built by walking its request message's DESCRIPTOR, so every field is
 covered and a field added to the proto is fuzzed without touching this file:
 integers over their type's whole range and near the edges, floats with NaN and the
 infinities, unicode and empty strings, repeated fields short and long, nested
-messages set or not, `optional` fields present or not. Fields we know by name also
+messages set or not, `optional` fields present or not. Some requests go as bytes
+no message serialises to (`raw_request`): a string holding a lone surrogate, groups
+nested past protobuf's depth limit, a field with the wrong wire type, a message
+past gRPC's size limit. Fields we know by name also
 get likely values (token ids inside the vocabulary, request ids from a small pool so
 that the calls of one example meet the same request, the pool's drafter names...)
 and values just outside; a message is drawn with every field generic, or every
@@ -19,12 +22,16 @@ the model as well as into every check.
 An example is a short program of calls to one service (Prefill, Verify, Verify,
 Release...); the property is that each call ends OK or with a status in
 `allowed_statuses` (INVALID_ARGUMENT naming the field, RESOURCE_EXHAUSTED when the
-rows are full...), never INTERNAL or UNKNOWN, that no server of this process raised
+rows are full...), never INTERNAL or UNKNOWN, never OK with a NaN or infinite
+sampling parameter, that no server of this process raised
 an exception it did not handle (even one the caller never saw as such), and that
 afterwards no request holds state: the fuzz releases every id it prefilled, and the
 router frees its own.
 
-HTTP (`HttpFuzz`): schemathesis over a running server's OpenAPI document.
+HTTP (`HttpFuzz`): schemathesis over a running server's OpenAPI document, and
+bodies schemathesis never writes (`HostileBody`): a lone surrogate, NaN, the
+infinities and 1e309, the wrong JSON type, nesting deep and past the parser's
+depth, a body over the server's size limit; each must get the error naming its field.
 """
 
 from __future__ import annotations
@@ -240,12 +247,108 @@ class Strategies:
             lambda off: self.fields(descriptor, True, off))
 
     def request(self, rpc: Rpc) -> st.SearchStrategy:
-        return self.message(rpc.request)
+        """Messages of the RPC's request type; one in HOSTILE_SHARE is sent as bytes no message
+        serialises to (`raw_request`), and one is a likely message with a float made NaN or
+        infinite (`with_non_finite`: the others let it reach the check)."""
+        message, choice = self.message(rpc.request), st.integers(0, 2**16)
+        raw = st.builds(raw_request, message, st.sampled_from(RAW_KINDS), choice)
+        non_finite = st.builds(with_non_finite, self.message(rpc.request, hinted=True), choice)
+        return st.integers(0, HOSTILE_SHARE - 1).flatmap(lambda i: (raw, non_finite, message)[min(i, 2)])
 
     def program(self, service: str, max_calls: int = 6) -> st.SearchStrategy[list[tuple[Rpc, object]]]:
         """A short sequence of calls to `service`'s RPCs with fuzzed requests."""
         calls = [st.tuples(st.just(rpc), self.request(rpc)) for rpc in rpcs(service)]
         return st.lists(st.one_of(calls), min_size=1, max_size=max_calls)
+
+
+# -------------------------------------------------------- requests as raw bytes --
+
+HOSTILE_SHARE = 6  # one request in this many is raw, one has a non-finite float
+# by weight: a message past the size limit costs 4 MiB to send, so it comes rarely
+RAW_KINDS = ("surrogate",) * 7 + ("deep",) * 4 + ("retyped",) * 4 + ("oversized",)
+_PLACEHOLDER = "\x01\x02\x03"
+_SURROGATE = b"\xed\xa0\x80"  # U+D800 as UTF-8 would write it, which UTF-8 forbids
+GRPC_MAX_MESSAGE = 4 * 1024 * 1024  # what a server receives by default
+
+
+def raw_request(msg, kind: str, choice: int) -> RawRequest:
+    """`msg` sent as bytes that no message serialises to: one of its strings a lone surrogate,
+    unknown groups nested past protobuf's depth limit, a field again with the wrong wire type,
+    or padding past gRPC's message size limit."""
+    data = msg.SerializeToString()
+    if kind == "surrogate" and _set_placeholder(msg, choice):
+        return RawRequest(msg, msg.SerializeToString().replace(_PLACEHOLDER.encode(), _SURROGATE), kind)
+    if kind == "oversized":
+        return RawRequest(msg, data + _record(1001, 2, b"\0" * (GRPC_MAX_MESSAGE + 1)), kind)
+    fields = msg.ListFields()
+    if kind == "retyped" and fields:
+        fd = fields[choice % len(fields)][0]
+        wire = 0 if fd.message_type is not None or fd.type in (fd.TYPE_STRING, fd.TYPE_BYTES) or fd.is_repeated else 2
+        return RawRequest(msg, data + _record(fd.number, wire, b"ab"), f"{fd.name} retyped")
+    depth = 100 + choice % 5000  # protobuf parses groups recursively, up to a depth of 100
+    return RawRequest(msg, data + _varint(1000 << 3 | 3) * depth + _varint(1000 << 3 | 4) * depth, "deep")
+
+
+def with_non_finite(msg, choice: int):
+    """`msg` with one float field (or one in a message in it) set to NaN or an infinity."""
+    _set_one(msg, (FieldDescriptor.TYPE_FLOAT, FieldDescriptor.TYPE_DOUBLE), (math.inf, -math.inf, math.nan)[choice % 3],
+             choice // 3)
+    return msg
+
+
+def _set_placeholder(msg, choice: int) -> bool:
+    return _set_one(msg, (FieldDescriptor.TYPE_STRING,), _PLACEHOLDER, choice)
+
+
+def _set_one(msg, types: tuple[int, ...], value, choice: int) -> bool:
+    """Set one field of `msg` of one of `types` (a repeated one: add `value`), in it or in a message
+    in it (a singular one, set or not, or an element of a repeated one); False if there is none."""
+    slots = []
+
+    def walk(m) -> None:
+        for fd in m.DESCRIPTOR.fields:
+            if fd.type in types:
+                slots.append((m, fd))
+            elif fd.message_type is not None and not fd.message_type.GetOptions().map_entry:
+                for sub in getattr(m, fd.name) if fd.is_repeated else [getattr(m, fd.name)]:
+                    walk(sub)
+
+    walk(msg)
+    if not slots:
+        return False
+    m, fd = slots[choice % len(slots)]
+    if fd.is_repeated:
+        getattr(m, fd.name).append(value)
+    else:
+        setattr(m, fd.name, value)
+    return True
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    return bytes(out + bytes([n]))
+
+
+def _record(number: int, wire: int, payload: bytes) -> bytes:
+    """One field on the wire: a varint (wire 0, payload ignored) or a length-delimited one (2)."""
+    if wire == 0:
+        return _varint(number << 3) + _varint(1)
+    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
+
+
+def non_finite_sampling(request) -> str | None:
+    """The sampling field of `request` that is NaN or infinite (no service may take it), or None."""
+    if isinstance(request, RawRequest) or "sampling" not in request.DESCRIPTOR.fields_by_name:
+        return None
+    sampling = request.sampling
+    if not math.isfinite(sampling.temperature):
+        return "temperature"
+    if sampling.HasField("top_p") and not math.isfinite(sampling.top_p):
+        return "top_p"
+    return None
 
 
 def _one_input(msg: pb.GenerateRequest, choice: int, off: str | None) -> pb.GenerateRequest:
@@ -336,6 +439,24 @@ def well_formed_tree(draw, vocab_size: int) -> pb.DraftTree:
 
 
 # ------------------------------------------------------------------- calling --
+
+@dataclass(frozen=True)
+class RawRequest:
+    """A request sent as `raw` rather than as `message` serialises: what the protobuf library
+    will not build (a string that is not UTF-8, groups nested past its limit, a message past
+    gRPC's size limit). Reads as `message` otherwise (its request_id...)."""
+    message: object
+    raw: bytes
+    why: str = ""
+
+    def SerializeToString(self) -> bytes:
+        return self.raw
+
+    def __getattr__(self, name: str):
+        if name in ("message", "raw", "why"):  # not set yet (copying): no recursion
+            raise AttributeError(name)
+        return getattr(self.message, name)
+
 
 def call(channel: grpc.Channel, rpc: Rpc, request, timeout: float, secret: str | None = None
          ) -> tuple[str, str, object]:
@@ -431,6 +552,8 @@ class Target:
             secret = None if rpc.service == "Specserve" else self.secret
             status, details, _ = call(self.channel(rpc.service), rpc, request, self.timeout_s, secret)
             outcome = Outcome(rpc.name, status, details, request)
+            if status == "OK" and non_finite_sampling(request):  # taken: it sampled noise
+                outcome = Outcome(rpc.name, "TOOK_NON_FINITE", f"{non_finite_sampling(request)} accepted", request)
             if not tally.add(outcome, allowed_statuses(rpc.service)):
                 bad.append(outcome)
         for service in {rpc.service for rpc, _ in program} - {"Specserve"}:
@@ -463,6 +586,8 @@ def describe(request) -> str:
     """A request as one line of text (protobuf's text format)."""
     from google.protobuf import text_format
 
+    if isinstance(request, RawRequest):
+        return f"{describe(request.message)} sent as {len(request.raw)} bytes, {request.why}: {request.raw[:200]!r}"
     return text_format.MessageToString(request, as_one_line=True)
 
 
@@ -562,6 +687,117 @@ HELD_GAUGES = ("specserve_verifier_rows_held", "specserve_drafter_requests_held"
 MAX_STEERED_TOKENS = 8
 
 
+# (field, the type it takes, which endpoint has it: True chat, False completions, None both)
+HOSTILE_TARGETS = (("messages[0].content", "str", True), ("messages[0].role", "str", True), ("prompt", "str", False),
+                   ("stop", "str", None), ("stop[0]", "str", None), ("model", "str", None), ("user", "str", None),
+                   ("drafter", "str", None), ("namespace", "str", None), ("temperature", "float", None),
+                   ("top_p", "float", None), ("max_tokens", "int", None), ("n", "int", None), ("seed", "int", None),
+                   ("top_k", "int", None), ("stream", "bool", None), ("return_token_ids", "bool", None))
+WRONG_TYPES = {"str": (5, True, {}, 1.5), "float": (True, "0.5", [], {}), "int": (True, "7", 4.0, [], {}),
+               "bool": (1, "true", [], None)}
+HOSTILE_KINDS = ("surrogate",) * 3 + ("non_finite",) * 3 + ("wrong_type",) * 3 + ("deep",) * 3 + ("oversized",)
+
+
+@dataclass(frozen=True)
+class RawJson:
+    """JSON text a value stands for where json.dumps cannot write it (1e309, deep nesting)."""
+    text: str
+
+
+@dataclass(frozen=True)
+class HostileBody:
+    """A valid request with the field at `path` set to `value`; `kind` "oversized": the valid
+    request padded with spaces to `size` bytes (sent chunked or with its Content-Length)."""
+    chat: bool
+    path: str  # "messages[0].content", as the error's param names it
+    kind: str
+    value: object
+    size: int = 0
+    chunked: bool = False
+
+    @property
+    def route(self) -> str:
+        return "/v1/chat/completions" if self.chat else "/v1/completions"
+
+    def body(self, model: str) -> bytes:
+        import json
+        import re
+
+        body = {"model": model, "max_tokens": 2, "temperature": 0, "stop": ["zzzz"],
+                **({"messages": [{"role": "user", "content": "Hello"}]} if self.chat else {"prompt": "Hello"})}
+        if self.kind != "oversized":
+            *parents, last = [int(k) if k.isdigit() else k for k in re.findall(r"\w+", self.path)]
+            holder = body
+            for key in parents:
+                holder = holder[key]
+            holder[last] = "@RAW@" if isinstance(self.value, RawJson) else self.value
+        text = json.dumps(body)  # ensure_ascii: a surrogate as its \u escape; NaN and Infinity as Python writes them
+        return (text.replace('"@RAW@"', self.value.text) if isinstance(self.value, RawJson) else text).encode()
+
+    def expected(self, status: int, error: dict) -> bool:
+        if self.kind == "oversized":
+            return (status, error["code"]) == (413, "request_too_large")
+        if isinstance(self.value, RawJson) and len(self.value.text) > 2000:  # past the parser's depth
+            return (status, error["code"], error["param"]) == (400, "invalid_json", None)
+        param = error["param"] or ""
+        return status == 400 and bool(error["code"]) and (param == self.path or param.startswith(self.path + "["))
+
+    def expectation(self) -> str:
+        return {"oversized": "413 request_too_large"}.get(self.kind, f"400 naming {self.path}")
+
+    def describe(self) -> dict:
+        value = self.value.text[:40] if isinstance(self.value, RawJson) else repr(self.value)
+        return {"path": self.path, "kind": self.kind, "value": value, "size": self.size, "chunked": self.chunked}
+
+
+def post_raw(base: str, path: str, body: bytes, size: int = 0, chunked: bool = False,
+             timeout: float = 120.0) -> tuple[int, object, float]:
+    """POST `body` padded with spaces to `size` bytes (JSON allows them) on a connection of its
+    own, reading the answer while sending: a server may answer before it has read the whole
+    body, and close. (status, the answer's JSON or {}, seconds to the answer)."""
+    import http.client
+    import json
+    import socket
+    import threading
+    from urllib.parse import urlsplit
+
+    size = max(size, len(body))
+    host, port = urlsplit(base).hostname, urlsplit(base).port
+    sock = socket.create_connection((host, port), timeout=timeout)
+    framing = b"Transfer-Encoding: chunked" if chunked else b"Content-Length: %d" % size
+    started = time.monotonic()
+    sock.sendall(b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n%s\r\n\r\n"
+                 % (path.encode(), host.encode(), framing))
+
+    def send() -> None:
+        left, first = size, body
+        try:
+            while left > 0:
+                part = (first or b" " * 65536)[:left]
+                first = b""
+                sock.sendall(b"%x\r\n%s\r\n" % (len(part), part) if chunked else part)
+                left -= len(part)
+            if chunked:
+                sock.sendall(b"0\r\n\r\n")
+        except OSError:  # the server answered and closed before taking it all
+            pass
+
+    sender = threading.Thread(target=send, daemon=True)
+    sender.start()
+    try:
+        response = http.client.HTTPResponse(sock)
+        response.begin()
+        answered = time.monotonic() - started
+        raw = response.read()
+        try:
+            return response.status, json.loads(raw), answered
+        except ValueError:
+            return response.status, {}, answered
+    finally:
+        sock.close()
+        sender.join(timeout=timeout)
+
+
 @dataclass
 class HttpOutcome:
     operation: str  # "POST /v1/chat/completions"
@@ -619,11 +855,12 @@ class HttpFuzz:
     The property: 2xx, or 4xx in OpenAI's error shape; never 5xx; a stream's error events
     never internal."""
 
-    def __init__(self, base: str, model: str, timeout_s: float = 300.0):
+    def __init__(self, base: str, model: str, timeout_s: float = 300.0, max_body_bytes: int = 2 * 1024 * 1024):
         import requests
         import schemathesis
 
         self.base, self.model, self.timeout_s = base.rstrip("/"), model, timeout_s
+        self.max_body_bytes = max_body_bytes  # the server's [http] max_body_bytes
         self.schema = schemathesis.openapi.from_url(f"{self.base}/openapi.json")
         self.schema.config.max_stream_events = 10**6  # read streams to their end (schemathesis stops at 20 events)
         self.operations = [result.ok() for result in self.schema.get_all_operations()]
@@ -634,11 +871,49 @@ class HttpFuzz:
         self.failure_count = 0
 
     def strategy(self) -> st.SearchStrategy:
-        """(case, steer) pairs over every operation and both generation modes."""
+        """(case, steer) pairs over every operation and both generation modes; one in three a
+        (HostileBody, None)."""
         from schemathesis import GenerationMode
 
         cases = [op.as_strategy(generation_mode=mode) for op in self.operations for mode in GenerationMode]
-        return st.tuples(st.one_of(cases), st.sampled_from([0, 1, 2, 3, 3]))
+        generated = st.tuples(st.one_of(cases), st.sampled_from([0, 1, 2, 3, 3]))
+        hostile = st.tuples(st.builds(self.hostile, st.booleans(), st.sampled_from(HOSTILE_KINDS),
+                                      st.integers(0, 2**16)), st.none())
+        return st.integers(0, 2).flatmap(lambda i: hostile if i == 0 else generated)
+
+    def hostile(self, chat: bool, kind: str, choice: int) -> HostileBody:
+        targets = [(path, type_) for path, type_, only in HOSTILE_TARGETS if only in (None, chat)]
+        path, type_ = targets[choice % len(targets)]
+        if kind == "oversized":
+            return HostileBody(chat, path, kind, None, self.max_body_bytes + 1 + choice % 4096, bool(choice & 1))
+        depth = (50, 500, 100_000)[choice % 3]
+        value = {"surrogate": lambda: ("x\ud800y", "\udfff", "\ud83d")[choice % 3],
+                 "non_finite": lambda: (math.inf, -math.inf, math.nan, RawJson("1e309"), RawJson("-1e309"))[choice % 5],
+                 "wrong_type": lambda: WRONG_TYPES[type_][choice % len(WRONG_TYPES[type_])],
+                 "deep": lambda: RawJson("[" * depth + "]" * depth)}[kind]()
+        return HostileBody(chat, path, kind, value)
+
+    def run_hostile(self, case: HostileBody) -> HttpOutcome:
+        """Send it; the answer must be the error its value deserves (HostileBody.expected)."""
+        label = f"POST {case.route} [hostile]"
+        try:
+            status, body, _ = post_raw(self.base, case.route, case.body(self.model), case.size, case.chunked,
+                                       self.timeout_s)
+        except Exception as e:  # noqa: BLE001 - recorded as a failure, as run() does
+            status, body = 0, {"no response": f"{type(e).__name__}: {e}"}
+        error = body.get("error") if isinstance(body, dict) else None
+        ok = isinstance(error, dict) and set(error) == {"message", "type", "param", "code"} and \
+            case.expected(status, error)
+        outcome = HttpOutcome(label, status, ok, "" if ok else f"expected {case.expectation()}, got {body!r:.300}",
+                              case.describe())
+        self.counts[(label, status)] += 1
+        if ok:
+            self.refused[(label, error["param"])] += 1
+        else:
+            self.failure_count += 1
+            if len(self.failures) < 20:
+                self.failures.append(outcome)
+        return outcome
 
     def steer(self, case, aim: int) -> None:
         """aim 0: the body as generated; 1: the served model's name; 2: also only the fields
@@ -664,7 +939,9 @@ class HttpFuzz:
         if aim >= 3:
             _repair(body)
 
-    def run(self, case, aim: int) -> HttpOutcome:
+    def run(self, case, aim: int | None) -> HttpOutcome:
+        if isinstance(case, HostileBody):
+            return self.run_hostile(case)
         self.steer(case, aim)
         label = case.operation.label
         try:

@@ -56,15 +56,11 @@ def http_front(router: str, model: str = "specserve-test") -> Iterator[str]:
             try:
                 if self.path != "/v1/chat/completions":
                     raise oa.OpenAIError(404, f"no route {self.path}")
-                try:
-                    body = json.loads(raw)
-                except ValueError:
-                    raise oa.OpenAIError(400, "the body is not JSON", None, "invalid_json") from None
-                req = oa.parse(oa.ChatCompletionRequest, body)
+                req = oa.parse(oa.ChatCompletionRequest, oa.loads(raw))
                 if req.model != model:
                     raise oa.OpenAIError(404, f"model {req.model!r} does not exist", "model", "model_not_found")
                 if req.stream:
-                    raise oa.OpenAIError(400, "this test front does not stream", "stream")
+                    raise oa.OpenAIError(400, "stream: this test front does not stream", "stream", "invalid_value")
                 rid = uuid.uuid4().hex
                 outs = []
                 for g in req.generate_requests(rid):

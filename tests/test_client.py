@@ -19,6 +19,8 @@ from concurrent import futures
 from pathlib import Path
 
 import grpc
+import re
+
 import pytest
 
 from certs import self_signed_pem
@@ -154,6 +156,18 @@ def test_bad_arguments_raise_before_sending(server, kwargs):
             c.generate(**kwargs)
         with pytest.raises(ValueError):
             c.stream(**kwargs)
+    assert server.servicer.calls == 0
+
+
+@pytest.mark.parametrize("kwargs,name", [({"prompt": "x\ud800y"}, "prompt"), ({"prompt": "x", "stop": ["a", "\udfff"]},
+                                          "stop[1]"),
+                                         ({"messages": [{"role": "user", "content": "\ud83d"}]}, "messages[0].content")])
+def test_a_lone_surrogate_is_refused_before_sending_naming_the_argument(server, kwargs, name):
+    """A protobuf string cannot carry one: the library raised UnicodeEncodeError, naming nothing."""
+    with Client(server.addr) as c:
+        for call in (c.generate, c.stream):
+            with pytest.raises(ValueError, match=rf"^{re.escape(name)}: "):
+                call(**kwargs)
     assert server.servicer.calls == 0
 
 

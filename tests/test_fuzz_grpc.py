@@ -9,11 +9,13 @@ bugs are kept below as regression tests."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from fuzzing import (TINY_KINDS, Strategies, Tally, Target, allowed_statuses, call, describe, message_class,
-                     rpcs, still_serving, tiny_services)
+from fuzzing import (TINY_KINDS, RawRequest, Strategies, Tally, Target, allowed_statuses, call, describe,
+                     message_class, rpcs, still_serving, tiny_services)
 from protos import specserve_pb2 as pb
 from tiny import TINY
 
@@ -47,7 +49,8 @@ def test_every_rpc_of_every_service_has_a_strategy():
         @settings(FUZZ, max_examples=5)
         @given(STRATEGIES.request(rpc))
         def builds(request):
-            assert type(request) is message_class(rpc.request)
+            message = request.message if isinstance(request, RawRequest) else request
+            assert type(message) is message_class(rpc.request)
 
         builds()
 
@@ -97,6 +100,18 @@ FOUND = [  # (RPC, request, the field its INVALID_ARGUMENT must name)
     (next(r for r in rpcs("Drafter") if r.method == "Prefill"), pb.DrafterPrefillRequest(
         request_id="r0", drafter="layerskip", token_ids=[1, 2], sampling=pb.SamplingParams(temperature=1e-45)),
      "temperature"),
+    # an infinite temperature (HTTP's 1e309 too, or a float32 overflow: 1e39) was taken, and
+    # sampled uniform noise
+    (GENERATE, pb.GenerateRequest(prompt="hello", sampling=pb.SamplingParams(max_tokens=4, temperature=math.inf)),
+     "temperature"),
+    (GENERATE, pb.GenerateRequest(prompt="hello", sampling=pb.SamplingParams(max_tokens=4, temperature=1e39)),
+     "temperature"),
+    (next(r for r in rpcs("Verifier") if r.method == "Prefill"), pb.VerifierPrefillRequest(
+        request_id="r0", token_ids=[1, 2], sampling=pb.SamplingParams(temperature=math.inf, max_tokens=2)),
+     "temperature"),
+    (next(r for r in rpcs("Drafter") if r.method == "Prefill"), pb.DrafterPrefillRequest(
+        request_id="r0", drafter="layerskip", token_ids=[1, 2], sampling=pb.SamplingParams(temperature=math.inf)),
+     "temperature"),
 ]
 
 
@@ -115,3 +130,27 @@ def test_a_served_drafter_and_the_smallest_temperature_still_generate(target):
             prompt="hello", drafter=drafter, sampling=pb.SamplingParams(max_tokens=4, temperature=1e-4, seed=1)),
             20.0)
         assert status == "OK" and 1 <= len(resp.token_ids) <= 4, (drafter, details)  # 0 is the end token
+
+
+def test_the_role_error_lists_every_role_and_developer_is_the_system_role(target):
+    """Found: the role error listed "assistant, system, user", though HTTP took "developer"."""
+    status, details, _ = call(target.channel("Specserve"), GENERATE, pb.GenerateRequest(
+        messages=[pb.ChatMessage(role="tool", content="hi")], sampling=pb.SamplingParams(max_tokens=4)), 20.0)
+    assert status == "INVALID_ARGUMENT" and "assistant, developer, system, user" in details, details
+    status, details, resp = call(target.channel("Specserve"), GENERATE, pb.GenerateRequest(
+        messages=[pb.ChatMessage(role="developer", content="be brief"), pb.ChatMessage(role="user", content="hi")],
+        sampling=pb.SamplingParams(max_tokens=4)), 20.0)
+    assert status == "OK" and resp.token_ids, details
+
+
+@pytest.mark.parametrize("service", ["Specserve", "Verifier", "Drafter"])
+def test_a_string_that_is_not_utf8_on_the_wire_is_invalid_argument(target, service):
+    """Found: a protobuf string cannot hold a lone surrogate (the Python library refuses to set
+    one), but a client may send its bytes (ED A0 80): gRPC answered INTERNAL, "Exception
+    deserializing request!"."""
+    rpc = next(r for r in rpcs(service) if r.method in ("Generate", "Prefill"))
+    message = message_class(rpc.request)(request_id="x\x01\x02\x03y")
+    raw = message.SerializeToString().replace(b"\x01\x02\x03", b"\xed\xa0\x80")
+    status, details, _ = call(target.channel(service), rpc, RawRequest(message, raw), 20.0, target.secret)
+    assert status == "INVALID_ARGUMENT" and details.startswith("request:"), (status, details)
+    assert not target.server_errors.since(0)

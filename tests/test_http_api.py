@@ -207,6 +207,7 @@ def test_bad_field_gets_openai_error_naming_it(server, change, param, status):
     got, reply = _post(f"{server[0]}/v1/chat/completions", json.dumps(body).encode())
     assert got == status, reply
     assert set(reply["error"]) == {"message", "type", "param", "code"} and reply["error"]["param"] == param, reply
+    assert isinstance(reply["error"]["code"], str) and reply["error"]["code"], reply  # every error has a code
 
 
 def test_not_json_and_unknown_route_then_keeps_serving(server, client):
@@ -236,7 +237,9 @@ HTTP_FUZZ_EXAMPLES = 150
 
 def test_fuzzed_requests_get_2xx_or_openai_errors_and_leave_nothing_held(server):
     """schemathesis over /openapi.json (tests/fuzzing.py; scripts/fuzz.py runs thousands):
-    every operation, bodies valid by the document and not, most steered to reach the model.
+    every operation, bodies valid by the document and not, most steered to reach the model,
+    and one in three a hostile body (a lone surrogate, a non-finite float, a wrong JSON type,
+    deep nesting, a body past the size limit) that must get the error naming its field.
     Never a 5xx; every 4xx in OpenAI's error shape; then no verifier row or pool request
     held, and a plain request still succeeds."""
     pytest.importorskip("schemathesis")
@@ -259,6 +262,7 @@ def test_fuzzed_requests_get_2xx_or_openai_errors_and_leave_nothing_held(server)
     # the steered requests reached the model, and the others were refused in the error shape
     statuses = {status for (op, status) in fuzz.counts if op.startswith("POST")}
     assert 200 in statuses and 400 in statuses, fuzz.counts
+    assert {400, 413} <= {status for (op, status) in fuzz.counts if op.endswith("[hostile]")}, fuzz.counts
     assert fuzz.leaks() == {}
     ok, reply = fuzz.still_serving()
     assert ok, reply
@@ -276,3 +280,179 @@ def test_integers_past_the_wire_get_400_naming_them(change, param):
     with pytest.raises(oa.OpenAIError) as refused:
         oa.parse(oa.ChatCompletionRequest, body).generate_requests("r")
     assert (refused.value.status, refused.value.param) == (400, param)
+
+
+# -- what a hostile or careless client found (issue 65) ------------------------------------------
+def _refusal(body, chat: bool | None = None) -> tuple[int, str | None, str | None, str]:
+    """(status, param, code, message) of the ingress's parse of `body` into router requests."""
+    from deploy import openai_api as oa
+
+    kind = oa.ChatCompletionRequest if (chat if chat is not None else "prompt" not in body) else oa.CompletionRequest
+    with pytest.raises(oa.OpenAIError) as refused:
+        oa.parse(kind, body).generate_requests("r")
+    e = refused.value
+    return e.status, e.param, e.code, e.message
+
+
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+TEXT = {"model": MODEL, "prompt": "hi"}
+SURROGATES = [  # (body, the param the 400 must name)
+    ({**CHAT, "messages": [{"role": "user", "content": "x\ud800y"}]}, "messages[0].content"),
+    ({**CHAT, "messages": [CHAT["messages"][0], {"role": "user", "content": [{"type": "text", "text": "\udfff"}]}]},
+     "messages[1].content[0].text"),
+    ({**TEXT, "prompt": "x\ud800y"}, "prompt"),
+    ({**TEXT, "prompt": ["x\ud800y"]}, "prompt[0]"),
+    ({**TEXT, "stop": "x\ud800y"}, "stop"),
+    ({**CHAT, "stop": ["a", "\ud83d"], "stream": True}, "stop[1]"),
+    ({**CHAT, "user": "\ud800"}, "user"),
+]
+
+
+@pytest.mark.parametrize("body,param", SURROGATES, ids=[p for _, p in SURROGATES])
+def test_a_lone_surrogate_is_a_400_naming_the_field(body, param):
+    """Found: a lone surrogate made building the router's request raise UnicodeEncodeError
+    (a 500 with a plain-text body), streamed or not."""
+    status, got, code, message = _refusal(body)
+    assert (status, got, code) == (400, param, "invalid_value") and param in message
+
+
+WRONG_TYPES = [  # (change, param, code): refused as OpenAI refuses them, not coerced
+    ({"max_tokens": True}, "max_tokens", "invalid_type"),
+    ({"max_tokens": 4.0}, "max_tokens", "invalid_type"),
+    ({"temperature": "0.5"}, "temperature", "invalid_type"),
+    ({"top_p": False}, "top_p", "invalid_type"),
+    ({"n": "2"}, "n", "invalid_type"),
+    ({"stream": 1}, "stream", "invalid_type"),
+    ({"seed": "7"}, "seed", "invalid_type"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content", "invalid_type"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, "messages[0].content[0].text",
+     "invalid_type"),
+    ({"messages": [{"role": "user", "content": "hi", "mood": "x"}]}, "messages[0].mood", "unknown_field"),
+    ({"messages": [{"content": "hi"}]}, "messages[0].role", "missing_required_parameter"),
+    ({"model": None}, "model", "invalid_type"),
+    ({"messages": []}, "messages", "invalid_value"),
+    ({"n": 9}, "n", "invalid_value"),
+    ({"seed": -1}, "seed", "invalid_value"),
+    ({"stream_options": {"include_usage": True}}, "stream_options", "invalid_value"),
+]
+
+
+@pytest.mark.parametrize("change,param,code", WRONG_TYPES, ids=[f"{p}-{c}" for _, p, c in WRONG_TYPES])
+def test_wrong_types_and_values_are_400s_with_openai_param_and_code(change, param, code):
+    """Found: validation errors had code null and a pydantic path for param
+    (messages.0.content.str); bool and string values were coerced (max_tokens: true was 1)."""
+    status, got, got_code, message = _refusal({**CHAT, **change})
+    assert (status, got, got_code) == (400, param, code), message
+    assert message.startswith(f"{param}: "), message
+
+
+def test_prompt_of_the_wrong_type_names_prompt():
+    assert _refusal({**TEXT, "prompt": 5})[:3] == (400, "prompt", "invalid_type")
+    assert _refusal({**TEXT, "prompt": [5]})[:3] == (400, "prompt[0]", "invalid_type")
+    assert _refusal({**TEXT, "prompt": None})[:3] == (400, "prompt", "invalid_type")
+    assert _refusal({"model": MODEL}, chat=False)[:3] == (400, "prompt", "missing_required_parameter")
+
+
+@pytest.mark.parametrize("raw", [b"[" * 100_000, b'{"a":' * 100_000, b"{not json", b"\xff\xfe\x00"],
+                         ids=["deep-lists", "deep-objects", "not-json", "not-utf8"])
+def test_deep_or_broken_json_is_invalid_json(raw):
+    """Found: 100,000 `[` made json.loads raise RecursionError (a 500)."""
+    from deploy import openai_api as oa
+
+    with pytest.raises(oa.OpenAIError) as refused:
+        oa.loads(raw)
+    assert (refused.value.status, refused.value.code, refused.value.param) == (400, "invalid_json", None)
+
+
+def test_valid_bodies_still_parse_as_before():
+    from deploy import openai_api as oa
+
+    req = oa.parse(oa.ChatCompletionRequest, oa.loads(json.dumps(
+        {**CHAT, "temperature": 1, "top_p": 0.5, "max_tokens": 3, "seed": 2, "n": 2, "stop": ["é漢🙂"],
+         "messages": [{"role": "developer", "content": "be brief"}, {"role": "user", "content": "é漢🙂"}]}).encode()))
+    first = req.generate_requests("r")[0]
+    assert (first.sampling.temperature, first.sampling.max_tokens, first.sampling.seed) == (1.0, 3, 2)
+    assert [m.content for m in first.messages] == ["be brief", "é漢🙂"] and list(first.stop) == ["é漢🙂"]
+
+
+def _post_raw(base: str, path: str, head: bytes, size: int = 0, chunked: bool = False) -> tuple[int, dict, float]:
+    from fuzzing import post_raw
+
+    return post_raw(base, path, head, size, chunked)
+
+
+def test_big_bodies_are_refused_at_once_and_do_not_stall_the_server(server):
+    """Found: nothing bounded a body, and the prompt was tokenized before its length was checked:
+    a 10 MB body got its 413 after 10.6 s; with three in flight, a "Hello!" took 58.8 s (1.5 s
+    alone) and /health answered 503. Now each is a 413 before it is read whole (by its
+    Content-Length, or counted as it comes, chunked), and the rest of the server serves on."""
+    import time
+
+    base = server[0]
+    small = json.dumps({"model": MODEL, "prompt": "Hello!", "max_tokens": 4, "temperature": 0}).encode()
+    started = time.monotonic()
+    assert _post(f"{base}/v1/completions", small)[0] == 200
+    alone = time.monotonic() - started
+    big = 10 * 1024 * 1024
+    head = json.dumps({"model": MODEL, "max_tokens": 1, "prompt": "a" * (big // 2)}).encode()
+    results: list = []
+    senders = [threading.Thread(target=lambda c=chunked: results.append(
+        _post_raw(base, "/v1/completions", head, big, chunked=c))) for chunked in (False, False, True)]
+    for sender in senders:
+        sender.start()
+    started = time.monotonic()
+    health = _get(f"{base}/health")
+    health_s = time.monotonic() - started
+    started = time.monotonic()
+    status, reply = _post(f"{base}/v1/completions", small)
+    small_s = time.monotonic() - started
+    for sender in senders:
+        sender.join(timeout=120)
+    assert health == (200, {"status": "ok"}) and health_s < 1.0, (health, health_s)
+    assert status == 200 and small_s < alone + 3.0, (reply, small_s, alone)
+    assert len(results) == 3
+    for status_, body, answered in results:
+        assert status_ == 413 and body["error"]["code"] == "request_too_large", body
+        assert set(body["error"]) == {"message", "type", "param", "code"} and answered < 5.0, (answered, body)
+
+
+def _raw_body(change: dict | str, chat: bool = True) -> bytes:
+    """A good request's body with `change` over it; a str is spliced in as raw JSON text."""
+    body = {"model": MODEL, "max_tokens": 4, **({"messages": [{"role": "user", "content": "hi"}]} if chat
+                                                else {"prompt": "hi"})}
+    if isinstance(change, dict):
+        return json.dumps({**body, **change}).encode()  # ensure_ascii: "\ud800" escapes; NaN, Infinity
+    return (json.dumps(body)[:-1] + ", " + change + "}").encode()
+
+
+HOSTILE = [  # (body, status, code, param): refused, never a 500 nor an answer
+    (_raw_body({"messages": [{"role": "user", "content": "x\ud800y"}]}), 400, "invalid_value", "messages[0].content"),
+    (_raw_body({"messages": [{"role": "user", "content": "x\ud800y"}], "stream": True}), 400, "invalid_value",
+     "messages[0].content"),
+    (_raw_body({"prompt": "x\udc00"}, chat=False), 400, "invalid_value", "prompt"),
+    (_raw_body({"prompt": "hi", "stop": ["\ud800"], "stream": True}, chat=False), 400, "invalid_value", "stop[0]"),
+    (b"[" * 100_000, 400, "invalid_json", None),
+    (b'{"model": ' + b"[" * 100_000, 400, "invalid_json", None),
+    (_raw_body('"temperature": 1e309'), 400, "invalid_value", "temperature"),
+    (_raw_body({"temperature": float("inf")}), 400, "invalid_value", "temperature"),
+    (_raw_body({"temperature": float("-inf")}), 400, "invalid_value", "temperature"),
+    (_raw_body({"temperature": float("nan")}), 400, "invalid_value", "temperature"),
+    (_raw_body({"temperature": 1e39}), 400, "invalid_value", "temperature"),  # inf as the wire's float32
+    (_raw_body({"top_p": float("inf")}), 400, "invalid_value", "top_p"),
+    (_raw_body({"max_tokens": True}), 400, "invalid_type", "max_tokens"),
+    (_raw_body({"temperature": "0.5"}), 400, "invalid_type", "temperature"),
+    (_raw_body({"messages": [{"role": "user", "content": 5}]}), 400, "invalid_type", "messages[0].content"),
+    (_raw_body({"prompt": [5]}, chat=False), 400, "invalid_type", "prompt[0]"),
+    (_raw_body({"seed": -1}), 400, "invalid_value", "seed"),
+]
+
+
+@pytest.mark.parametrize("body,status,code,param", HOSTILE, ids=[f"{i}-{p}" for i, (_, _, _, p) in enumerate(HOSTILE)])
+def test_hostile_bodies_get_openai_errors_naming_the_field(server, body, status, code, param):
+    path = "/v1/chat/completions" if b'"messages"' in body or not body.startswith(b"{") else "/v1/completions"
+    got, reply, _ = _post_raw(server[0], path, body)
+    assert (got, reply.get("error", {}).get("code"), reply.get("error", {}).get("param")) == (status, code, param), \
+        reply
+    assert set(reply["error"]) == {"message", "type", "param", "code"}
+    if param:
+        assert param in reply["error"]["message"], reply
