@@ -50,7 +50,8 @@ def servicer(tokenizer, max_prompt_tokens: int = 4096) -> RouterServicer:
     def run(job, stats):
         raise Validated(len(job.prompt_ids))
 
-    coordinator = types.SimpleNamespace(pass_costs=None, run=run, load=lambda: 0, draft_costs=None)
+    coordinator = types.SimpleNamespace(services=types.SimpleNamespace(pass_costs=None), run=run, load=lambda: 0,
+                                        draft_costs=None)
     if isinstance(tokenizer, Spy):
         tokenizer.encoded.clear()  # the bound's own probe
     return RouterServicer(tokenizer, coordinator, config)
