@@ -49,3 +49,30 @@ def test_encoding_on_many_threads_keeps_no_cache_per_thread(tokenizer):
         t.join()
     assert grown_mb < 30, f"encoding on {THREADS} threads grew the process by {grown_mb:.0f} MB"
     assert all(got[i] == expected for i in range(THREADS))
+
+
+def test_a_long_prompt_is_tokenized_without_holding_the_gil(tokenizer):
+    """A router tokenizes on its request's thread: the other threads (other requests, the
+    health check) keep running while a long prompt is tokenized."""
+    import time
+
+    text = "hello world, this is a test of many words " * 20000
+    stalls, done = [], threading.Event()
+
+    def ticker():
+        while not done.is_set():
+            t = time.perf_counter()
+            time.sleep(0.001)
+            stalls.append(time.perf_counter() - t)
+
+    thread = threading.Thread(target=ticker)
+    thread.start()
+    time.sleep(0.05)
+    stalls.clear()
+    started = time.perf_counter()
+    ids = tokenizer.encode(text)
+    seconds = time.perf_counter() - started
+    done.set()
+    thread.join()
+    assert len(ids) > 100_000
+    assert max(stalls) < 0.5 * seconds, (max(stalls), seconds)
