@@ -43,6 +43,20 @@ def init_ray(cfg) -> None:
         for name, amount in part.resources.items():
             resources[name] = resources.get(name, 0) + amount * most
     start_local_ray(namespace=NAMESPACE, resources=resources, include_dashboard=False, log_to_driver=False)
+    keep_private(RAY_AUTH_TOKEN)
+
+
+# the credential a new local cluster's processes authenticate with (Ray writes it at start)
+RAY_AUTH_TOKEN = Path.home() / ".ray" / "auth_token"
+
+
+def keep_private(path: Path) -> None:
+    """Make a credential readable by its owner only (Ray writes its token with the umask's mode)."""
+    try:
+        if path.stat().st_mode & 0o077:
+            path.chmod(0o600)
+    except FileNotFoundError:
+        pass
 
 
 class RayStartStalled(RuntimeError):
@@ -58,7 +72,11 @@ def start_local_ray(**init_kwargs) -> None:
         before = {p.pid for p in me.children(recursive=True)}
         sessions = _sessions(temp_dir)
         try:
-            ray.init(**init_kwargs)
+            umask = os.umask(0o077)  # what Ray writes as it starts (its auth token) is for this user
+            try:
+                ray.init(**init_kwargs)
+            finally:
+                os.umask(umask)
             return
         except Exception as e:  # Ray raises a bare Exception or a RuntimeError for these
             if not any(marker in str(e) for marker in STALLED):

@@ -14,7 +14,12 @@ def add_parser(sub) -> None:
     b.add_argument("--questions", required=True, help="Spec-Bench JSONL file")
     b.add_argument("--max-tokens", type=int, default=128)
     b.add_argument("--limit-per-category", type=int, default=3)
-    b.add_argument("--modes", nargs="+", default=["hf-ar", "hf-pld", "ar", "pld", "layerskip"])
+    b.add_argument("--modes", nargs="+", default=["hf-ar", "hf-pld", "ar", "pld", "layerskip"],
+                   help="what to run side by side: hf-ar and hf-pld (Hugging Face generate, plain and prompt "
+                        "lookup), llamacpp-ar and llamacpp-pld (llama.cpp on the GGUF, the [llamacpp] extra), ar "
+                        "(our plain decoding), any drafter or a+b fusion (in process), served-<drafter>, "
+                        "served-auto and pipelined-<drafter> (gRPC, --server), http-<drafter> and http-auto (the "
+                        "OpenAI API, --http) (default: hf-ar hf-pld ar pld layerskip)")
     b.add_argument("--draft-length", type=int, default=5)
     b.add_argument("--tree-budget", type=int, default=None,
                    help="most draft nodes per round for the in-process modes (default: the draft length)")

@@ -9,7 +9,7 @@ import time
 from drafter_service.registry import DRAFTER_NAMES, check_drafter
 from speculative.sampling import InvalidArgument, SamplingParams
 
-from .args import add_model_args
+from .args import add_model_args, prepare_once
 
 
 def add_parser(sub) -> None:
@@ -22,7 +22,9 @@ def add_parser(sub) -> None:
     g.add_argument("--top-k", type=int, default=0, help="0 disables the top-k cut")
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--drafter", default=None,
-                   help=f"one of {', '.join(DRAFTER_NAMES)} (default pld; with --server the router chooses)")
+                   help=f"one of {', '.join(DRAFTER_NAMES)}; several fused with '+' (e.g. pld+suffix); or the "
+                        "directory of a drafter `specserve train-drafter` wrote (default pld; with --server the "
+                        "router chooses)")
     g.add_argument("--draft-length", type=int, default=5, help="most tokens deep a draft goes per round")
     g.add_argument("--tree-budget", type=int, default=None,
                    help="most draft nodes verified per round (default: the draft length, a chain's worth); "
@@ -86,6 +88,7 @@ def run(args) -> int:
     args.drafter = args.drafter or "pld"
     from cluster.local import LocalEngine, Request
 
+    prepare_once(args.model, args.device)
     engine = LocalEngine.load(args.model, args.device, args.dtype, args.tensor_parallel or 1)
     req = Request(args.prompt, args.chat, params, args.drafter, args.draft_length, args.tree_budget,
                   parallel_layers=args.parallel_layers or 1, calibrate=not args.no_calibrate)

@@ -3,10 +3,14 @@ until interrupted."""
 
 from __future__ import annotations
 
+import errno
 import signal
+import socket
 import threading
 
 from speculative.sampling import InvalidArgument
+
+from .args import prepare_once
 
 
 def add_parser(sub) -> None:
@@ -70,6 +74,8 @@ def serve(cfg) -> int:
     warning = open_access_warning(cfg)
     if warning:
         print(f"specserve: warning: {warning}", flush=True)
+    check_ports_free(cfg)
+    prepare_once(cfg.model, cfg.device)
     init_ray(cfg)
     print(f"specserve: starting {cfg.verifiers.count} verifier(s) and {cfg.drafter_pools.count} drafter pool(s)...",
           flush=True)
@@ -87,3 +93,38 @@ def serve(cfg) -> int:
     ray.shutdown()
     return 0
 
+
+
+def check_ports_free(cfg) -> None:
+    """Refuse to start on a port another process listens on. The router's gRPC servers and
+    Serve's HTTP proxy bind with SO_REUSEPORT, so that replicas of one application share a
+    port; a second server would share it too, the kernel splitting connections between two
+    clusters. A bind without SO_REUSEPORT fails while anything listens there."""
+    ports = [("port", cfg.port), ("http.port", cfg.http.port), ("metrics_port", cfg.metrics_port)]
+    for setting, port in ports:
+        if not port:  # unset, or 0: a free one is picked
+            continue
+        family = socket.AF_INET6 if ":" in cfg.host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port in TIME_WAIT is free
+            try:
+                probe.bind((cfg.host, port))
+            except OSError as e:
+                if e.errno != errno.EADDRINUSE:
+                    raise
+                raise ValueError(f"{setting}: {cfg.host}:{port} is in use{_holder(port)}; stop it or choose "
+                                 f"another port") from None
+
+
+def _holder(port: int) -> str:
+    """' by <program> (pid N)' of the process listening on `port`, where this user may see it."""
+    import psutil
+
+    try:
+        for conn in psutil.net_connections(kind="inet"):
+            if conn.status == psutil.CONN_LISTEN and conn.laddr.port == port and conn.pid:
+                proc = psutil.Process(conn.pid)
+                return f" by {' '.join(proc.cmdline()[:4]) or proc.name()} (pid {conn.pid})"
+    except (psutil.Error, OSError):
+        pass
+    return ""

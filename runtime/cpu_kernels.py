@@ -129,11 +129,16 @@ def _load(cache_dir, compiler: str | None) -> ctypes.CDLL:
     return lib
 
 
+def library_path(cache_dir: str | os.PathLike | None = None) -> Path:
+    """Where the library compiled from this source with these flags is kept."""
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(build_flags()).encode()).hexdigest()[:16]
+    return cache_root(cache_dir) / "kernels" / f"cpu_kernels-{key}.so"
+
+
 def _built(cache_dir, compiler: str | None) -> Path:
     """The compiled library for this source and these flags, compiling it if needed."""
     flags = build_flags()
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode()).hexdigest()[:16]
-    path = cache_root(cache_dir) / "kernels" / f"cpu_kernels-{key}.so"
+    path = library_path(cache_dir)
     if path.exists():  # built before: no compiler needed
         return path
     compiler = compiler or shutil.which("g++") or shutil.which("c++")

@@ -82,9 +82,10 @@ def _gguf_tensors(reader, cfg: ModelConfig):
         yield name, torch.from_numpy(w.astype("float32", copy=False).copy())
 
 
-def converted_gguf_dir(gguf_path: Path, cache_dir: str | os.PathLike | None = None) -> Path:
+def converted_gguf_dir(gguf_path: Path, cache_dir: str | os.PathLike | None = None, *,
+                       show_progress: bool = False) -> Path:
     """The Hugging Face directory converted from `gguf_path` under `cache_dir` (`cache_root`),
-    made on first use."""
+    made on first use (`show_progress`: its steps on stderr)."""
     st = gguf_path.stat()
     key = hashlib.sha256(f"{gguf_path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
     target = cache_root(cache_dir) / "models" / f"{gguf_path.stem}-{key}"
@@ -93,7 +94,7 @@ def converted_gguf_dir(gguf_path: Path, cache_dir: str | os.PathLike | None = No
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
     try:
-        convert_gguf(gguf_path, tmp)
+        convert_gguf(gguf_path, tmp, show_progress=show_progress)
         try:
             tmp.rename(target)
         except OSError:  # another process won the race; its copy is as good
@@ -104,16 +105,21 @@ def converted_gguf_dir(gguf_path: Path, cache_dir: str | os.PathLike | None = No
     return target
 
 
-def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+def convert_gguf(gguf_path: Path, out_dir: Path, show_progress: bool = False) -> None:
     """Write `gguf_path` as a Hugging Face checkpoint: dequantised float32 safetensors,
     config.json, and the tokenizer with its chat template."""
     import gguf
     from safetensors.torch import save_file
+    from tqdm import tqdm
 
+    say = tqdm.write if show_progress else (lambda _: None)
+    say(f"specserve: converting {gguf_path.name} once into a float32 checkpoint under {out_dir.parent}")
     reader = gguf.GGUFReader(str(gguf_path))
     cfg, _ = gguf_config(reader)
-    tensors = dict(_gguf_tensors(reader, cfg))
+    tensors = dict(tqdm(_gguf_tensors(reader, cfg), total=len(reader.tensors), desc="specserve: dequantising",
+                        unit="tensor", disable=not show_progress, leave=False))
     out_dir.mkdir(parents=True, exist_ok=True)
+    say("specserve: writing the weights and rebuilding the tokenizer")
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     (out_dir / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2))
     (out_dir / "generation_config.json").write_text(json.dumps(
