@@ -60,6 +60,10 @@ class Tokenizer:
         # tokenized on one thread leaves the server's other threads running
         return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
+    def to_json(self) -> str:
+        """The tokenizer as Hugging Face tokenizers' JSON (what a grammar engine reads)."""
+        return self._tok.to_str()
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 

@@ -17,13 +17,16 @@ tokens, not its width times every row of the batch.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 
 from runtime.model import KVCache, Transformer
-from .sampling import SamplingParams, choice_scores, probabilities
+from .logprobs import TokenLogprob, token_logprobs
+from .processing import Processor
+from .sampling import SamplingParams, choice_scores, first_token, probabilities
 from .tree import DraftTree
 from .verification import verify_greedy, verify_sampling
 
@@ -38,12 +41,31 @@ class VerifyItem:
     # called with the tokens of the row's scored positions (root, then the tree's nodes)
     # and their scores [1+N, V], for drafters that learn from the target (Token Recycling)
     on_scores: Callable[[Sequence[int], torch.Tensor], None] | None = None
+    # the request's penalties, bias and grammar (speculative.processing), advanced past the
+    # verdict's tokens; None: the target's distribution as it is
+    processor: Processor | None = None
+    extra_nodes: int = 0  # nodes the pass may add to the tree: the tokens a grammar forces
 
 
-def verify_batch(model: Transformer, cache: KVCache, items: list[VerifyItem]) -> list[tuple[list[int], int]]:
-    """One forward for all `items`; returns each item's (accepted nodes, bonus token)."""
+@dataclass
+class Verdict:
+    path: list[int]  # the accepted nodes of `tree`
+    bonus: int  # the target's own token after them
+    tree: DraftTree  # the tree verified: the item's, less the nodes a grammar forbids, plus those it forces
+    logprobs: list[TokenLogprob] | None = None  # of the accepted tokens and the bonus, when asked
+    forced: int = 0  # tokens a grammar forced below the root (jump-forward), all accepted
+
+    @property
+    def accepted(self) -> list[int]:
+        return [self.tree.tokens[node] for node in self.path]
+
+
+def verify_batch(model: Transformer, cache: KVCache, items: list[VerifyItem]) -> list[Verdict]:
+    """One forward for all `items`; returns each item's verdict."""
     if len({it.row for it in items}) != len(items):
         raise ValueError("two items in one batch share a cache row")
+    items, forced = zip(*(_prepared(it) for it in items))
+    forced_of = {it.row: n for it, n in zip(items, forced)}
     device = model.device
     first = min(it.row for it in items)
     rows = max(it.row for it in items) + 1 - first
@@ -78,13 +100,52 @@ def verify_batch(model: Transformer, cache: KVCache, items: list[VerifyItem]) ->
         offset += real[r]
         if it.on_scores is not None:
             it.on_scores([it.root_token] + it.tree.tokens, scores)
-        if it.params.deterministic:  # the target's choice at each scored position: the root's next, each node's next
-            choices = [starts[r] + 1] + [starts[r] + 1 + d for d in it.tree.depths]
-            path, bonus = verify_greedy(it.tree, choice_scores(scores, it.params, choices))
-        else:
-            path, bonus = verify_sampling(it.tree, probabilities(scores, it.params), it.generator)
+        verdict = _choose(it, scores, starts[r], forced_of[it.row])
         # keep the root's and the accepted nodes' keys and values, in path order
-        cache.keep(starts[r], [0] + [node + 1 for node in path], row=r)
-        results.append((r, path, bonus))
-    order = {r: i for i, (r, _, _) in enumerate(results)}
-    return [results[order[it.row - first]][1:] for it in items]
+        cache.keep(starts[r], [0] + [node + 1 for node in verdict.path], row=r)
+        results.append((r, verdict))
+    verdicts = dict(results)
+    return [verdicts[it.row - first] for it in items]
+
+
+def _prepared(it: VerifyItem) -> tuple[VerifyItem, int]:
+    """The item with the tree its processor verifies (forbidden nodes out, forced ones in),
+    and how many tokens were forced."""
+    if it.processor is None:
+        return it, 0
+    tree, forced = it.processor.prepare(it.tree, it.extra_nodes)
+    return (it if tree is it.tree else dataclasses.replace(it, tree=tree)), forced
+
+
+def _choose(it: VerifyItem, scores: torch.Tensor, start: int, forced: int) -> Verdict:
+    """The row's verdict from its scores [1+N, V], processed as the request asks; the
+    processor then advances past the tokens chosen."""
+    processed = scores if it.processor is None else it.processor.scores(scores, it.tree)
+    if it.params.deterministic:  # the target's choice at each scored position: the root's next, each node's next
+        choices = [start + 1] + [start + 1 + d for d in it.tree.depths]
+        path, bonus = verify_greedy(it.tree, choice_scores(processed, it.params, choices))
+    else:
+        path, bonus = verify_sampling(it.tree, probabilities(processed, it.params), it.generator)
+    verdict = Verdict(path, bonus, it.tree, forced=forced)
+    if it.params.logprobs is not None:  # each emitted token from the row it was chosen after
+        rows = [0] + [node + 1 for node in path]
+        chosen = (processed if it.params.processed_logprobs else scores)[rows]
+        verdict.logprobs = token_logprobs(chosen, verdict.accepted + [bonus], it.params.logprobs)
+    if it.processor is not None:
+        it.processor.advance(verdict.accepted + [bonus])
+    return verdict
+
+
+def first_verdict(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator, position: int,
+                  processor: Processor | None = None) -> Verdict:
+    """The target's first token after a prefill, from its last position's `logits` [V], as a
+    verdict on an empty tree (`sampling.first_token` chooses it, from the processed
+    distribution when there is a processor, which then advances past it)."""
+    processed = logits if processor is None else processor.scores(logits[None], DraftTree())[0]
+    verdict = Verdict([], first_token(processed, params, generator, position), DraftTree())
+    if params.logprobs is not None:
+        chosen = processed if params.processed_logprobs else logits
+        verdict.logprobs = token_logprobs(chosen[None], [verdict.bonus], params.logprobs)
+    if processor is not None:
+        processor.advance([verdict.bonus])
+    return verdict

@@ -19,9 +19,12 @@ from typing import Callable, Protocol, Sequence
 import torch
 
 from runtime.model import KVCache, Transformer, attention_mask, causal_ancestors
-from .sampling import InvalidArgument, SamplingParams, first_token, make_generator
-from .batching import VerifyItem, verify_batch
+from .sampling import InvalidArgument, SamplingParams, make_generator
+from .batching import Verdict, VerifyItem, first_verdict, verify_batch
 from .drafter_kinds import Abilities
+from .grammar import Grammars
+from .logprobs import TokenLogprob
+from .processing import MAX_FORCED, Processor
 from .pipeline import likeliest_path, reuse_ahead
 from .recycling import PROMPT_SEED, top_candidates
 from .stopping import clip
@@ -84,6 +87,8 @@ class GenerationResult:
     seconds: float = 0.0
     accepted_per_round: list[int] = field(default_factory=list)
     reused_drafts: int = 0  # rounds whose tree was drafted ahead (pipelined)
+    forced_tokens: int = 0  # tokens a grammar forced (jump-forward), drafted for free
+    logprobs: list[TokenLogprob] | None = None  # one a token, when the request asks (SamplingParams.logprobs)
 
     @property
     def mean_accepted_tokens(self) -> float:
@@ -101,6 +106,7 @@ class GenerationResult:
         self.accepted_draft_tokens += done.accepted
         self.accepted_per_round.append(done.accepted)
         self.reused_drafts += done.ready is not None and len(done.ready) > 0
+        self.forced_tokens += done.forced
 
 
 @dataclass
@@ -119,6 +125,7 @@ class Speculation:
     pipelined: bool = False  # draft each next round before this one's verdict
     # the target's scores at the positions it scored, for a drafter that learns from them
     on_scores: Callable[[Sequence[int], torch.Tensor], None] | None = None
+    processor: Processor | None = None  # penalties, bias, grammar (None: the target as it is)
 
 
 @dataclass
@@ -128,6 +135,8 @@ class Round:
     drafted: int  # nodes of the tree verified
     accepted: int  # draft tokens accepted
     ready: DraftTree | None = None  # the next round's tree: drafted ahead and kept by the verdict
+    forced: int = 0  # tokens a grammar forced
+    logprobs: list[TokenLogprob] | None = None  # of `tokens`, when asked
 
 
 def _observer(drafter: Drafter | None):
@@ -135,9 +144,10 @@ def _observer(drafter: Drafter | None):
     return drafter.observe if drafter is not None and drafter.abilities.learns_from_target else None
 
 
-def prefill(spec: Speculation, prompt_ids: Sequence[int]) -> int:
-    """Put the prompt in the cache; returns the target's first token. A drafter that learns
-    from the target's scores also gets its predictions after the prompt's last tokens."""
+def prefill(spec: Speculation, prompt_ids: Sequence[int]) -> Verdict:
+    """Put the prompt in the cache; returns the target's first token (as a verdict on an empty
+    tree). A drafter that learns from the target's scores also gets its predictions after
+    the prompt's last tokens."""
     observe = _observer(spec.drafter)
     device, n = spec.target.device, len(prompt_ids)
     seed = min(n, PROMPT_SEED) if observe is not None else 1
@@ -145,7 +155,7 @@ def prefill(spec: Speculation, prompt_ids: Sequence[int]) -> int:
                          spec.cache, attention_mask(0, causal_ancestors(n, device)), logits_from=n - seed)
     if observe is not None:
         observe(list(prompt_ids[n - seed:]), *top_candidates(logits[0]))
-    return first_token(logits[0, -1], spec.params, spec.verifier_rng, position=n)
+    return first_verdict(logits[0, -1], spec.params, spec.verifier_rng, n, spec.processor)
 
 
 def speculative_round(spec: Speculation, context: list[int], left: int, ready: DraftTree | None = None) -> Round:
@@ -163,11 +173,13 @@ def speculative_round(spec: Speculation, context: list[int], left: int, ready: D
         if spec.pipelined:
             guess = [tree.tokens[node] for node in likeliest_path(tree)]
             ahead = _draft_ahead(spec, context, guess, left)
-    [(path, bonus)] = verify_batch(spec.target, spec.cache, [VerifyItem(0, context[-1], tree, spec.params,
-                                                                        spec.verifier_rng, on_scores=spec.on_scores)])
-    accepted = [tree.tokens[node] for node in path]
+    room = min(left - 1, spec.cache.max_len - spec.cache.lengths[0] - 1 - len(tree))  # for forced tokens
+    [verdict] = verify_batch(spec.target, spec.cache, [VerifyItem(0, context[-1], tree, spec.params, spec.verifier_rng,
+                                                                  on_scores=spec.on_scores, processor=spec.processor,
+                                                                  extra_nodes=max(room, 0))])
+    accepted, bonus = verdict.accepted, verdict.bonus
     kept = reuse_ahead(ahead, guess, accepted, bonus) if ahead is not None else None
-    return Round(accepted + [bonus], len(tree), len(path), kept)
+    return Round(accepted + [bonus], len(verdict.tree), len(verdict.path), kept, verdict.forced, verdict.logprobs)
 
 
 def _draft_ahead(spec: Speculation, context: list[int], guess: list[int], left: int) -> DraftTree | None:
@@ -184,7 +196,7 @@ def _draft_ahead(spec: Speculation, context: list[int], guess: list[int], left: 
 def generate(target: Transformer, prompt_ids: Sequence[int], params: SamplingParams,
              drafter: Drafter | None = None, draft_length: int = 5, eos_token_ids: Sequence[int] = (),
              on_tokens: Callable[[list[int]], None] | None = None, pipelined: bool = False,
-             tree_budget: int | None = None) -> GenerationResult:
+             tree_budget: int | None = None, grammars: Grammars | None = None) -> GenerationResult:
     """Generate up to `params.max_tokens` tokens after `prompt_ids`.
 
     `draft_length` is the deepest a draft goes, `tree_budget` the most nodes a
@@ -194,6 +206,7 @@ def generate(target: Transformer, prompt_ids: Sequence[int], params: SamplingPar
     it when the verdict allows (`speculative.pipeline`): in one process this
     overlaps nothing, it runs the same algorithm the router's pipelined
     coordinator runs across processes, so that tests can check it exactly.
+    `grammars`: the target tokenizer's, for a request with a grammar (`params.grammar`).
     """
     if not prompt_ids:
         raise InvalidArgument("prompt", "must not be empty")
@@ -203,33 +216,41 @@ def generate(target: Transformer, prompt_ids: Sequence[int], params: SamplingPar
     if nodes < 0:
         raise InvalidArgument("tree_budget", f"must be >= 0, got {tree_budget}")
     params.validate(len(prompt_ids), target.config.max_position_embeddings)
+    params.check_vocabulary(target.config.vocab_size)
     started = time.perf_counter()
     observe = _observer(drafter)
+    eos = set(eos_token_ids) | set(params.stop_token_ids)
+    processor = Processor(params, prompt_ids, target.config.vocab_size, grammars, eos) if params.processed else None
+    slots = len(prompt_ids) + params.max_tokens + max(draft_length, nodes) + 1 + (MAX_FORCED if params.grammar else 0)
     spec = Speculation(
-        target, target.new_cache(len(prompt_ids) + params.max_tokens + max(draft_length, nodes) + 1), params,
+        target, target.new_cache(slots), params,
         verifier_rng=make_generator(params.seed, target.device, stream=0),
         drafter=drafter, drafter_rng=make_generator(params.seed, target.device, stream=1),
         draft_length=draft_length, tree_budget=nodes, pipelined=pipelined,
-        on_scores=None if observe is None else lambda tokens, scores: observe(tokens, *top_candidates(scores)))
-    result = GenerationResult([], "length", len(prompt_ids), target_forward_passes=1)
-    eos = set(eos_token_ids)
+        on_scores=None if observe is None else lambda tokens, scores: observe(tokens, *top_candidates(scores)),
+        processor=processor)
+    result = GenerationResult([], "length", len(prompt_ids), target_forward_passes=1,
+                              logprobs=[] if params.logprobs is not None else None)
 
-    def emit(new: list[int]) -> str | None:
-        """Append verified tokens; the finish reason once generation is over."""
+    def emit(new: list[int], logprobs: list[TokenLogprob] | None = None) -> str | None:
+        """Append verified tokens (and their logprobs); the finish reason once generation is over."""
         new, finish = clip(new, len(result.token_ids), params.max_tokens, eos)
         result.token_ids.extend(new)
+        if result.logprobs is not None:
+            result.logprobs.extend(logprobs[:len(new)])
         if on_tokens and new:
             on_tokens(new)
         return finish
 
-    finish = emit([prefill(spec, prompt_ids)])
+    first = prefill(spec, prompt_ids)
+    finish = emit([first.bonus], first.logprobs)
     ready: DraftTree | None = None  # this round's tree, drafted ahead last round
     while finish is None:
         left = params.max_tokens - len(result.token_ids)
         done = speculative_round(spec, list(prompt_ids) + result.token_ids, left, ready)
         result.record(done)
         ready = done.ready
-        finish = emit(done.tokens)
+        finish = emit(done.tokens, done.logprobs)
     result.finish_reason = finish
     result.seconds = time.perf_counter() - started
     return result

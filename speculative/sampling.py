@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 from dataclasses import dataclass
@@ -22,6 +23,10 @@ MIN_TEMPERATURE = 1e-4
 _MIN_TEMPERATURE_F32 = float(torch.tensor(MIN_TEMPERATURE, dtype=torch.float32))  # as the wire carries it
 
 
+MAX_LOGPROBS = 20  # the most alternatives a token's logprobs list (OpenAI's top_logprobs limit)
+LOGIT_BIAS_LIMIT = 100.0
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 128
@@ -29,6 +34,28 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0 means no top-k cut
     seed: int | None = None
+    # What changes the target's distribution before a token is chosen (speculative.processing),
+    # at every tree node with that node's own context: OpenAI's penalties on the output's
+    # tokens, the repetition penalty on the prompt's and the output's, a bias per token, the
+    # end held back for `min_tokens`, and a grammar (a compiled llguidance one,
+    # speculative.grammar).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()  # the tokens that end the output, held back for min_tokens
+    grammar: str | None = None
+    # The chosen token's log-probability and its `logprobs` likeliest alternatives at each
+    # output token (None: none), of the raw distribution or of the processed one.
+    logprobs: int | None = None
+    processed_logprobs: bool = False
+
+    @property
+    def processed(self) -> bool:
+        """Whether anything changes the target's distribution before the choice."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.min_tokens or self.grammar)
 
     @property
     def greedy(self) -> bool:
@@ -68,6 +95,44 @@ class SamplingParams:
             raise InvalidArgument("top_k", f"must be >= 0, got {self.top_k}")
         if self.seed is not None and not 0 <= self.seed < 2**64:
             raise InvalidArgument("seed", f"must be in [0, 2^64), got {self.seed}")
+        self._validate_processing()
+
+    def _validate_processing(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:  # also rejects NaN
+                raise InvalidArgument(name, f"must be in [-2, 2], got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty < math.inf:
+            raise InvalidArgument("repetition_penalty", f"must be a finite number > 0, got {self.repetition_penalty}")
+        for token, bias in self.logit_bias:
+            if token < 0:
+                raise InvalidArgument("logit_bias", f"token {token} is not a token id")
+            if not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
+                raise InvalidArgument("logit_bias", f"the bias of token {token} must be in [-100, 100], got {bias}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidArgument("min_tokens", f"must be in [0, max_tokens ({self.max_tokens})], got "
+                                                f"{self.min_tokens}")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise InvalidArgument("stop_token_ids", "must be token ids")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise InvalidArgument("top_logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """Every token id the parameters name is one of the target's."""
+        for name, ids in (("logit_bias", [t for t, _ in self.logit_bias]), ("stop_token_ids", self.stop_token_ids)):
+            bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+            if bad is not None:
+                raise InvalidArgument(name, f"token {bad} is outside the vocabulary of {vocab_size}")
+
+    def to_dict(self) -> dict:
+        """As JSON takes it (a checkpoint)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "SamplingParams":
+        data = dict(data)
+        data["logit_bias"] = tuple((int(t), float(b)) for t, b in data.get("logit_bias", ()))
+        data["stop_token_ids"] = tuple(data.get("stop_token_ids", ()))
+        return cls(**data)
 
 
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

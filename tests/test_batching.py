@@ -50,10 +50,12 @@ def test_batched_rows_match_single_requests(first):
     assert cache.lengths[first + 1] == 3, "an idle row's dummy token must be rolled back"
     assert cache.lengths[:first] == [4] * first, "rows below the batch are not part of it"
     assert torch.equal(cache.k[:, :first], before[0]) and torch.equal(cache.v[:, :first], before[1])
-    for (row, p), (path, bonus) in zip(prompts.items(), got):
+    for (row, p), verdict in zip(prompts.items(), got):
+        path, bonus = verdict.path, verdict.bonus
         single = model.new_cache(32)
         prefill_row(model, single, 0, p[:-1])
-        [(want_path, want_bonus)] = verify_batch(model, single, [VerifyItem(0, p[-1], trees[row], GREEDY, torch.Generator())])
+        [want] = verify_batch(model, single, [VerifyItem(0, p[-1], trees[row], GREEDY, torch.Generator())])
+        want_path, want_bonus = want.path, want.bonus
         assert (path, bonus) == (want_path, want_bonus), f"row {row}"
         accepted = p + [trees[row].tokens[n] for n in path]
         assert cache.lengths[row] == len(accepted)

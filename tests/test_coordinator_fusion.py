@@ -253,7 +253,8 @@ def local_fused_sampling(target, drafter_model, fused, prompt: list[int], params
             trees = [tree_from_pb(tree_to_pb(d.propose(DraftRequest(context, budget, params, rng))), V)
                      for d, rng in zip(drafters, streams)]
             tree = fuse([(t, r) for t, (_, r) in zip(trees, fused)], TREE_BUDGET, greedy=False)
-        [(path, bonus)] = verify_batch(target, cache, [VerifyItem(0, context[-1], tree, params, verifier_rng)])
+        [verdict] = verify_batch(target, cache, [VerifyItem(0, context[-1], tree, params, verifier_rng)])
+        path, bonus = verdict.path, verdict.bonus
         out += [tree.tokens[node] for node in path] + [bonus]
     return out[:params.max_tokens]
 

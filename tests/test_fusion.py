@@ -431,7 +431,8 @@ def _fused_first_two(seeds: range, params) -> tuple[torch.Tensor, int]:
         cache.rollback(n)
         tree = drafter.propose(DraftRequest(PROMPT, BUDGET, params, make_generator(seed, stream=1)))
         drafted += len(tree)
-        [(path, bonus)] = verify_batch(target, cache, [VerifyItem(0, PROMPT[-1], tree, params, verifier_rng)])
+        [verdict] = verify_batch(target, cache, [VerifyItem(0, PROMPT[-1], tree, params, verifier_rng)])
+        path, bonus = verdict.path, verdict.bonus
         out = [tree.tokens[node] for node in path] + [bonus]
         if len(out) == 1:
             out.append(sample(conditional[out[0]], verifier_rng))

@@ -74,7 +74,8 @@ def scenario(model, prompts: list[list[int]], tree_tokens: list[list[int]]):
     items = [VerifyItem(row, rows[row][-1], trees[row], SamplingParams(), torch.Generator(),
                         on_scores=keep_scores(row)) for row in range(2)]
     out["accepted"] = []
-    for row, (path, bonus) in enumerate(verify_batch(model, cache, items)):
+    for row, verdict in enumerate(verify_batch(model, cache, items)):
+        path, bonus = verdict.path, verdict.bonus
         out[f"tree{row}"] = scores[row]
         out["accepted"].append(len(path))
         rows[row] += [trees[row].tokens[node] for node in path] + [bonus]
@@ -84,7 +85,8 @@ def scenario(model, prompts: list[list[int]], tree_tokens: list[list[int]]):
     cache.rollback(start, row=1)
     items = [VerifyItem(row, rows[row][-1], DraftTree(), SamplingParams(), torch.Generator(),
                         on_scores=keep_scores(row)) for row in range(2)]
-    for row, (_, bonus) in enumerate(verify_batch(model, cache, items)):
+    for row, verdict in enumerate(verify_batch(model, cache, items)):
+        bonus = verdict.bonus
         out[f"next{row}"] = scores[row][-1]
         rows[row].append(bonus)
     for row in range(2):

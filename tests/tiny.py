@@ -40,3 +40,18 @@ class DigitTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return "".join(map(str, ids))
+
+
+def tiny_grammars():
+    """Grammars for the tiny model: a tokenizer whose tokens 0-6 are the digits "0"-"6" and
+    token 7 the end of the sequence."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from speculative.grammar import Grammars
+
+    vocab = {str(i): i for i in range(TINY.vocab_size - 1)} | {"<eos>": TINY.vocab_size - 1}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<eos>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens(["<eos>"])
+    return Grammars(tokenizer.to_str(), TINY.vocab_size, [TINY.vocab_size - 1])

@@ -30,11 +30,14 @@ from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import torch
 
-from speculative.batching import VerifyItem, verify_batch
+from speculative.batching import Verdict, VerifyItem, first_verdict, verify_batch
+from speculative.grammar import Grammars
+from speculative.logprobs import TokenLogprob
+from speculative.processing import MAX_FORCED, Processor
 from runtime.cpu_tuning import PAD_ROWS_TO, own_torch_threads
 from runtime.model import Transformer, attention_mask, causal_ancestors
 from speculative.recycling import PROMPT_SEED, top_candidates
-from speculative.sampling import InvalidArgument, SamplingParams, first_token, make_generator
+from speculative.sampling import InvalidArgument, SamplingParams, make_generator
 from speculative.tree import DraftTree
 
 from .metrics import VerifierMetrics
@@ -159,6 +162,7 @@ class PrefillOutcome:
     # after each of the prompt's last m tokens (Token Recycling)
     candidate_ids: torch.Tensor | None = None
     candidate_probs: torch.Tensor | None = None
+    logprobs: list[TokenLogprob] | None = None  # of next_token, when the request asks
 
 
 @dataclass
@@ -175,6 +179,8 @@ class VerifyOutcome:
     pass_shape: "PassShape | None" = None  # the forward pass it went into
     drafted: int = 0  # nodes of the tree it verified
     drafted_depth: int = 0  # ... and its levels
+    forced: int = 0  # accepted tokens a grammar forced (jump-forward)
+    logprobs: list[TokenLogprob] | None = None  # of the accepted tokens and the bonus, when asked
 
 
 @dataclass(frozen=True)
@@ -193,6 +199,8 @@ class _Request:
     generator: torch.Generator  # the verifier stream (stream 0), as in the single-process loop
     tokens: list[int]           # every verified token; the last one is not in the cache yet
     last_used: float = 0.0      # engine clock at the last prefill or verify
+    prompt_length: int = 0      # tokens before the output (penalties count the output's)
+    processor: Processor | None = None  # penalties, bias, grammar, in step with `tokens`
 
 
 # Work items for the worker. eq=False: they are taken off the queue by identity.
@@ -203,6 +211,7 @@ class _Prefill:
     params: SamplingParams
     candidates: int = 0
     resumed: int = 0  # earlier prefills of the request: its random stream must be fresh
+    prompt_length: int | None = None  # tokens before the output (None: all of them)
     future: Future = field(default_factory=Future)
 
 
@@ -238,14 +247,16 @@ class VerifierEngine:
                  checkpoints: CheckpointStore | None = None, checkpoint_ttl_s: float = 600.0,
                  checkpoint_interval_s: float = _SETTINGS.checkpoint_interval_s,
                  idle_timeout_s: float = 300.0, clock: Callable[[], float] = time.monotonic,
-                 threads: int | None = None, metrics: VerifierMetrics | None = None):
+                 threads: int | None = None, metrics: VerifierMetrics | None = None,
+                 grammars: Grammars | None = None):
         """`threads`: torch threads of the worker thread, which runs every forward pass
         (None: torch's setting). A process that serves should run nothing multi-threaded
         on any other thread (`runtime.cpu_tuning.own_torch_threads`). `metrics`: where
-        the engine records its Prometheus metrics (default: a fresh registry of its own)."""
+        the engine records its Prometheus metrics (default: a fresh registry of its own).
+        `grammars`: the target tokenizer's, for requests with a grammar (None: refused)."""
         if max_batch < 1 or max_batch_tokens < 1:
             raise ValueError("max_batch and max_batch_tokens must be positive")
-        self.model, self.threads = model, threads
+        self.model, self.threads, self.grammars = model, threads, grammars
         self.max_batch, self.max_batch_tokens, self.batch_wait_s = max_batch, max_batch_tokens, batch_wait_s
         self.max_len = min(max_len, model.config.max_position_embeddings)  # KV slots one request may use
         self.checkpoints, self.checkpoint_ttl_s = checkpoints, checkpoint_ttl_s
@@ -278,11 +289,13 @@ class VerifierEngine:
     # ---- called from any thread ---------------------------------------------
 
     def prefill(self, request_id: str, token_ids: Sequence[int], params: SamplingParams, reserve: int = 0,
-                candidates: int = 0, resumed: int = 0) -> PrefillOutcome:
+                candidates: int = 0, resumed: int = 0, prompt_length: int | None = None) -> PrefillOutcome:
         """Fill the lowest free row with `token_ids`; returns the target's next token, and with
         `candidates` k its k likeliest next tokens after each of the last (up to
         PROMPT_SEED) tokens. `resumed`: how many times the request was prefilled before
-        (anywhere); a resumed request samples from a fresh random stream.
+        (anywhere); a resumed request samples from a fresh random stream. `prompt_length`:
+        how many of `token_ids` are the prompt, the rest the output verified so far (None:
+        all are the prompt); penalties and a grammar go on from that output.
 
         `reserve` more KV slots must fit after the tokens. Prefilling a request
         this engine holds starts it over. Raises ResourceExhausted when no row is free.
@@ -293,12 +306,17 @@ class VerifierEngine:
             raise InvalidArgument("request_id", "must not be empty")
         tokens = check_token_ids(token_ids, self.vocab_size)
         params.validate()
+        params.check_vocabulary(self.vocab_size)
+        if params.grammar and self.grammars is None:
+            raise InvalidArgument("sampling.grammar", "this verifier has no tokenizer to run grammars with")
         if resumed < 0:
             raise InvalidArgument("resumed", f"must be >= 0, got {resumed}")
+        if prompt_length is not None and not 0 < prompt_length <= len(tokens):
+            raise InvalidArgument("prompt_length", f"must be in [1, {len(tokens)}], got {prompt_length}")
         if len(tokens) + reserve > self.max_len:
             raise InvalidArgument("max_len", f"{len(tokens)} tokens + {reserve} reserved slots exceed the "
                                   f"verifier's {self.max_len} KV slots per request")
-        return self._submit(_Prefill(request_id, tokens, params, candidates, resumed))
+        return self._submit(_Prefill(request_id, tokens, params, candidates, resumed, prompt_length))
 
     def verify(self, request_id: str, tree: DraftTree, context_length: int | None = None,
                deadline: float | None = None, candidates: int = 0) -> VerifyOutcome:
@@ -481,13 +499,21 @@ class VerifierEngine:
         seed = min(len(work.tokens), PROMPT_SEED) if work.candidates else 1
         row, logits = self._fill_free_row(work.tokens, seed)
         self._busy_s += time.monotonic() - started
-        first = first_token(logits[-1], params, generator, position=len(work.tokens))
-        state = _Request(row, params, generator, work.tokens + [first], self.clock())
+        prompt_length = len(work.tokens) if work.prompt_length is None else work.prompt_length
+        processor = self._processor(params, work.tokens, prompt_length)
+        first = first_verdict(logits[-1], params, generator, len(work.tokens), processor)
+        state = _Request(row, params, generator, work.tokens + [first.bonus], self.clock(), prompt_length, processor)
         self._requests[work.request_id] = state
         self._checkpoint(work.request_id, state)
-        if not work.candidates:
-            return PrefillOutcome(first)
-        return PrefillOutcome(first, *top_candidates(logits, work.candidates))
+        top = top_candidates(logits, work.candidates) if work.candidates else (None, None)
+        return PrefillOutcome(first.bonus, *top, logprobs=first.logprobs)
+
+    def _processor(self, params: SamplingParams, tokens: list[int], prompt_length: int) -> Processor | None:
+        """The request's processor after `tokens` (its prompt, then any output verified)."""
+        if not params.processed:
+            return None
+        return Processor.resumed(params, tokens[:prompt_length], tokens[prompt_length:], self.vocab_size,
+                                 self.grammars)
 
     def _verify(self, batch: list[_Verify]) -> None:
         ready: list[tuple[_Verify, _Request]] = []
@@ -504,7 +530,8 @@ class VerifierEngine:
         if not ready:
             return
         items = [VerifyItem(state.row, state.tokens[-1], work.tree, state.params, state.generator,
-                            on_scores=work.keep_top if work.candidates else None)
+                            on_scores=work.keep_top if work.candidates else None, processor=state.processor,
+                            extra_nodes=self._room(state, work.tree))
                  for work, state in ready]
         try:
             started = time.monotonic()
@@ -520,24 +547,31 @@ class VerifierEngine:
                 work.future.set_exception(exc)
             self._resync_rows()
             return
-        sizes = [1 + len(work.tree) for work, _ in ready]
+        sizes = [1 + len(verdict.tree) for verdict in results]
         shape = PassShape(self._count_pass(len(ready)), seconds, sum(sizes), max(sizes))
         self.metrics.observe_pass(len(ready), seconds)
-        for (work, state), (path, bonus) in zip(ready, results):
-            accepted = [work.tree.tokens[node] for node in path]
+        for (work, state), verdict in zip(ready, results):
+            accepted, bonus, tree = verdict.accepted, verdict.bonus, verdict.tree
             state.tokens += accepted + [bonus]
             state.last_used = self.clock()
             self._checkpoint(work.request_id, state)
             ids, probs = work.top or (None, None)
             outcome = VerifyOutcome(accepted, bonus, len(ready), self._waiting, len(self._requests), ids, probs,
-                                    shape, len(work.tree), max(work.tree.depths, default=0))
+                                    shape, len(tree), max(tree.depths, default=0), verdict.forced,
+                                    verdict.logprobs)
             work.future.set_result(outcome)
             following = work.then(outcome) if work.then is not None else None
             if following is not None:
                 with self._cond:
                     self._queue.append(following)
 
-    def _pass(self, items: list[VerifyItem]) -> list:
+    def _room(self, state: _Request, tree: DraftTree) -> int:
+        """Nodes a pass may add to a request's tree (the tokens a grammar forces)."""
+        if state.processor is None or not state.params.grammar:
+            return 0
+        return max(0, min(MAX_FORCED, self.max_len - self._cache.lengths[state.row] - 1 - len(tree)))
+
+    def _pass(self, items: list[VerifyItem]) -> list[Verdict]:
         """One verification pass over a batch's rows: what `PassShape.seconds` times."""
         return verify_batch(self.model, self._cache, items)
 
@@ -587,9 +621,11 @@ class VerifierEngine:
         generator = torch.Generator(self.model.device)
         state_bytes = bytearray(base64.b64decode(saved["generator"]))
         generator.set_state(torch.frombuffer(state_bytes, dtype=torch.uint8))
-        tokens = saved["tokens"]
+        tokens, params = saved["tokens"], SamplingParams.from_dict(saved["params"])
+        prompt_length = saved.get("prompt_length", len(tokens) - 1)
         row, _ = self._fill_free_row(tokens[:-1])
-        state = _Request(row, SamplingParams(**saved["params"]), generator, tokens, self.clock())
+        state = _Request(row, params, generator, tokens, self.clock(), prompt_length,
+                         self._processor(params, tokens, prompt_length))
         self._requests[request_id] = state
         log.info("resumed request %s from its checkpoint (%d tokens)", request_id, len(tokens))
         return state
@@ -598,7 +634,7 @@ class VerifierEngine:
         if self._writer is None:
             return
         self._writer.save(request_id, {
-            "tokens": list(state.tokens), "params": dataclasses.asdict(state.params),
+            "tokens": list(state.tokens), "params": state.params.to_dict(), "prompt_length": state.prompt_length,
             "generator": base64.b64encode(state.generator.get_state().numpy().tobytes()).decode()})
 
     def _release(self, request_id: str) -> bool:
