@@ -71,14 +71,15 @@ def job(prompt: list[int], params: SamplingParams, drafter: str, verifier_drafti
                verifier_drafting=verifier_drafting)
 
 
-def lookup_and_recycling(pld: float, recycle: float, verifier_drafting: bool = True) -> Job:
+def lookup_and_recycling(pld: float, recycle: float, verifier_drafting: bool = True, namespace: str = "") -> Job:
     """A request fused from prompt lookup and Token Recycling (which only a pool runs), with
     these reliabilities, adaptive lengths, over a prompt that repeats itself (prompt lookup
-    finds drafts)."""
+    finds drafts). `namespace`: the memory its drafters learn in (a fresh one: a recycling
+    table no earlier test filled)."""
     return Job(request_id="r", prompt_ids=[1, 2, 3, 4] * 4, params=GREEDY,
                drafters=(("pld", pld), ("recycle", recycle)), draft_length=DRAFT_LENGTH, tree_budget=DRAFT_LENGTH,
                vocab_size=V, eos_token_ids=(),
-               speculation=SpeculationControl(DRAFT_LENGTH), verifier_drafting=verifier_drafting)
+               speculation=SpeculationControl(DRAFT_LENGTH), verifier_drafting=verifier_drafting, namespace=namespace)
 
 
 def decode_calls(monkeypatch, *fields: str) -> list:
@@ -231,7 +232,9 @@ def test_a_drafted_rounds_verify_hop_counts_only_against_plain_rounds_on_the_ver
     monkeypatch.setattr(engine_module, "verify_batch", slow_pass)
     monkeypatch.setattr(VerifierServicer, "Verify", slow_hop)
     pool = CountingPool(target, kinds=["pld", "recycle"])
-    fused = lookup_and_recycling(pld=0.9, recycle=0.9, verifier_drafting=verifier_drafting)
+    # a fresh memory: what the table learned in earlier tests would change what drafting pays here
+    fused = lookup_and_recycling(pld=0.9, recycle=0.9, verifier_drafting=verifier_drafting,
+                                 namespace=f"hop-{verifier_drafting}")
     prompt = fused.prompt_ids
     with loopback(pool, VerifierEngine(target, max_batch=2, max_len=64)) as coordinator:
         tokens, stats = served(coordinator, fused)
