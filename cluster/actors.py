@@ -112,6 +112,16 @@ def load_on_one_thread(cfg: ServeConfig):
                         cpu_tuning=cpu_tuning_from_env())
 
 
+def target_grammars(cfg: ServeConfig, vocab_size: int):
+    """The grammar engine for the target's tokenizer (structured outputs, tool calls)."""
+    from cluster.env import cache_dir_from_env
+    from runtime import loading
+    from speculative.grammar import Grammars
+
+    tokenizer, _ = loading.load_tokenizer(cfg.model, cache_dir=cache_dir_from_env())
+    return Grammars.for_tokenizer(tokenizer, vocab_size)
+
+
 def internal_host(cfg: ServeConfig) -> str:
     """The address a verifier, a drafter pool and their metrics listen on and register
     (`[security] internal_host`): auto is loopback while the Ray cluster is one node (nothing
@@ -227,7 +237,8 @@ class VerifierHost(_ServiceHost):
         store = connect_store(redis_url)
         self.engine = VerifierEngine(model, max_batch=v.max_batch, max_len=v.max_len,
                                      max_batch_tokens=v.max_batch_tokens, checkpoints=store, threads=threads,
-                                     checkpoint_interval_s=v.checkpoint_interval_s)
+                                     checkpoint_interval_s=v.checkpoint_interval_s,
+                                     grammars=target_grammars(cfg, model.config.vocab_size))
         host = internal_host(cfg)
         self.server, port = serve(self.engine, host=host, port=0, secret=cluster_secret(cfg, store))
         self.cfg, self.store = cfg, store
@@ -319,6 +330,7 @@ class RouterHost(_ServiceHost):
         from router.servicer import RouterConfig, RouterServicer, prompt_char_limit, serve
         from runtime import loading
         from speculative.drafter_kinds import drafter_domains
+        from speculative.grammar import Grammars
 
         # the router's tensor work (trees, fusion) is small and spread over many threads:
         # one torch thread each keeps libgomp from throttling them (load_on_one_thread)
@@ -356,7 +368,8 @@ class RouterHost(_ServiceHost):
         # on the configured metrics_port (Prometheus may scrape it there), else a free port
         metrics_address, stop_metrics = serve_metrics(metrics.registry, cfg.host, host, cfg.metrics_port or 0)
         gatekeeper = Gatekeeper(store, require_keys=cfg.security.require_api_keys)
-        self.servicer = RouterServicer(tokenizer, coordinator, config, self.expertise, metrics, gatekeeper)
+        self.servicer = RouterServicer(tokenizer, coordinator, config, self.expertise, metrics, gatekeeper,
+                                       grammars=Grammars.for_tokenizer(tokenizer, model_cfg.vocab_size))
         self.server, port = serve(self.servicer, host=cfg.host, port=cfg.port, tls=cfg.security.tls())
         self.store, self.cfg = store, cfg
         self.close_hooks = [self.servicer.close, stop_metrics]  # the servicer: every namespace's routing outcomes

@@ -7,17 +7,26 @@ so nothing is approximated.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 from protos import specserve_pb2 as pb
+from speculative.logprobs import TokenLogprob
 from speculative.sampling import SamplingParams
 from speculative.tree import DraftTree
 
 
 def params_to_pb(p: SamplingParams) -> pb.SamplingParams:
-    msg = pb.SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k)
+    msg = pb.SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
+                            presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+                            repetition_penalty=p.repetition_penalty, logit_bias=dict(p.logit_bias),
+                            min_tokens=p.min_tokens, stop_token_ids=p.stop_token_ids, grammar=p.grammar or "",
+                            processed_logprobs=p.processed_logprobs)
     if p.seed is not None:
         msg.seed = p.seed
+    if p.logprobs is not None:
+        msg.logprobs = p.logprobs
     return msg
 
 
@@ -25,7 +34,22 @@ def params_from_pb(msg: pb.SamplingParams, default_max_tokens: int = SamplingPar
     """The message's parameters; an unset `optional` field takes its default."""
     return SamplingParams(max_tokens=msg.max_tokens if msg.HasField("max_tokens") else default_max_tokens,
                           temperature=msg.temperature, top_p=msg.top_p if msg.HasField("top_p") else 1.0,
-                          top_k=msg.top_k, seed=msg.seed if msg.HasField("seed") else None)
+                          top_k=msg.top_k, seed=msg.seed if msg.HasField("seed") else None,
+                          presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
+                          repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
+                          logit_bias=tuple(sorted(msg.logit_bias.items())), min_tokens=msg.min_tokens,
+                          stop_token_ids=tuple(msg.stop_token_ids), grammar=msg.grammar or None,
+                          logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+                          processed_logprobs=msg.processed_logprobs)
+
+
+def logprobs_to_pb(logprobs: Sequence[TokenLogprob] | None) -> list[pb.TokenLogprob]:
+    return [pb.TokenLogprob(token=lp.token, logprob=lp.logprob, top_ids=[t for t, _ in lp.top],
+                            top_logprobs=[v for _, v in lp.top]) for lp in logprobs or ()]
+
+
+def logprobs_from_pb(msgs: Sequence[pb.TokenLogprob]) -> list[TokenLogprob]:
+    return [TokenLogprob(m.token, m.logprob, tuple(zip(m.top_ids, m.top_logprobs))) for m in msgs]
 
 
 def sparse_to_pb(q: torch.Tensor) -> pb.SparseDist:

@@ -7,18 +7,63 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SamplingParams(_message.Message):
-    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed")
+    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "stop_token_ids", "grammar", "logprobs", "processed_logprobs")
+    class LogitBiasEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROCESSED_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     temperature: float
     top_p: float
     top_k: int
     seed: int
-    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    logit_bias: _containers.ScalarMap[int, float]
+    min_tokens: int
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    grammar: str
+    logprobs: int
+    processed_logprobs: bool
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., grammar: _Optional[str] = ..., logprobs: _Optional[int] = ..., processed_logprobs: _Optional[bool] = ...) -> None: ...
+
+class TokenLogprob(_message.Message):
+    __slots__ = ("token", "logprob", "top_ids", "top_logprobs", "text", "token_bytes", "top_texts", "top_bytes")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TOP_TEXTS_FIELD_NUMBER: _ClassVar[int]
+    TOP_BYTES_FIELD_NUMBER: _ClassVar[int]
+    token: int
+    logprob: float
+    top_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    text: str
+    token_bytes: bytes
+    top_texts: _containers.RepeatedScalarFieldContainer[str]
+    top_bytes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, token: _Optional[int] = ..., logprob: _Optional[float] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., text: _Optional[str] = ..., token_bytes: _Optional[bytes] = ..., top_texts: _Optional[_Iterable[str]] = ..., top_bytes: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class SparseDist(_message.Message):
     __slots__ = ("ids", "probs")
@@ -42,16 +87,61 @@ class DraftTree(_message.Message):
     confidence: _containers.RepeatedScalarFieldContainer[float]
     def __init__(self, tokens: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., draw_nodes: _Optional[_Iterable[int]] = ..., draw_q: _Optional[_Iterable[_Union[SparseDist, _Mapping]]] = ..., confidence: _Optional[_Iterable[float]] = ...) -> None: ...
 
+class ToolCall(_message.Message):
+    __slots__ = ("id", "name", "arguments")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ARGUMENTS_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    name: str
+    arguments: str
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., arguments: _Optional[str] = ...) -> None: ...
+
 class ChatMessage(_message.Message):
-    __slots__ = ("role", "content")
+    __slots__ = ("role", "content", "tool_calls", "tool_call_id", "name")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
     role: str
     content: str
-    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+    tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
+    tool_call_id: str
+    name: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., tool_call_id: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
+
+class Tool(_message.Message):
+    __slots__ = ("name", "description", "parameters")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    description: str
+    parameters: str
+    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., parameters: _Optional[str] = ...) -> None: ...
+
+class Constraint(_message.Message):
+    __slots__ = ("json_schema", "json_object", "regex", "choice", "grammar")
+    class Choice(_message.Message):
+        __slots__ = ("options",)
+        OPTIONS_FIELD_NUMBER: _ClassVar[int]
+        options: _containers.RepeatedScalarFieldContainer[str]
+        def __init__(self, options: _Optional[_Iterable[str]] = ...) -> None: ...
+    JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    JSON_OBJECT_FIELD_NUMBER: _ClassVar[int]
+    REGEX_FIELD_NUMBER: _ClassVar[int]
+    CHOICE_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    json_schema: str
+    json_object: bool
+    regex: str
+    choice: Constraint.Choice
+    grammar: str
+    def __init__(self, json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., choice: _Optional[_Union[Constraint.Choice, _Mapping]] = ..., grammar: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "messages", "sampling", "stop", "domain_hint", "request_id", "drafter", "pipelined", "namespace")
+    __slots__ = ("prompt", "messages", "sampling", "stop", "domain_hint", "request_id", "drafter", "pipelined", "namespace", "constraint", "tools", "tool_choice", "parallel_tool_calls", "draft_length")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -61,6 +151,11 @@ class GenerateRequest(_message.Message):
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
     PIPELINED_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CHOICE_FIELD_NUMBER: _ClassVar[int]
+    PARALLEL_TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     sampling: SamplingParams
@@ -70,10 +165,15 @@ class GenerateRequest(_message.Message):
     drafter: str
     pipelined: bool
     namespace: str
-    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., domain_hint: _Optional[str] = ..., request_id: _Optional[str] = ..., drafter: _Optional[str] = ..., pipelined: _Optional[bool] = ..., namespace: _Optional[str] = ...) -> None: ...
+    constraint: Constraint
+    tools: _containers.RepeatedCompositeFieldContainer[Tool]
+    tool_choice: str
+    parallel_tool_calls: bool
+    draft_length: int
+    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., domain_hint: _Optional[str] = ..., request_id: _Optional[str] = ..., drafter: _Optional[str] = ..., pipelined: _Optional[bool] = ..., namespace: _Optional[str] = ..., constraint: _Optional[_Union[Constraint, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[str] = ..., parallel_tool_calls: _Optional[bool] = ..., draft_length: _Optional[int] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "target_forward_passes", "draft_tokens", "accepted_draft_tokens", "mean_accepted_tokens", "drafter", "reused_drafts")
+    __slots__ = ("prompt_tokens", "completion_tokens", "target_forward_passes", "draft_tokens", "accepted_draft_tokens", "mean_accepted_tokens", "drafter", "reused_drafts", "forced_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TARGET_FORWARD_PASSES_FIELD_NUMBER: _ClassVar[int]
@@ -82,6 +182,7 @@ class Usage(_message.Message):
     MEAN_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
     REUSED_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    FORCED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     target_forward_passes: int
@@ -90,35 +191,44 @@ class Usage(_message.Message):
     mean_accepted_tokens: float
     drafter: str
     reused_drafts: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., target_forward_passes: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ..., mean_accepted_tokens: _Optional[float] = ..., drafter: _Optional[str] = ..., reused_drafts: _Optional[int] = ...) -> None: ...
+    forced_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., target_forward_passes: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ..., mean_accepted_tokens: _Optional[float] = ..., drafter: _Optional[str] = ..., reused_drafts: _Optional[int] = ..., forced_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "finish_reason", "usage")
+    __slots__ = ("request_id", "text", "token_ids", "finish_reason", "usage", "logprobs", "tool_calls")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: str
     usage: Usage
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ...) -> None: ...
 
 class GenerateChunk(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "finish_reason", "usage")
+    __slots__ = ("request_id", "text", "token_ids", "finish_reason", "usage", "logprobs", "tool_calls")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: str
     usage: Usage
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ...) -> None: ...
 
 class DrafterPrefillRequest(_message.Message):
     __slots__ = ("request_id", "drafter", "token_ids", "sampling", "stream", "resumed", "namespace", "domain")
@@ -195,32 +305,36 @@ class Ack(_message.Message):
     def __init__(self) -> None: ...
 
 class VerifierPrefillRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "sampling", "max_len", "candidates", "resumed")
+    __slots__ = ("request_id", "token_ids", "sampling", "max_len", "candidates", "resumed", "prompt_length")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MAX_LEN_FIELD_NUMBER: _ClassVar[int]
     CANDIDATES_FIELD_NUMBER: _ClassVar[int]
     RESUMED_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     max_len: int
     candidates: int
     resumed: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_len: _Optional[int] = ..., candidates: _Optional[int] = ..., resumed: _Optional[int] = ...) -> None: ...
+    prompt_length: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_len: _Optional[int] = ..., candidates: _Optional[int] = ..., resumed: _Optional[int] = ..., prompt_length: _Optional[int] = ...) -> None: ...
 
 class VerifierPrefillResponse(_message.Message):
-    __slots__ = ("next_token", "active_requests", "candidate_ids", "candidate_probs")
+    __slots__ = ("next_token", "active_requests", "candidate_ids", "candidate_probs", "logprobs")
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     CANDIDATE_IDS_FIELD_NUMBER: _ClassVar[int]
     CANDIDATE_PROBS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     next_token: int
     active_requests: int
     candidate_ids: _containers.RepeatedScalarFieldContainer[int]
     candidate_probs: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, next_token: _Optional[int] = ..., active_requests: _Optional[int] = ..., candidate_ids: _Optional[_Iterable[int]] = ..., candidate_probs: _Optional[_Iterable[float]] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, next_token: _Optional[int] = ..., active_requests: _Optional[int] = ..., candidate_ids: _Optional[_Iterable[int]] = ..., candidate_probs: _Optional[_Iterable[float]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("request_id", "tree", "context_length", "candidates")
@@ -235,7 +349,7 @@ class VerifyRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., tree: _Optional[_Union[DraftTree, _Mapping]] = ..., context_length: _Optional[int] = ..., candidates: _Optional[int] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("accepted", "bonus", "state_lost", "batch_size", "queued", "active_requests", "candidate_ids", "candidate_probs", "pass_id", "pass_seconds", "pass_tokens", "pass_width", "drafted", "drafted_depth")
+    __slots__ = ("accepted", "bonus", "state_lost", "batch_size", "queued", "active_requests", "candidate_ids", "candidate_probs", "pass_id", "pass_seconds", "pass_tokens", "pass_width", "drafted", "drafted_depth", "forced", "logprobs")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     BONUS_FIELD_NUMBER: _ClassVar[int]
     STATE_LOST_FIELD_NUMBER: _ClassVar[int]
@@ -250,6 +364,8 @@ class VerifyResponse(_message.Message):
     PASS_WIDTH_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    FORCED_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     accepted: _containers.RepeatedScalarFieldContainer[int]
     bonus: int
     state_lost: bool
@@ -264,7 +380,9 @@ class VerifyResponse(_message.Message):
     pass_width: int
     drafted: int
     drafted_depth: int
-    def __init__(self, accepted: _Optional[_Iterable[int]] = ..., bonus: _Optional[int] = ..., state_lost: _Optional[bool] = ..., batch_size: _Optional[int] = ..., queued: _Optional[int] = ..., active_requests: _Optional[int] = ..., candidate_ids: _Optional[_Iterable[int]] = ..., candidate_probs: _Optional[_Iterable[float]] = ..., pass_id: _Optional[int] = ..., pass_seconds: _Optional[float] = ..., pass_tokens: _Optional[int] = ..., pass_width: _Optional[int] = ..., drafted: _Optional[int] = ..., drafted_depth: _Optional[int] = ...) -> None: ...
+    forced: int
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, accepted: _Optional[_Iterable[int]] = ..., bonus: _Optional[int] = ..., state_lost: _Optional[bool] = ..., batch_size: _Optional[int] = ..., queued: _Optional[int] = ..., active_requests: _Optional[int] = ..., candidate_ids: _Optional[_Iterable[int]] = ..., candidate_probs: _Optional[_Iterable[float]] = ..., pass_id: _Optional[int] = ..., pass_seconds: _Optional[float] = ..., pass_tokens: _Optional[int] = ..., pass_width: _Optional[int] = ..., drafted: _Optional[int] = ..., drafted_depth: _Optional[int] = ..., forced: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("request_id", "token_ids", "drafter", "draft_length", "max_tokens", "eos_token_ids", "max_rounds", "candidates", "max_nodes", "namespace")

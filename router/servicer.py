@@ -20,6 +20,8 @@ from speculative.namespaces import DEFAULT_NAMESPACE, Namespaces, check_namespac
 from speculative.sampling import InvalidArgument
 from speculative.stopping import clip
 from runtime.tokenizer import Tokenizer
+from speculative.grammar import Grammars
+from speculative.tree import nodes_for_depth
 
 from .coordinator import Cancelled, Coordinator, DeadlineExceeded, Job, NoService
 from .domains import DOMAINS
@@ -29,10 +31,11 @@ from .expertise import ExpertiseRouter
 from .metrics import RouterMetrics
 from .settings import RouterSettings
 from .stats import RoundStats
-from .text import StreamingText
+from .constraints import constrained, draft_length
+from .output import ChunkWriter
+from .tools import Function, check_choice, functions, template_messages
 
-ROLES = {"system", "developer", "user", "assistant"}
-TEMPLATE_ROLES = {"developer": "system"}  # OpenAI's newer name for the system role, which templates know
+ROLES = {"system", "developer", "user", "assistant", "tool"}
 
 
 # text that a tokenizer gives back as it was unless it normalises: composes (e + U+0301, Hangul
@@ -116,8 +119,11 @@ class RouterServicer(pb_grpc.SpecserveServicer):
 
     def __init__(self, tokenizer: Tokenizer, coordinator: Coordinator, config: RouterConfig,
                  expertise: ExpertiseRouter | None = None, metrics: RouterMetrics | None = None,
-                 gatekeeper: Gatekeeper | None = None):
+                 gatekeeper: Gatekeeper | None = None, grammars: Grammars | None = None):
+        """`grammars`: the target tokenizer's, for constraints and required tool calls (None:
+        such requests are refused)."""
         self.tokenizer, self.coordinator, self.config, self.expertise = tokenizer, coordinator, config, expertise
+        self.grammars = grammars
         self.gatekeeper = gatekeeper or Gatekeeper(None, require_keys=False)
         # each memory namespace's expertise statistics, learned apart (speculative.namespaces)
         self._expertise = None if expertise is None else Namespaces(
@@ -142,21 +148,27 @@ class RouterServicer(pb_grpc.SpecserveServicer):
             for i, m in enumerate(req.messages):
                 if m.role not in ROLES:
                     raise InvalidArgument(f"messages[{i}].role", f"must be one of {', '.join(sorted(ROLES))}")
-            if not any(m.content.strip() for m in req.messages):
+            if not any(m.content.strip() or m.tool_calls for m in req.messages):
                 raise InvalidArgument("messages", "all messages are empty")
         elif not req.prompt.strip():
             raise InvalidArgument("prompt", "must not be empty")
-        ids = self._prompt_ids(req)
+        if req.tools and not req.messages:
+            raise InvalidArgument("tools", "need chat messages, not a prompt")
+        tools = functions(req.tools)
+        choice = check_choice(req.tool_choice, tools) if tools or req.tool_choice else "none"
+        ids = self._prompt_ids(req, tools if choice != "none" else [])
         if len(ids) > cfg.max_prompt_tokens:
             raise PromptTooLong("prompt", f"{len(ids)} tokens exceeds the limit of {cfg.max_prompt_tokens}")
-        s = req.sampling
-        params = params_from_pb(s, cfg.default_max_tokens)
+        params = params_from_pb(req.sampling, cfg.default_max_tokens)
         params.validate(len(ids), cfg.context_length)
+        params.check_vocabulary(cfg.vocab_size)
+        params = constrained(params, req, self.grammars, tools, choice, cfg.eos_token_ids)
+        length = draft_length(req, cfg.draft_length)
         if req.domain_hint and req.domain_hint not in DOMAINS:
             raise InvalidArgument("domain_hint", f"unknown domain {req.domain_hint!r}; known: {', '.join(DOMAINS)}")
         namespace = check_namespace(req.namespace)
         pipelined = req.pipelined if req.HasField("pipelined") else cfg.pipelined
-        domain, drafters = self._drafters(req, self._expertise_of(namespace), pipelined)
+        domain, drafters = self._drafters(req, self._expertise_of(namespace), pipelined, length)
         unserved = [d for d, _ in drafters if d != "none" and d not in cfg.routed_drafters]
         if req.drafter and cfg.routed_drafters and unserved:  # the pools would refuse it mid-request
             raise InvalidArgument("drafter", f"no drafter pool here serves {unserved[0]!r}; they serve "
@@ -167,26 +179,29 @@ class RouterServicer(pb_grpc.SpecserveServicer):
         if cfg.adaptive:
             # a routed drafter's reliability on the domain is the best first guess of its acceptance
             prior = drafters[0][1] if req.drafter == "" and cfg.default_drafter == "auto" else 0.5
-            speculation = self._control(prior, pipelined)
+            speculation = self._control(prior, pipelined, length)
         return Job(request_id=req.request_id or uuid.uuid4().hex, prompt_ids=ids, params=params,
-                   drafters=drafters, draft_length=cfg.draft_length, tree_budget=cfg.tree_budget,
-                   vocab_size=cfg.vocab_size, eos_token_ids=cfg.eos_token_ids, domain=domain,
+                   drafters=drafters, draft_length=length,
+                   tree_budget=nodes_for_depth(length, cfg.draft_length, cfg.tree_budget) if length else 1,
+                   vocab_size=cfg.vocab_size, eos_token_ids=list(params.stop_token_ids), domain=domain,
                    deadline=call.deadline, is_cancelled=lambda: not call.is_active(), pipelined=pipelined,
                    speculation=speculation, stop_confidence=cfg.stop_confidence, namespace=namespace,
                    verifier_drafting=cfg.verifier_drafting, prefill_pools_ahead=cfg.prefill_pools_ahead)
 
-    def _prompt_ids(self, req: pb.GenerateRequest) -> list[int]:
-        """The prompt's tokens (of messages: of the chat template's rendering). A text longer than
-        max_prompt_chars is refused untokenized: `tokenizers` holds the GIL while it encodes,
-        and a 10 MB prompt stalled every thread of the router for 10 s."""
+    def _prompt_ids(self, req: pb.GenerateRequest, tools: list[Function]) -> list[int]:
+        """The prompt's tokens (of messages: of the chat template's rendering, with the tools the
+        model may call). A text longer than max_prompt_chars is refused untokenized:
+        `tokenizers` holds the GIL while it encodes, and a 10 MB prompt stalled every thread
+        of the router for 10 s."""
         limit = self.config.max_prompt_chars
         if not req.messages:
             _check_chars(req.prompt, limit)
             return self.tokenizer.encode(req.prompt)
-        messages = [{"role": TEMPLATE_ROLES.get(m.role, m.role), "content": m.content} for m in req.messages]
+        messages, specs = template_messages(req.messages, tools, self.tokenizer.template_knows_tools)
         if limit is None:
-            return self.tokenizer.encode_chat(messages)
-        text = self.tokenizer.render_chat(messages)  # as encode_chat: the template writes the special tokens
+            return self.tokenizer.encode_chat(messages, tools=specs)
+        # as encode_chat: the template writes the special tokens
+        text = self.tokenizer.render_chat(messages, tools=specs)
         _check_chars(text, limit)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
@@ -199,19 +214,23 @@ class RouterServicer(pb_grpc.SpecserveServicer):
     def _expertise_of(self, namespace: str) -> ExpertiseRouter | None:
         return None if self._expertise is None else self._expertise.get(namespace)
 
-    def _control(self, prior: float, pipelined: bool) -> SpeculationControl:
-        """A new adaptive control with the configured costs, starting from acceptance `prior`."""
+    def _control(self, prior: float, pipelined: bool, length: int | None = None) -> SpeculationControl:
+        """A new adaptive control with the configured costs, starting from acceptance `prior`,
+        drafting at most `length` tokens a round (None: the server's draft length)."""
         cfg = self.config
-        return SpeculationControl(cfg.draft_length, prior=prior, pipelined=pipelined,
+        return SpeculationControl(cfg.draft_length if length is None else length, prior=prior, pipelined=pipelined,
                                   verify_row_cost=cfg.verify_row_cost, verify_token_cost=cfg.verify_token_cost,
                                   verify_pad_cost=cfg.verify_pad_cost, pass_costs=self.coordinator.services.pass_costs)
 
-    def _drafters(self, req: pb.GenerateRequest, expertise: ExpertiseRouter | None, pipelined: bool = False
-                  ) -> tuple[str | None, tuple[tuple[str, float], ...]]:
+    def _drafters(self, req: pb.GenerateRequest, expertise: ExpertiseRouter | None, pipelined: bool = False,
+                  length: int | None = None) -> tuple[str | None, tuple[tuple[str, float], ...]]:
         """The request's domain (None without an expertise router) and its (drafter, reliability)
-        pairs, from the expertise statistics of its namespace."""
+        pairs, from the expertise statistics of its namespace; plain decoding when the request
+        drafts nothing (`length` 0)."""
         drafter = req.drafter or self.config.default_drafter
         hint = req.domain_hint or None
+        if length == 0:
+            return (None if expertise is None else expertise.domain(_user_text(req), hint)), (("none", 1.0),)
         if drafter == "auto" and expertise is not None:  # else check_drafter refuses "auto"
             route = expertise.route(_user_text(req), self.config.routed_drafters, k=self.config.fused_drafters,
                                     hint=hint, usable=self._draft_pays(expertise, pipelined))
@@ -255,23 +274,22 @@ class RouterServicer(pb_grpc.SpecserveServicer):
             raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, str(e), e.field,
                                 too_long=isinstance(e, PromptTooLong)) from None
         stats = RoundStats()
-        text = StreamingText(self.tokenizer.decode, req.stop)
+        out = ChunkWriter(job.request_id, self.tokenizer, req.stop, tools=bool(req.tools) and req.tool_choice != "none",
+                          grammars=self.grammars)
         count = 0
         with self._ongoing_lock:
             self.ongoing += 1
         try:
             for new in self.coordinator.run(job, stats):
                 # the coordinator clipped them already: this names why the output ends, if it does
-                new, reason = clip(new, count, job.params.max_tokens, job.eos_token_ids)
-                count += len(new)
-                delta = text.add(new)
-                if text.stopped:
+                tokens, reason = clip(new, count, job.params.max_tokens, job.eos_token_ids)
+                count += len(tokens)
+                chunk = out.chunk(tokens, new.logprobs, last=reason is not None)
+                if out.stopped:
                     reason = "stop"
-                elif reason is not None:
-                    delta += text.finish()
-                chunk = pb.GenerateChunk(request_id=job.request_id, text=delta, token_ids=new)
                 if reason is not None:
-                    chunk.finish_reason = reason
+                    # a call cut short by max_tokens ends the output as "length"; its text stays text
+                    chunk.finish_reason = "tool_calls" if chunk.tool_calls and reason == "stop" else reason
                     chunk.usage.CopyFrom(self._usage(job, stats, count))
                 yield chunk
                 if reason is not None:
@@ -302,7 +320,7 @@ class RouterServicer(pb_grpc.SpecserveServicer):
                         target_forward_passes=stats.target_forward_passes, draft_tokens=stats.draft_tokens,
                         accepted_draft_tokens=stats.accepted_draft_tokens,
                         mean_accepted_tokens=completion / passes, drafter="+".join(d for d, _ in job.drafters),
-                        reused_drafts=stats.reused_drafts)
+                        reused_drafts=stats.reused_drafts, forced_tokens=stats.forced_tokens)
 
     def Generate(self, request, context):
         resp = pb.GenerateResponse(finish_reason="length")
@@ -311,6 +329,8 @@ class RouterServicer(pb_grpc.SpecserveServicer):
             for chunk in self.chunks(request, Call.of_grpc(context)):
                 resp.request_id = chunk.request_id
                 resp.token_ids.extend(chunk.token_ids)
+                resp.logprobs.extend(chunk.logprobs)
+                resp.tool_calls.extend(chunk.tool_calls)
                 text.append(chunk.text)
                 if chunk.finish_reason:
                     resp.finish_reason = chunk.finish_reason

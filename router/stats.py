@@ -47,6 +47,7 @@ class RoundStats:
     per_drafter: dict[str, DrafterStats] = field(default_factory=dict)  # by drafter kind
     batch_sizes: list[int] = field(default_factory=list)
     reused_drafts: int = 0  # rounds whose tree was drafted ahead, during the previous verification
+    forced_tokens: int = 0  # tokens a grammar forced (jump-forward): drafted for free
     draft_lengths: list[int] = field(default_factory=list)  # chosen per round (adaptive speculation)
     trace: list[Span] = field(default_factory=list)
     started: float = field(default_factory=time.monotonic)
@@ -80,9 +81,11 @@ class RoundStats:
         """A round takes the tree drafted ahead during the previous verification."""
         self.reused_drafts += 1
 
-    def record_round(self, drafted: int, accepted: int, batch_size: int) -> None:
-        """A verdict: `drafted` nodes verified, `accepted` of them kept, in a pass of `batch_size` requests."""
+    def record_round(self, drafted: int, accepted: int, batch_size: int, forced: int = 0) -> None:
+        """A verdict: `drafted` nodes verified, `accepted` of them kept, in a pass of `batch_size`
+        requests, `forced` tokens of them forced by the request's grammar (jump-forward)."""
         self.target_forward_passes += 1
+        self.forced_tokens += forced
         self.draft_tokens += drafted
         self.accepted_draft_tokens += accepted
         if drafted:

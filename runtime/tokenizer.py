@@ -82,13 +82,20 @@ class Tokenizer:
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         return env.from_string(self.chat_template)
 
-    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    @property
+    def template_knows_tools(self) -> bool:
+        """Whether the chat template renders tools it is given (it reads `tools`)."""
+        return bool(self.chat_template) and "tools" in self.chat_template
+
+    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> str:
         if not self.chat_template:
             raise ValueError("this model has no chat template; send a plain prompt instead")
+        extra = {} if tools is None else {"tools": tools}
         return self._compiled_chat_template.render(
             messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+            bos_token=self.bos_token or "", eos_token=self.eos_token or "", **extra)
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, str]], tools: list[dict] | None = None) -> list[int]:
         # The template writes any special tokens itself, as in transformers.
-        return self.encode(self.render_chat(messages), add_special_tokens=False)
+        return self.encode(self.render_chat(messages, tools=tools), add_special_tokens=False)

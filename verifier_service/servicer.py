@@ -11,7 +11,7 @@ import grpc
 from protos import specserve_pb2 as pb
 from protos import specserve_pb2_grpc as pb_grpc
 from protos.server import call_deadline, start_server
-from protos.convert import params_from_pb, tree_from_pb
+from protos.convert import logprobs_to_pb, params_from_pb, tree_from_pb
 from runtime.cpu_tuning import own_torch_threads
 from speculative.drafter_kinds import VERIFIER_DRAFTERS
 from speculative.namespaces import check_namespace
@@ -59,11 +59,13 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             if request.HasField("max_len") and request.max_len < len(tokens):
                 raise InvalidArgument("max_len", f"{request.max_len} is less than the {len(tokens)} token_ids")
             reserve = request.max_len - len(tokens) if request.HasField("max_len") else 0  # unset: reserve nothing
+            prompt_length = request.prompt_length if request.HasField("prompt_length") else None
             return self.engine.prefill(request.request_id, tokens, params_from_pb(request.sampling), reserve,
-                                       request.candidates, request.resumed)
+                                       request.candidates, request.resumed, prompt_length)
 
         out = _checked(context, prefill)
-        resp = pb.VerifierPrefillResponse(next_token=out.next_token, active_requests=self.engine.active_requests())
+        resp = pb.VerifierPrefillResponse(next_token=out.next_token, active_requests=self.engine.active_requests(),
+                                          logprobs=logprobs_to_pb(out.logprobs))
         if out.candidate_ids is not None:
             resp.candidate_ids.extend(out.candidate_ids.flatten().tolist())
             resp.candidate_probs.extend(out.candidate_probs.flatten().tolist())
@@ -152,7 +154,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
 def _verdict(out: VerifyOutcome) -> pb.VerifyResponse:
     """A verify outcome on the wire, with the pass it went into and the candidates, if asked."""
     resp = pb.VerifyResponse(accepted=out.accepted, bonus=out.bonus, batch_size=out.batch_size,
-                             queued=out.queued, active_requests=out.active)
+                             queued=out.queued, active_requests=out.active, forced=out.forced,
+                             logprobs=logprobs_to_pb(out.logprobs))
     if out.pass_shape is not None:
         shape = out.pass_shape
         resp.pass_id, resp.pass_seconds = shape.pass_id, shape.seconds

@@ -7,11 +7,25 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+from speculative.logprobs import TokenLogprob
 from speculative.namespaces import DEFAULT_NAMESPACE
 from speculative.sampling import SamplingParams
 from speculative.tree import nodes_for_depth
 
 from ..adaptive import SpeculationControl
+
+
+class Emitted(list):
+    """A round's newly verified tokens (a list of them), with their logprobs when the
+    request asks for them (one each; None otherwise)."""
+
+    def __init__(self, tokens=(), logprobs: list[TokenLogprob] | None = None):
+        super().__init__(tokens)
+        self.logprobs = logprobs
+
+    def cut(self, tokens: list[int]) -> "Emitted":
+        """The first len(tokens) of these (as clipped), their logprobs with them."""
+        return Emitted(tokens, None if self.logprobs is None else self.logprobs[:len(tokens)])
 
 
 class DeadlineExceeded(Exception):

@@ -14,7 +14,7 @@ from speculative.stopping import clip
 from ..adaptive import DraftCostMemory, PassCostModel
 from ..stats import RoundStats
 from .channels import Channels
-from .job import Cancelled, Job
+from .job import Cancelled, Emitted, Job
 from .rounds import Request
 from .services import Services
 
@@ -54,8 +54,9 @@ class Coordinator:
         with self._calibrations_lock:
             return kinds.setdefault(kind, Calibration())
 
-    def run(self, job: Job, stats: RoundStats) -> Iterator[list[int]]:
-        """Yield each round's newly verified tokens, recording into `stats`."""
+    def run(self, job: Job, stats: RoundStats) -> Iterator[Emitted]:
+        """Yield each round's newly verified tokens (with their logprobs, when asked),
+        recording into `stats`."""
         req = Request(self.services, job, stats, self.draft_costs, self.calibration if self.calibrate else None)
         finish = None
         with self._running_lock:
@@ -67,7 +68,8 @@ class Coordinator:
                 req.rnd += 1
                 with contextlib.closing(req.rounds(job.prompt_ids + req.verified)) as rounds:
                     for new in rounds:
-                        new, finish = clip(new, len(req.verified), job.params.max_tokens, job.eos_token_ids)
+                        clipped, finish = clip(new, len(req.verified), job.params.max_tokens, job.eos_token_ids)
+                        new = new.cut(clipped)
                         req.verified.extend(new)
                         yield new
                         if finish is not None or job.is_cancelled():

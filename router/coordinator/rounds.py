@@ -9,8 +9,10 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from protos import specserve_pb2 as pb
+from protos.convert import logprobs_from_pb
 from speculative.calibration import Calibration
 from speculative.drafter_kinds import VERIFIER_DRAFTERS
+from speculative.logprobs import TokenLogprob
 from speculative.pipeline import likeliest_path
 from speculative.recycling import CANDIDATES
 from speculative.tree import DraftTree
@@ -18,7 +20,7 @@ from speculative.tree import DraftTree
 from ..adaptive import DraftCostMemory
 from ..stats import RoundStats
 from .draft_side import Drafting
-from .job import Job
+from .job import Emitted, Job
 from .services import Services
 from .verify_side import VerifySide
 
@@ -106,7 +108,7 @@ class Request:
         if seeded:  # the target's predictions after the prompt's last tokens
             self.drafting.observe(context[len(context) - seeded:], prefilled)
         self.stats.record_prefill()
-        return [prefilled.next_token]
+        return Emitted([prefilled.next_token], _logprobs(prefilled, self.job))
 
     def decode(self, context: list[int]) -> Iterator[list[int]]:
         """Rounds the verifier runs on its own (Decode), up to DECODE_ROUNDS, each round's new
@@ -136,7 +138,7 @@ class Request:
                 self.drafting.observe([root], resp)
                 root = resp.bonus
             self.stats.record_draft_length(length)
-            self.stats.record_round(resp.drafted, len(resp.accepted), resp.batch_size)
+            self.stats.record_round(resp.drafted, len(resp.accepted), resp.batch_size, resp.forced)
             if kind != "none":
                 self.stats.record_drafter(kind, resp.drafted, len(resp.accepted))
             if control is not None:
@@ -146,7 +148,7 @@ class Request:
             self.rnd += 1
             if undrafted is not None and n:  # rounds after the first
                 undrafted.plain_rounds(1)
-            yield [*resp.accepted, resp.bonus]
+            yield Emitted([*resp.accepted, resp.bonus], _logprobs(resp, job))
 
     def plan(self) -> _Draft:
         """This round's draft lengths, as the controls choose them for the load, cut to the room."""
@@ -216,9 +218,9 @@ class Request:
         round's new tokens."""
         if self.candidates:
             self.drafting.observe([context[-1]] + draft.tree.tokens, resp)
-        new = list(resp.accepted) + [resp.bonus]
+        new = Emitted(list(resp.accepted) + [resp.bonus], _logprobs(resp, self.job))
         self.drafting.learn(draft.proposals, new)
-        self.stats.record_round(len(draft.tree), len(resp.accepted), resp.batch_size)
+        self.stats.record_round(len(draft.tree), len(resp.accepted), resp.batch_size, resp.forced)
         self.drafting.count(draft.proposals, resp.accepted, self.stats)
         self._adapt(draft, resp)
         self.load = _load(resp)
@@ -253,3 +255,8 @@ class Request:
         # were drafted (through the pools, pipelined), as the pools' index does (give_output)
         learns = any(kind == "suffix" for kind, _ in self.job.drafters)
         self.verifier.release(self.job.prompt_ids + self.verified if learns else ())
+
+
+def _logprobs(resp: pb.VerifyResponse | pb.VerifierPrefillResponse, job: Job) -> list[TokenLogprob] | None:
+    """A verdict's logprobs, when the request asks for them."""
+    return logprobs_from_pb(resp.logprobs) if job.params.logprobs is not None else None

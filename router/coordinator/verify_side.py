@@ -53,7 +53,8 @@ class VerifySide(Side):
             stub = pb_grpc.VerifierStub(self.services.channels.get(address))
             req = pb.VerifierPrefillRequest(request_id=self.request_id, token_ids=tokens,
                                             sampling=params_to_pb(self.job.params), max_len=reserve,
-                                            candidates=candidates, resumed=self.prefills)
+                                            candidates=candidates, resumed=self.prefills,
+                                            prompt_length=len(self.job.prompt_ids))
             self.prefills += 1
             try:
                 resp = stub.Prefill(req, timeout=self.job.timeout())
