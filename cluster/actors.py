@@ -112,6 +112,17 @@ def load_on_one_thread(cfg: ServeConfig):
                         cpu_tuning=cpu_tuning_from_env())
 
 
+def verifier_slots(cfg: ServeConfig) -> int:
+    """KV slots a verifier holds for one request: `[verifiers] max_len`, the most tokens of a
+    request's prompt and output, and past it room for a round's largest tree (the tokens a
+    grammar forces included) and its root."""
+    from router.coordinator import SPARE_SLOTS
+    from speculative.processing import MAX_FORCED
+
+    r = cfg.router
+    return cfg.verifiers.max_len + max(r.draft_length, r.tree_budget) + MAX_FORCED + SPARE_SLOTS
+
+
 def target_grammars(cfg: ServeConfig, vocab_size: int):
     """The grammar engine for the target's tokenizer (structured outputs, tool calls)."""
     from cluster.env import cache_dir_from_env
@@ -235,7 +246,7 @@ class VerifierHost(_ServiceHost):
         else:
             model, _ = load_on_one_thread(cfg)
         store = connect_store(redis_url)
-        self.engine = VerifierEngine(model, max_batch=v.max_batch, max_len=v.max_len,
+        self.engine = VerifierEngine(model, max_batch=v.max_batch, max_len=verifier_slots(cfg),
                                      max_batch_tokens=v.max_batch_tokens, checkpoints=store, threads=threads,
                                      checkpoint_interval_s=v.checkpoint_interval_s,
                                      grammars=target_grammars(cfg, model.config.vocab_size))
@@ -324,10 +335,10 @@ class RouterHost(_ServiceHost):
         from cluster.env import cache_dir_from_env
         from router.adaptive import PassCostModel
         from router.auth import Gatekeeper
-        from router.coordinator import SPARE_SLOTS, Channels, Coordinator
+        from router.coordinator import Channels, Coordinator
         from router.expertise import ExpertiseRouter
         from router.metrics import RouterMetrics
-        from router.servicer import RouterConfig, RouterServicer, prompt_char_limit, serve
+        from router.servicer import RouterConfig, RouterServicer, prompt_char_limit, prompt_limit, serve
         from runtime import loading
         from speculative.drafter_kinds import drafter_domains
         from speculative.grammar import Grammars
@@ -351,14 +362,13 @@ class RouterHost(_ServiceHost):
                                   service_wait_s=settings.service_wait_s,
                                   channels=Channels(secret=cluster_secret(cfg, store)),
                                   learning_drafters=learning_drafters(cfg), calibrate=settings.calibrate)
-        # a request, and the largest tree a round can send, must fit the verifier's KV slots
-        # as well as the model's context
-        largest_tree = max(settings.draft_length, settings.tree_budget)
-        context = min(model_cfg.max_position_embeddings, cfg.verifiers.max_len - largest_tree - SPARE_SLOTS)
+        # one limit: a request's prompt and output together fit [verifiers] max_len (and the
+        # model's context); the verifiers hold room for a round's tree past it (verifier_slots)
+        context = min(model_cfg.max_position_embeddings, cfg.verifiers.max_len)
         config = RouterConfig.of(settings, context_length=context,
                                  eos_token_ids=tokenizer.eos_token_ids or model_cfg.eos_token_ids,
                                  vocab_size=model_cfg.vocab_size, routed_drafters=tuple(cfg.drafter_pools.kinds),
-                                 max_prompt_chars=prompt_char_limit(tokenizer, settings.max_prompt_tokens))
+                                 max_prompt_chars=prompt_char_limit(tokenizer, prompt_limit(settings, context)))
         # expertise statistics live in the shared store: every router replica learns from all traffic
         # a drafter trained for a domain is tried first there before there is any evidence
         specialties = {kind: drafter_domains(kind) for kind in cfg.drafter_pools.kinds}

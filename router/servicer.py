@@ -58,6 +58,12 @@ def prompt_char_limit(tokenizer: Tokenizer, max_prompt_tokens: int) -> int | Non
     return max_prompt_tokens * max(len(tokenizer.id_to_token(i) or "") for i in range(tokenizer.vocab_size))
 
 
+def prompt_limit(settings: RouterSettings, context_length: int) -> int:
+    """The most tokens a prompt may have: what the context leaves for one output token, or
+    less if `max_prompt_tokens` says so."""
+    return min(settings.max_prompt_tokens or context_length, context_length - 1)
+
+
 class RequestFailed(Exception):
     """Why a request could not go on: a gRPC status, its message, and the request field at
     fault when there is one (the HTTP API maps these to its own codes)."""
@@ -157,8 +163,10 @@ class RouterServicer(pb_grpc.SpecserveServicer):
         tools = functions(req.tools)
         choice = check_choice(req.tool_choice, tools) if tools or req.tool_choice else "none"
         ids = self._prompt_ids(req, tools if choice != "none" else [])
-        if len(ids) > cfg.max_prompt_tokens:
-            raise PromptTooLong("prompt", f"{len(ids)} tokens exceeds the limit of {cfg.max_prompt_tokens}")
+        limit = prompt_limit(cfg, cfg.context_length)
+        if len(ids) > limit:
+            raise PromptTooLong("prompt", f"{len(ids)} tokens are more than the {limit} a prompt may have "
+                                          f"(the context is {cfg.context_length} tokens, [verifiers] max_len)")
         params = params_from_pb(req.sampling, cfg.default_max_tokens)
         params.validate(len(ids), cfg.context_length)
         params.check_vocabulary(cfg.vocab_size)

@@ -54,7 +54,9 @@ class RouterSettings(BaseModel):
     routing_refresh_s: float = Field(5.0, ge=0, description="how often a router syncs drafter statistics")
     service_wait_s: float = Field(30.0, ge=0, description="how long a request waits (within its deadline) for a "
                                   "verifier while none is registered: the service is starting or one restarts")
-    max_prompt_tokens: int = Field(4096, ge=1, description="longer prompts are refused")
+    max_prompt_tokens: int | None = Field(None, ge=1, description="longer prompts are refused (default: as long as "
+                                                                 "the context, `[verifiers] max_len`, leaves room "
+                                                                 "for one output token)")
 
     @field_validator("default_drafter")
     @classmethod

@@ -83,7 +83,7 @@ class SamplingParams:
         if prompt_tokens is not None and context_length is not None and prompt_tokens + self.max_tokens > context_length:
             raise InvalidArgument(
                 "max_tokens", f"prompt ({prompt_tokens} tokens) + max_tokens ({self.max_tokens}) "
-                f"exceeds the model's context of {context_length} tokens")
+                f"exceeds the context of {context_length} tokens")
         if not 0.0 <= self.temperature < math.inf:  # also rejects NaN; infinity would sample uniform noise
             raise InvalidArgument("temperature", f"must be a finite number >= 0, got {self.temperature}")
         if 0.0 < self.temperature < _MIN_TEMPERATURE_F32:

@@ -33,9 +33,9 @@ class Spy:
         self.encoded.append(len(text))
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-    def encode_chat(self, messages):
+    def encode_chat(self, messages, tools=None):
         self.encoded.append(sum(len(m["content"]) for m in messages))
-        return self.tokenizer.encode_chat(messages)
+        return self.tokenizer.encode_chat(messages, tools=tools)
 
 
 class Validated(Exception):
@@ -118,3 +118,32 @@ class Composing:
 
 def test_no_bound_for_a_tokenizer_that_does_not_give_its_text_back(tokenizer):
     assert prompt_char_limit(Composing(tokenizer), 4096) is None
+
+
+def test_one_limit_the_context_named_in_every_error(tokenizer):
+    """A request's prompt and output share one limit, the context ([verifiers] max_len): a
+    prompt that leaves room for one token runs with max_tokens 1, a longer one is refused as
+    a prompt that does not fit, and either error names the same context."""
+    config = RouterConfig(context_length=64, eos_token_ids=[0], vocab_size=tokenizer.vocab_size, default_drafter="pld")
+
+    def run(job, stats):
+        raise Validated(len(job.prompt_ids))
+
+    coordinator = types.SimpleNamespace(services=types.SimpleNamespace(pass_costs=None), run=run, load=lambda: 0,
+                                        draft_costs=None)
+    router = RouterServicer(tokenizer, coordinator, config)
+    words = " ".join(["word"] * 80)
+    fits = tokenizer.decode(tokenizer.encode(words)[:63])
+    assert len(tokenizer.encode(fits)) == 63
+    assert isinstance(outcome(router, pb.GenerateRequest(prompt=fits)), Validated)  # 63 + 1 = 64
+    too_long = outcome(router, pb.GenerateRequest(prompt=fits + " word"))
+    assert isinstance(too_long, RequestFailed) and too_long.too_long and too_long.field == "prompt"
+    assert "63 a prompt may have (the context is 64 tokens, [verifiers] max_len)" in too_long.message
+    req = pb.GenerateRequest(prompt=fits)
+    req.sampling.max_tokens = 2
+    try:
+        list(router.chunks(req, Call()))
+    except RequestFailed as e:
+        assert e.field == "max_tokens" and "exceeds the context of 64 tokens" in e.message
+    else:
+        raise AssertionError("63 + 2 tokens do not fit a context of 64")

@@ -15,7 +15,9 @@ class VerifierSettings(BaseModel):
 
     count: int = Field(1, ge=1, description="verifier replicas (the least, when autoscaling)")
     max_batch: int = Field(8, ge=1, description="requests one verifier holds and batches")
-    max_len: int = Field(4096, ge=16, description="KV slots per request in a verifier")
+    max_len: int = Field(4096, ge=16, description="the context: the most tokens of one request's prompt and "
+                                                   "output together (a verifier holds room for a round's tree "
+                                                   "past it)")
     max_batch_tokens: int = Field(256, ge=1, description="most tokens in one batched verification")
     checkpoint_interval_s: float = Field(0.2, ge=0, description="a verifier writes its requests' checkpoints at "
                                          "most this often (each the request's latest); 0: after every round")
