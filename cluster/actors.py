@@ -299,6 +299,7 @@ class DrafterPoolHost(_ServiceHost):
 
     def __init__(self, cfg_dict: dict, redis_url: str | None):
         from cluster.local import pin_to_cores
+        from drafter_service.costs import draft_token_costs
         from drafter_service.metrics import DrafterMetrics
         from drafter_service.pool import DrafterPool
         from drafter_service.servicer import serve
@@ -319,8 +320,10 @@ class DrafterPoolHost(_ServiceHost):
         self.cfg, self.store = cfg, store
         metrics, stop_metrics = serve_metrics(self.pool.metrics.registry, host, host)
         self.close_hooks = [stop_metrics] + ([learning.stop] if learning is not None else [])
+        # what each kind costs a token here, for routers to start from (drafter_service.costs)
+        costs = draft_token_costs(model, pools.kinds)
         self.registration = _Registration(store, self.kind, f"{host}:{port}", cfg.registry,
-                                          meta={"kinds": pools.kinds, "metrics": metrics})
+                                          meta={"kinds": pools.kinds, "metrics": metrics, "draft_costs": costs})
 
     def held(self) -> int:
         return self.pool.active_requests()
@@ -361,7 +364,10 @@ class RouterHost(_ServiceHost):
         coordinator = Coordinator(verifiers=live("verifier"), drafters=live("drafter"), pass_costs=pass_costs,
                                   service_wait_s=settings.service_wait_s,
                                   channels=Channels(secret=cluster_secret(cfg, store)),
-                                  learning_drafters=learning_drafters(cfg), calibrate=settings.calibrate)
+                                  learning_drafters=learning_drafters(cfg), calibrate=settings.calibrate,
+                                  prior_draft_costs=Refreshed(LastKnown(lambda: pools_draft_costs(store),
+                                                                        "drafter registry", {}),
+                                                              settings.routing_refresh_s))
         # one limit: a request's prompt and output together fit [verifiers] max_len (and the
         # model's context); the verifiers hold room for a round's tree past it (verifier_slots)
         context = min(model_cfg.max_position_embeddings, cfg.verifiers.max_len)
@@ -403,12 +409,23 @@ class RouterHost(_ServiceHost):
                 for s in reachable_services(self.store, kind) if s.meta.get("metrics")]
 
 
+def pools_draft_costs(store) -> dict[str, float]:
+    """Each drafter kind's token cost as the registered pools measured it (the highest, when
+    pools disagree)."""
+    costs: dict[str, float] = {}
+    for service in store.list_services("drafter"):
+        for kind, cost in (service.meta.get("draft_costs") or {}).items():
+            costs[kind] = max(cost, costs.get(kind, 0.0))
+    return costs
+
+
 class LastKnown:
     """A lookup in the state store that answers what it last found while the store is
     unreachable (restarting, a network blip): requests go on with the services they knew."""
 
-    def __init__(self, lookup, what: str):
-        self.lookup, self.what, self.last = lookup, what, []
+    def __init__(self, lookup, what: str, nothing=None):
+        """`nothing`: the answer before any lookup succeeded (default: an empty list)."""
+        self.lookup, self.what, self.last = lookup, what, [] if nothing is None else nothing
 
     def __call__(self):
         try:
@@ -416,6 +433,21 @@ class LastKnown:
         except Exception as e:  # noqa: BLE001 - any store failure: keep serving from what we knew
             log.warning("%s unreachable (%s); using the last %d known", self.what, e, len(self.last))
         return self.last
+
+
+class Refreshed:
+    """A lookup asked at most once every `every_s` seconds; its answer kept between."""
+
+    def __init__(self, lookup, every_s: float, clock=time.monotonic):
+        self.lookup, self.every_s, self.clock = lookup, every_s, clock
+        self._answer, self._next = None, -float("inf")
+        self._lock = threading.Lock()
+
+    def __call__(self):
+        with self._lock:
+            if self.clock() >= self._next:
+                self._answer, self._next = self.lookup(), self.clock() + self.every_s
+            return self._answer
 
 
 def services_ready(store, cfg: ServeConfig, timeout_s: float = 1.0) -> str | None:

@@ -208,19 +208,29 @@ class DraftCostMemory:
     in a burst do not stop drafting once the verifier is quiet. The router leaves out of a
     request's routing a drafter that would not draft at all by these costs (`pays`): costs
     older than `max_age_s` are forgotten there, so such a drafter is measured again now and
-    then. Thread-safe."""
+    then. Thread-safe.
 
-    def __init__(self, max_age_s: float = 120.0, clock: Callable[[], float] = time.monotonic):
-        self.max_age_s, self._clock = max_age_s, clock
+    Before a kind has drafted here, its costs are guessed: its token cost as its pools
+    measured it when they started (`prior_token_costs`, kind -> share of a target pass),
+    its round cost as any other kind's latest at the load (asking a pool at all costs the
+    same calls whatever it drafts), so that a new server's first requests do not pay to
+    find out that a drafter does not pay."""
+
+    def __init__(self, max_age_s: float = 120.0, clock: Callable[[], float] = time.monotonic,
+                 prior_token_costs: Callable[[], dict[str, float]] = dict):
+        self.max_age_s, self._clock, self.prior_token_costs = max_age_s, clock, prior_token_costs
         self._costs: dict[tuple[str, int], tuple[float, float, float]] = {}  # token, round costs; when
         self._lock = threading.Lock()
 
     def start(self, control: SpeculationControl, kind: str, load: int) -> None:
-        """Give a control that has measured nothing yet the latest costs of `kind` at `load`."""
+        """Give a control that has measured nothing yet the latest costs of `kind` at `load`
+        (or, if it has drafted at none here, the guess)."""
         with self._lock:
             costs = self._costs.get((kind, load))
+        if costs is None:
+            costs = self._guess(kind, load)
         if costs is not None and control.draft_token_cost == 0 and control.draft_round_cost == 0:
-            control.draft_token_cost, control.draft_round_cost, _ = costs
+            control.draft_token_cost, control.draft_round_cost = costs[:2]
 
     def remember(self, control: SpeculationControl, kind: str, load: int) -> None:
         """A control's costs after a round `kind` drafted at `load`."""
@@ -231,16 +241,30 @@ class DraftCostMemory:
         """Whether `kind` would draft at all at `load` for a request whose new control is
         `control` (its prior the drafter's reliability), by what `kind` last cost at the
         highest load up to `load` it drafted at within `max_age_s` (a drafted round's hop grows
-        with the load: costs from a lighter one are a lower bound); True when there is none:
-        only drafting measures it. Sets the control's costs."""
-        recent = self._clock() - self.max_age_s
-        with self._lock:
-            known = [n for (k, n), (_, _, when) in self._costs.items() if k == kind and n <= load and when >= recent]
-            costs = self._costs[(kind, max(known))] if known else None
+        with the load: costs from a lighter one are a lower bound), else by the guess; True
+        when there is neither: only drafting measures it. Sets the control's costs."""
+        costs = self._latest(kind, load) or self._guess(kind, load)
         if costs is None:
             return True
-        control.draft_token_cost, control.draft_round_cost, _ = costs
+        control.draft_token_cost, control.draft_round_cost = costs[:2]
         return control.length(load) > 0
+
+    def _latest(self, kind: str | None, load: int) -> tuple[float, float, float] | None:
+        """`kind`'s costs (None: any kind's) at the highest load up to `load`, within max_age_s."""
+        recent = self._clock() - self.max_age_s
+        with self._lock:
+            known = [(key[1], when, key) for key, (_, _, when) in self._costs.items()
+                     if kind in (None, key[0]) and key[1] <= load and when >= recent]
+            return self._costs[max(known)[2]] if known else None
+
+    def _guess(self, kind: str, load: int) -> tuple[float, float] | None:
+        """The costs of a kind that has not drafted here: its pools' measured token cost and
+        any kind's latest round cost; None when its pools measured nothing."""
+        token = self.prior_token_costs().get(kind)
+        if token is None:
+            return None
+        other = self._latest(None, load)
+        return token, (other[1] if other else 0.0)
 
 
 class PassCostModel:

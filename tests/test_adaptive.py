@@ -279,6 +279,20 @@ def test_a_drafter_pays_at_a_load_by_what_it_last_cost_there():
     assert memory.pays(SpeculationControl(5, prior=0.01), "recycle", 1)
 
 
+def test_a_drafter_that_has_not_drafted_here_is_judged_by_its_pools_cost_and_any_kinds_hop():
+    """Before a kind drafts at a router, its costs are guessed: the token cost its pools
+    measured at start, the round cost (the calls a pool round makes) any other kind's."""
+    memory = DraftCostMemory(prior_token_costs=lambda: {"small-general": 0.9, "pld": 0.001})
+    assert not memory.pays(SpeculationControl(5, prior=0.5), "small-general", 1)  # a token: 0.9 of a pass
+    assert memory.pays(SpeculationControl(5, prior=0.5), "pld", 1)
+    memory.remember(SpeculationControl(5, draft_round_cost=1.5), "recycle", 1)  # another kind's round: 1.5 passes
+    assert not memory.pays(SpeculationControl(5, prior=0.5), "pld", 1)  # the same calls: the same hop
+    assert memory.pays(SpeculationControl(5, prior=0.5), "unmeasured", 1)  # no pool measured it: drafting will
+    started = SpeculationControl(5, prior=0.5)
+    memory.start(started, "small-general", 1)
+    assert (started.draft_token_cost, started.draft_round_cost) == (0.9, 1.5)
+
+
 def test_auto_routes_no_pool_drafter_that_would_not_draft_at_the_load():
     """Requests one at a time (load 1) through a real router, verifier and pool on loopback,
     routed among prompt lookup (the verifier drafts it) and the recycling drafter (only the

@@ -169,3 +169,17 @@ def test_health_and_reflection(target):
             assert "specserve.v1.Drafter" in ProtoReflectionDescriptorDatabase(channel).get_services()
     finally:
         server.stop(None)
+
+
+def test_a_pool_measures_what_each_kind_costs_a_token():
+    """What a starting pool publishes for routers to start from (drafter_service.costs): a
+    drafted token's seconds over a one-token target pass's, per kind."""
+    from drafter_service.costs import draft_token_costs
+    from tiny import tiny_model
+
+    target = tiny_model(0)
+    costs = draft_token_costs(target, ["pld", "layerskip"])
+    assert set(costs) == {"pld", "layerskip"} and all(c > 0 for c in costs.values())
+    # layer-skip drafts with some of the target's own layers: a token costs a share of a pass;
+    # prompt lookup reads a list
+    assert costs["pld"] < 0.5 * costs["layerskip"]

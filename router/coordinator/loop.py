@@ -24,16 +24,19 @@ class Coordinator:
 
     def __init__(self, verifiers: Callable[[], list[str]], drafters: Callable[[], list[str]],
                  channels: Channels | None = None, pass_costs: PassCostModel | None = None,
-                 service_wait_s: float = 0.0, learning_drafters: Collection[str] = (), calibrate: bool = True):
+                 service_wait_s: float = 0.0, learning_drafters: Collection[str] = (), calibrate: bool = True,
+                 prior_draft_costs: Callable[[], dict[str, float]] = dict):
         """`learning_drafters`: drafter kinds the pools train online (`[drafter_pools.learner]`),
         sent the target's scores after each pass as the kinds that learn from them are.
-        `calibrate`: greedy fusion ranks nodes by calibrated confidences (`[router] calibrate`)."""
+        `calibrate`: greedy fusion ranks nodes by calibrated confidences (`[router] calibrate`).
+        `prior_draft_costs`: each drafter kind's token cost as its pools measured it at start
+        (router.adaptive.DraftCostMemory)."""
         # what the requests' verify and draft sides reach: the services, channels, threads
         self.services = Services(verifiers, drafters, channels or Channels(), pass_costs, service_wait_s,
                                  learning_drafters)
         # what drafting cost lately at each load: requests whose plain rounds run on the
         # verifier start from it (`Request.prefill`)
-        self.draft_costs = DraftCostMemory()
+        self.draft_costs = DraftCostMemory(prior_token_costs=prior_draft_costs)
         # each namespace's confidence calibration of each drafter kind (greedy fusion), learned
         # from every request of that namespace here
         self._calibrations: Namespaces[dict[str, Calibration]] = Namespaces(lambda _: {})
