@@ -35,14 +35,15 @@ def init_ray(cfg) -> None:
     if ray.is_initialized():
         return
     if os.environ.get("RAY_ADDRESS"):
-        ray.init(namespace=NAMESPACE, log_to_driver=False)
+        ray.init(namespace=NAMESPACE, log_to_driver=False, logging_level=logging.getLogger("ray").getEffectiveLevel())
         return
     resources: dict[str, float] = {}
     for part in (cfg.verifiers, cfg.drafter_pools):
         most = max(part.count, part.max_count or 0)  # room for every replica autoscaling may start
         for name, amount in part.resources.items():
             resources[name] = resources.get(name, 0) + amount * most
-    start_local_ray(namespace=NAMESPACE, resources=resources, include_dashboard=False, log_to_driver=False)
+    start_local_ray(namespace=NAMESPACE, resources=resources, include_dashboard=False, log_to_driver=False,
+                    logging_level=logging.getLogger("ray").getEffectiveLevel())
     keep_private(RAY_AUTH_TOKEN)
 
 

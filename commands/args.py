@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from runtime.loading import DTYPES
 
@@ -43,5 +44,5 @@ def prepare_once(source: str | None, device: str = "cpu") -> None:
     tuning = cpu_tuning_from_env()
     takes_torchs = tuning.kernels == "torch" or (tuning.kernels == "auto" and cpu_kernels.has_amx())
     if device == "cpu" and not takes_torchs and not cpu_kernels.library_path(cache_dir).exists():
-        tqdm.write("specserve: compiling specserve's CPU products once (runtime/cpu_kernels.cpp)")
+        tqdm.write("specserve: compiling specserve's CPU products once (runtime/cpu_kernels.cpp)", file=sys.stderr)
         cpu_kernels.preferred(tuning.kernels, cache_dir, tuning.compiler)

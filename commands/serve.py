@@ -69,13 +69,14 @@ def serve(cfg) -> int:
 
     from cluster.config import open_access_warning
     from cluster.ray_start import init_ray
-    from deploy.app import start_app
+    from deploy.app import APP_NAME, start_app
 
     warning = open_access_warning(cfg)
     if warning:
         print(f"specserve: warning: {warning}", flush=True)
     check_ports_free(cfg)
     prepare_once(cfg.model, cfg.device)
+    quiet_ray()
     init_ray(cfg)
     print(f"specserve: starting {cfg.verifiers.count} verifier(s) and {cfg.drafter_pools.count} drafter pool(s)...",
           flush=True)
@@ -89,10 +90,26 @@ def serve(cfg) -> int:
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
     print("specserve: shutting down", flush=True)
-    ray_serve.shutdown()
+    # the application's replicas drain; then the cluster stops (one this command started goes
+    # whole, Serve with it: shutting Serve down first left the controller's pending calls to
+    # fail loudly once it was killed)
+    ray_serve.delete(APP_NAME)
     ray.shutdown()
     return 0
 
+
+def quiet_ray() -> None:
+    """Ray's and Serve's progress lines are this command's to tell (its `specserve:` lines):
+    a start that says it connects to an existing application, on a fresh cluster, reads as a
+    fault. Their warnings and errors still show."""
+    import logging
+
+    import ray.serve  # noqa: F401 - its logger set up before it is quieted
+
+    logging.getLogger("ray").setLevel(logging.WARNING)
+    logging.getLogger("ray.serve").setLevel(logging.WARNING)
+    # that Ray's token authentication is on comes as a warning; it is not one (the token is kept 0600)
+    logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
 
 
 def check_ports_free(cfg) -> None:

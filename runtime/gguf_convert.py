@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -112,7 +113,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, show_progress: bool = False) ->
     from safetensors.torch import save_file
     from tqdm import tqdm
 
-    say = tqdm.write if show_progress else (lambda _: None)
+    say = (lambda line: tqdm.write(line, file=sys.stderr)) if show_progress else (lambda _: None)
     say(f"specserve: converting {gguf_path.name} once into a float32 checkpoint under {out_dir.parent}")
     reader = gguf.GGUFReader(str(gguf_path))
     cfg, _ = gguf_config(reader)

@@ -62,3 +62,18 @@ def test_serve_refuses_a_short_cluster_secret_before_starting_anything(monkeypat
     assert r.returncode == 2
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "SPECSERVE_CLUSTER_SECRET must be at least 16 characters" in lines[0], r.stderr
+
+
+def test_the_first_run_says_what_it_makes_once(tmp_path):
+    """A fresh cache: the GGUF's conversion is shown, with its steps, not run in silence;
+    a later run, the cache made, says nothing of it."""
+    import os
+
+    env = {**os.environ, "SPECSERVE_CACHE_DIR": str(tmp_path), "SPECSERVE_CPU_KERNELS": "torch"}
+    command = [sys.executable, "-m", "commands.cli", "generate", "--prompt", "Hi", "--max-tokens", "2", "--json"]
+    first = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert first.returncode == 0, first.stderr
+    assert "converting SmolLM2-135M-Instruct" in first.stderr and "dequantising" in first.stderr
+    assert json.loads(first.stdout)["token_ids"]  # stdout stays the answer alone
+    again = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert again.returncode == 0 and "converting" not in again.stderr

@@ -57,6 +57,10 @@ def test_serve_answers_and_stops_on_sigterm(tmp_path):
             assert client.generate(messages=[{"role": "user", "content": "Say hello."}], max_tokens=8).text
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
+        # what the user reads: specserve's own lines, nothing that reads as a fault when there is none
+        said = "".join(lines) + proc.stdout.read()
+        for noise in ("Connecting to existing Serve app", "(raylet)", "killed by `ray.kill`", "Traceback"):
+            assert noise not in said, said
     finally:
         if proc.poll() is None:
             proc.kill()
