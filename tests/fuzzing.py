@@ -632,7 +632,9 @@ class CharTokenizer:
     def encode(self, text: str) -> list[int]:
         return [ord(c) % self.vocab_size for c in text[:16]]
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    template_knows_tools = False
+
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         return self.encode(messages[-1]["content"])
 
     def decode(self, ids: list[int]) -> str:

@@ -37,7 +37,9 @@ class CharTokenizer:
     def encode(self, text: str) -> list[int]:
         return [ord(c) % V for c in text[:PROMPT_CHARS]]
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    template_knows_tools = False
+
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         return self.encode(messages[-1]["content"])
 
     def decode(self, ids: list[int]) -> str:

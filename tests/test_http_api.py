@@ -189,7 +189,7 @@ BAD = [  # (change to a good request, the param the error must name, status)
     ({"seed": -1}, "seed", 400),
     ({"stop": ["x"] * 9}, "stop", 400),
     ({"messages": []}, "messages", 400),
-    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role", 400),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role", 400),
     ({"logprobs": True}, "logprobs", 400),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", 400),
     ({"frobnicate": 1}, "frobnicate", 400),
