@@ -430,6 +430,9 @@ class FusedDrafter:
         for drafter, _ in self.members:
             self.abilities = self.abilities.joined(drafter.abilities)
         self._learners = [d for d, _ in self.members if d.abilities.learns_from_target]
+        # a member that drafts from the target's features (EAGLE) gets them in the request it is given
+        self.feature_layers = next((d.feature_layers for d, _ in self.members
+                                    if d.abilities.drafts_from_features), None)
 
     def propose(self, request: DraftRequest) -> DraftTree:
         context, greedy, nodes = request.context, request.params.deterministic, request.nodes

@@ -11,8 +11,10 @@ import threading
 import weakref
 
 from speculative.calibration import Calibration
-from speculative.drafter_kinds import (DRAFTER_NAMES, SELF_INT4, SHIPPED_DIR, SHIPPED_DRAFTERS,  # noqa: F401
-                                       check_drafter, drafter_domains, drafter_path, is_drafter)
+from speculative.drafter_kinds import (DRAFTER_NAMES, EAGLE, SELF_INT4, SHIPPED_DIR, SHIPPED_DRAFTERS,  # noqa: F401
+                                       check_drafter, drafter_domains, drafter_path, eagle_path, is_drafter)
+from runtime.eagle_head import EagleHead, load_head
+from speculative.eagle import EagleDrafter
 from runtime.cpu_tuning import apply_cpu_tuning, tuning_of
 from runtime.model import Transformer
 from speculative.ngram import PLD_MAX_NGRAM, PLD_MIN_NGRAM
@@ -67,6 +69,8 @@ class DrafterMemory:
 _memories: dict[int, Namespaces[DrafterMemory]] = {}
 # Small drafter models, loaded once per process and target, shared by requests.
 _small_models: dict[tuple[str, int], tuple[Transformer, list[int] | None]] = {}
+# Feature-level heads (eagle), loaded once per process and target and attached to it.
+_heads: dict[tuple[str, int], EagleHead] = {}
 # Each target's int4 twin (self-int4), made once; it goes with its target.
 _int4_twins: "weakref.WeakKeyDictionary[Transformer, Transformer]" = weakref.WeakKeyDictionary()
 _load_lock = threading.Lock()
@@ -118,6 +122,9 @@ def make_drafter(name: str, target: Transformer, draft_top_k: int | None = None,
         return SuffixDrafter(memory(target, namespace).suffix_index(), target.config.vocab_size)
     if name == "recycle":
         return RecyclingDrafter(memory(target, namespace).recycled())
+    if eagle_path(name) is not None:
+        return EagleDrafter(_head(name, target), draft_top_k=draft_top_k,
+                            max_len=target.config.max_position_embeddings)
     model, vocab_ids = _small_model(name, target)
     return ModelDrafter(model, name=name, draft_top_k=draft_top_k, vocab_ids=vocab_ids,
                         target_vocab_size=target.config.vocab_size, **easyspec)
@@ -139,6 +146,22 @@ def _int4_twin(target: Transformer) -> Transformer:
             apply_cpu_tuning(twin, tuning_of(target))
             _int4_twins[target] = twin
         return _int4_twins[target]
+
+
+def _head(name: str, target: Transformer) -> EagleHead:
+    """The feature-level head `name` names, attached to `target` (its embedding and LM head rows)."""
+    path = eagle_path(name)
+    key = (str(path.resolve()), id(target))
+    with _load_lock:
+        if key not in _heads:
+            if not (path / "head.safetensors").exists():
+                raise FileNotFoundError(f"drafter {name!r}: no head checkpoint at {path}")
+            head, _ = load_head(path, device=str(target.device))
+            try:
+                _heads[key] = head.attach(target)
+            except ValueError as exc:
+                raise InvalidArgument("drafter", f"drafter {name!r}: {exc}") from exc
+        return _heads[key]
 
 
 def _small_model(name: str, target: Transformer) -> tuple[Transformer, list[int] | None]:

@@ -346,16 +346,21 @@ class PaddedShortRows(Transformer):
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache, mask: torch.Tensor,
                 layers: Sequence[int] | None = None, logits_from: int = 0,
-                real: Sequence[int] | None = None) -> torch.Tensor:
+                real: Sequence[int] | None = None, capture: Sequence[int] | None = None):
         b, t = tokens.shape
         short = self.pad_short_rows and tokens.device.type == "cpu" and b == 1 and 1 < t < PAD_ROWS_TO
         if not short or (real is not None and sum(real) != t):  # rows given packed: the model's own path
-            return super().forward(tokens, positions, cache, mask, layers, logits_from, real)
+            return super().forward(tokens, positions, cache, mask, layers, logits_from, real, capture)
         pad = PAD_ROWS_TO - t
         tokens, positions, mask = _pad_rows(tokens, positions, mask, pad)
-        logits = super().forward(tokens, positions, cache, mask, layers, logits_from)
+        out = super().forward(tokens, positions, cache, mask, layers, logits_from, capture=capture)
         cache.lengths[0] -= pad
-        return logits[:, : t - logits_from] if real is None else logits[0, : t - logits_from][: real[0]]
+
+        def unpadded(x, start=logits_from):
+            return x[:, : t - start] if real is None else x[0, : t - start][: real[0]]
+        if capture is None:
+            return unpadded(out)
+        return unpadded(out[0]), unpadded(out[1], 0)  # the features (EAGLE): every position
 
 
 def _pad_rows(tokens, positions, mask, pad):

@@ -322,7 +322,7 @@ class Transformer(nn.Module):
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, mask: torch.Tensor,
                 layers: Sequence[int] | None = None, logits_from: int = 0,
-                real: Sequence[int] | None = None) -> torch.Tensor:
+                real: Sequence[int] | None = None, capture: Sequence[int] | None = None):
         """Score `tokens` [B, T] at `positions` [B, T], appending their keys and values.
 
         Row b's new keys go to cache slots lengths[b].. and its length grows by T.
@@ -336,6 +336,12 @@ class Transformer(nn.Module):
         layers and the head then run on the real tokens alone, packed, and the
         logits come back packed too: [sum(real), V], row after row. A batch of
         one wide tree and seven single tokens costs 13 tokens' work, not 48.
+
+        `capture` (layer indices; default None, nothing extra): also return the
+        hidden states those layers output, concatenated in `capture`'s order, at
+        every position of the pass (`logits_from` cuts the logits only):
+        `(logits, features [B, T, len(capture) * H])`, packed as the logits are when
+        `real` packs them. A feature-level drafter (EAGLE) drafts from them.
         """
         b, t = tokens.shape
         packing = None if real is None or sum(real) == b * t else _Packing(b, t, real, tokens.device)
@@ -345,15 +351,27 @@ class Transformer(nn.Module):
         if packing is not None:
             x = packing.pack(x)
         picked = range(len(self.layers)) if layers is None else layers
+        captured = {}
         for i, layer_idx in enumerate(picked):
             x = self.layers[layer_idx](x, cos, sin, cache.k[i], cache.v[i], starts, mask, packing)
+            if capture is not None and layer_idx in capture:
+                captured[layer_idx] = x
         for row in range(b):
             cache.lengths[row] += t
+        logits = self.lm_head(self.norm(self._at_logits(x, b, t, logits_from, real, packing))).float()
+        if capture is None:
+            return logits
+        features = torch.cat([captured[i] for i in capture], -1)
+        return logits, self._at_logits(features, b, t, 0, real, packing)
+
+    @staticmethod
+    def _at_logits(x: torch.Tensor, b: int, t: int, logits_from: int, real, packing) -> torch.Tensor:
+        """The rows of `x` from `logits_from` on, packed as the logits are."""
         if packing is None:
             x = x[:, logits_from:]
             if real is not None:  # nothing was padded: the same packed layout
                 x = x.reshape(b * t, -1)
-        return self.lm_head(self.norm(x)).float()
+        return x
 
 
 # passes of more new tokens attend through SDPA even where a fused attention is installed

@@ -45,6 +45,9 @@ class VerifyItem:
     # verdict's tokens; None: the target's distribution as it is
     processor: Processor | None = None
     extra_nodes: int = 0  # nodes the pass may add to the tree: the tokens a grammar forces
+    # target layers whose outputs the row's drafter reads (EAGLE): the verdict then carries
+    # them at the root and the accepted nodes (`Verdict.features`); None: not captured
+    capture: Sequence[int] | None = None
 
 
 @dataclass
@@ -54,6 +57,9 @@ class Verdict:
     tree: DraftTree  # the tree verified: the item's, less the nodes a grammar forbids, plus those it forces
     logprobs: list[TokenLogprob] | None = None  # of the accepted tokens and the bonus, when asked
     forced: int = 0  # tokens a grammar forced below the root (jump-forward), all accepted
+    # the target's captured features [1 + len(path), F] at the root and the accepted nodes, in
+    # path order: the positions this verdict verified (the bonus token's come next round)
+    features: torch.Tensor | None = None
 
     @property
     def accepted(self) -> list[int]:
@@ -89,7 +95,10 @@ def verify_batch(model: Transformer, cache: KVCache, items: list[VerifyItem]) ->
         for j in range(n, width):  # padding: sees only itself
             mask[r, j, start + j] = True
     real = [1 + len(by_row[r].tree) if r in by_row else 0 for r in range(rows)]
-    logits = model(tokens.to(device), positions.to(device), cache, mask.to(device), real=real)
+    capture = _capture(items)
+    logits = model(tokens.to(device), positions.to(device), cache, mask.to(device), real=real, capture=capture)
+    if capture is not None:  # the same pass's hidden states, laid out as the logits
+        logits, features = logits
     results, offset = [], 0
     for r in range(rows):
         it = by_row.get(r)
@@ -101,11 +110,21 @@ def verify_batch(model: Transformer, cache: KVCache, items: list[VerifyItem]) ->
         if it.on_scores is not None:
             it.on_scores([it.root_token] + it.tree.tokens, scores)
         verdict = _choose(it, scores, starts[r], forced_of[it.row])
+        if it.capture is not None:
+            verdict.features = features[offset - real[r]:offset][[0] + [node + 1 for node in verdict.path]]
         # keep the root's and the accepted nodes' keys and values, in path order
         cache.keep(starts[r], [0] + [node + 1 for node in verdict.path], row=r)
         results.append((r, verdict))
     verdicts = dict(results)
     return [verdicts[it.row - first] for it in items]
+
+
+def _capture(items) -> tuple[int, ...] | None:
+    """The layers the pass captures: those the items ask for (one target: the same for all)."""
+    asked = {tuple(it.capture) for it in items if it.capture is not None}
+    if len(asked) > 1:
+        raise ValueError(f"items of one pass ask for different feature layers: {sorted(asked)}")
+    return next(iter(asked), None)
 
 
 def _prepared(it: VerifyItem) -> tuple[VerifyItem, int]:

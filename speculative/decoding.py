@@ -41,6 +41,10 @@ class DraftRequest:
     generator: torch.Generator | None = None  # the request's drafter stream (None: greedy callers)
     verified: int | None = None  # how many of `context` are verified (None: all)
     max_nodes: int | None = None  # the most nodes of the tree (None: `depth`, a chain's worth)
+    # (start, [m, F]): the target's captured features (its `feature_layers`' outputs) at context
+    # positions start..start+m-1, those verified since the drafter was last given any; for a
+    # drafter that `drafts_from_features` (EAGLE), None for the others
+    features: tuple[int, torch.Tensor] | None = None
 
     @property
     def nodes(self) -> int:
@@ -126,6 +130,22 @@ class Speculation:
     # the target's scores at the positions it scored, for a drafter that learns from them
     on_scores: Callable[[Sequence[int], torch.Tensor], None] | None = None
     processor: Processor | None = None  # penalties, bias, grammar (None: the target as it is)
+    # the layers a drafter drafts from (EAGLE; None: nothing captured), and the target's features
+    # at verified positions not yet handed to the drafter (`DraftRequest.features`)
+    capture: tuple[int, ...] | None = None
+    features: tuple[int, torch.Tensor] | None = None
+
+    def add_features(self, start: int, features: torch.Tensor) -> None:
+        """Features at positions start.. join those the drafter has not had yet."""
+        if self.features is None:
+            self.features = (start, features)
+        else:
+            first, held = self.features
+            self.features = (first, torch.cat((held[:start - first], features)))
+
+    def take_features(self) -> tuple[int, torch.Tensor] | None:
+        held, self.features = self.features, None
+        return held
 
 
 @dataclass
@@ -137,6 +157,13 @@ class Round:
     ready: DraftTree | None = None  # the next round's tree: drafted ahead and kept by the verdict
     forced: int = 0  # tokens a grammar forced
     logprobs: list[TokenLogprob] | None = None  # of `tokens`, when asked
+
+
+def _captured_layers(drafter: Drafter | None) -> tuple[int, ...] | None:
+    """The target layers a drafter that drafts from features reads."""
+    if drafter is None or not drafter.abilities.drafts_from_features:
+        return None
+    return tuple(drafter.feature_layers)
 
 
 def _observer(drafter: Drafter | None):
@@ -152,7 +179,11 @@ def prefill(spec: Speculation, prompt_ids: Sequence[int]) -> Verdict:
     device, n = spec.target.device, len(prompt_ids)
     seed = min(n, PROMPT_SEED) if observe is not None else 1
     logits = spec.target(torch.tensor([list(prompt_ids)], device=device), torch.arange(n, device=device)[None],
-                         spec.cache, attention_mask(0, causal_ancestors(n, device)), logits_from=n - seed)
+                         spec.cache, attention_mask(0, causal_ancestors(n, device)), logits_from=n - seed,
+                         capture=spec.capture)
+    if spec.capture is not None:  # the prompt's features, for a drafter that drafts from them
+        logits, features = logits
+        spec.add_features(0, features[0])
     if observe is not None:
         observe(list(prompt_ids[n - seed:]), *top_candidates(logits[0]))
     return first_verdict(logits[0, -1], spec.params, spec.verifier_rng, n, spec.processor)
@@ -168,7 +199,7 @@ def speculative_round(spec: Speculation, context: list[int], left: int, ready: D
     if spec.drafter is not None and budget > 0:
         nodes = nodes_for_depth(budget, spec.draft_length, spec.tree_budget)
         tree = ready if ready else spec.drafter.propose(DraftRequest(context, budget, spec.params, spec.drafter_rng,
-                                                                     max_nodes=nodes))
+                                                                     max_nodes=nodes, features=spec.take_features()))
         tree = tree.truncated(nodes)
         if spec.pipelined:
             guess = [tree.tokens[node] for node in likeliest_path(tree)]
@@ -176,7 +207,9 @@ def speculative_round(spec: Speculation, context: list[int], left: int, ready: D
     room = min(left - 1, spec.cache.max_len - spec.cache.lengths[0] - 1 - len(tree))  # for forced tokens
     [verdict] = verify_batch(spec.target, spec.cache, [VerifyItem(0, context[-1], tree, spec.params, spec.verifier_rng,
                                                                   on_scores=spec.on_scores, processor=spec.processor,
-                                                                  extra_nodes=max(room, 0))])
+                                                                  extra_nodes=max(room, 0), capture=spec.capture)])
+    if verdict.features is not None:  # the root's and the accepted nodes' positions
+        spec.add_features(len(context) - 1, verdict.features)
     accepted, bonus = verdict.accepted, verdict.bonus
     kept = reuse_ahead(ahead, guess, accepted, bonus) if ahead is not None else None
     return Round(accepted + [bonus], len(verdict.tree), len(verdict.path), kept, verdict.forced, verdict.logprobs)
@@ -189,7 +222,7 @@ def _draft_ahead(spec: Speculation, context: list[int], guess: list[int], left: 
     if room <= 0:
         return None
     return spec.drafter.propose(DraftRequest(context + guess, room, spec.params, spec.drafter_rng,
-                                             verified=len(context),
+                                             verified=len(context), features=spec.take_features(),
                                              max_nodes=nodes_for_depth(room, spec.draft_length, spec.tree_budget)))
 
 
@@ -228,7 +261,7 @@ def generate(target: Transformer, prompt_ids: Sequence[int], params: SamplingPar
         drafter=drafter, drafter_rng=make_generator(params.seed, target.device, stream=1),
         draft_length=draft_length, tree_budget=nodes, pipelined=pipelined,
         on_scores=None if observe is None else lambda tokens, scores: observe(tokens, *top_candidates(scores)),
-        processor=processor)
+        processor=processor, capture=_captured_layers(drafter))
     result = GenerationResult([], "length", len(prompt_ids), target_forward_passes=1,
                               logprobs=[] if params.logprobs is not None else None)
 

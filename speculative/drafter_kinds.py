@@ -1,7 +1,8 @@
 """Drafter names and their checks, without torch or the model stack.
 
 Names: the model-free kinds (`pld`, `suffix`, `recycle`), the target's own layers
-(`layerskip`), the target itself with int4 weights (`self-int4`), the small
+(`layerskip`), the target itself with int4 weights (`self-int4`), the feature-level
+head shipped for the default target (`eagle`) or any head directory, the small
 drafters shipped for the default target (`small-*`, docs/DRAFTERS.md), the
 path of any drafter directory written by `specserve train-drafter`, or several
 of these joined by `+`, fused into one tree per round. The configuration and the router validate names here;
@@ -20,7 +21,9 @@ from runtime.errors import InvalidArgument
 SHIPPED_DIR = Path(__file__).resolve().parent.parent / "drafter_service" / "checkpoints"
 SHIPPED_DRAFTERS = ("small-general", "small-math", "small-extraction", "small-language")
 SELF_INT4 = "self-int4"  # the target itself, its linear layers in int4
-DRAFTER_NAMES = ("none", "pld", "layerskip", SELF_INT4, "suffix", "recycle") + SHIPPED_DRAFTERS
+EAGLE = "eagle"  # the shipped feature-level head (speculative.eagle), or a directory with an eagle.json
+EAGLE_DIR = SHIPPED_DIR / "eagle"
+DRAFTER_NAMES = ("none", "pld", "layerskip", SELF_INT4, "suffix", "recycle", EAGLE) + SHIPPED_DRAFTERS
 # what a verifier drafts with itself, round after round in a Decode call (verifier_service.drafting)
 VERIFIER_DRAFTERS = ("pld", "suffix", "none")
 
@@ -40,17 +43,23 @@ class Abilities:
     shares_memory: bool = False
     # it ends a draft after a token drawn with less confidence than it is told (SpecDec++)
     stops_on_confidence: bool = False
+    # it drafts from the target's hidden states (EAGLE): the verify pass captures its
+    # `feature_layers` and the loop hands it those of each newly verified position
+    # (`DraftRequest.features`)
+    drafts_from_features: bool = False
 
     def joined(self, other: "Abilities") -> "Abilities":
         """What a fusion of the two learns from (a fusion forwards no confidence stop)."""
         return Abilities(self.learns_from_target or other.learns_from_target,
                          self.learns_from_outputs or other.learns_from_outputs,
-                         self.shares_memory or other.shares_memory)
+                         self.shares_memory or other.shares_memory,
+                         drafts_from_features=self.drafts_from_features or other.drafts_from_features)
 
 
 _ABILITIES = {
     "suffix": Abilities(learns_from_outputs=True, shares_memory=True),
     "recycle": Abilities(learns_from_target=True, shares_memory=True),
+    EAGLE: Abilities(stops_on_confidence=True, drafts_from_features=True),
 }
 _MODEL = Abilities(stops_on_confidence=True)  # layerskip, self-int4, small drafters, trained directories
 
@@ -64,6 +73,8 @@ def abilities(name: str) -> Abilities:
         return joined
     if name in ("none", "pld"):
         return Abilities()
+    if is_eagle_dir(name):
+        return _ABILITIES[EAGLE]
     return _ABILITIES.get(name, _MODEL)
 
 
@@ -73,6 +84,21 @@ def is_drafter_dir(path: str | Path) -> bool:
         return (Path(path) / "drafter.json").is_file()
     except OSError:  # not a path this system can look up (e.g. too long for a file name): none
         return False
+
+
+def is_eagle_dir(path: str | Path) -> bool:
+    """Whether `path` is a feature-level head's directory (`specserve train-drafter --kind eagle`)."""
+    try:
+        return (Path(path) / "eagle.json").is_file()
+    except OSError:
+        return False
+
+
+def eagle_path(name: str) -> Path | None:
+    """The head directory an eagle drafter name refers to, else None."""
+    if name == EAGLE:
+        return EAGLE_DIR
+    return Path(name) if is_eagle_dir(name) else None
 
 
 def drafter_path(name: str) -> Path | None:
@@ -94,7 +120,7 @@ def drafter_domains(name: str) -> tuple[str, ...]:
 def is_drafter(name: str) -> bool:
     if "+" in name:  # fused: every member a drafter
         return all(part not in ("", "none") and is_drafter(part) for part in name.split("+"))
-    return name in DRAFTER_NAMES or drafter_path(name) is not None
+    return name in DRAFTER_NAMES or drafter_path(name) is not None or is_eagle_dir(name)
 
 
 def check_drafter(name: str) -> None:
