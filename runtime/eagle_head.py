@@ -91,8 +91,8 @@ class EagleHead(nn.Module):
         self.mlp = MLP(mlp_cfg)
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
         self.register_buffer("vocab_ids", vocab_ids.to(torch.long), persistent=False)  # draft id -> target id
-        # the target's: set by `attach` (not part of the checkpoint)
-        self.embed: nn.Embedding | None = None
+        # the target's: set by `attach` (not part of the checkpoint, not trained)
+        self.embed_weight: torch.Tensor | None = None
         self.lm_head_weight: torch.Tensor | None = None  # [draft vocab, H]
         self.rope_cos = self.rope_sin = None
 
@@ -105,7 +105,7 @@ class EagleHead(nn.Module):
         if target.config.vocab_size != self.config.target_vocab_size:
             raise ValueError(f"the head was trained for a vocabulary of {self.config.target_vocab_size} tokens, "
                              f"the target has {target.config.vocab_size}")
-        self.embed = target.embed
+        self.embed_weight = target.embed.weight.detach()
         ids = self.vocab_ids.to(target.device)
         if isinstance(target.lm_head, nn.Linear):
             self.lm_head_weight = target.lm_head.weight.detach()[ids].float()
@@ -132,7 +132,7 @@ class EagleHead(nn.Module):
         causal, no past). Returns (hidden [B, T, H], new keys, new values [B, kv, T, D])."""
         cfg = self.config
         b, t, _ = g.shape
-        emb = self.embed(tokens).to(g.dtype)
+        emb = F.embedding(tokens, self.embed_weight).to(g.dtype)
         x = torch.cat((self.embed_norm(emb), self.feature_norm(g)), -1)
         heads = self.qkv(x).view(b, t, -1, cfg.head_dim).transpose(1, 2)
         roped = cfg.num_heads + cfg.num_kv_heads
