@@ -60,9 +60,9 @@ class EagleTrainConfig:
     intermediate: int = 768
     ttt_steps: int = 3
     top_k: int = 8
-    prompt_weight: float = 0.25
+    prompt_weight: float = 0.0  # the head drafts answers: prompt positions only feed its cache
     lr: float = 1e-3
-    sequences_per_step: int = 8
+    sequences_per_step: int = 4
     eval_fraction: float = 0.08
     seed: int = 0
     extra: dict = field(default_factory=dict)
@@ -249,7 +249,7 @@ def _batch(items: list[dict], to_draft: torch.Tensor, prompt_weight: float):
 
 
 def ttt_forward(head: EagleHead, feats, nxt, steps: int):
-    """The head's logits [B, T, Vd] at each training-time-test step (see the module doc)."""
+    """The head's outputs [B, T, H] at each training-time-test step (see the module doc)."""
     b, t, _ = feats.shape
     positions = torch.arange(t)[None].expand(b, t)
     g = head.fused(feats)
@@ -268,18 +268,19 @@ def ttt_forward(head: EagleHead, feats, nxt, steps: int):
             h, k, v = head.layer(g, nxt, positions, empty, empty, None)
         ks.append(k)
         vs.append(v)
-        outs.append(head.logits(h))
+        outs.append(h)
     return outs
 
 
-def _loss(outs, ids, probs, weight):
+def _loss(head: EagleHead, outs, ids, probs, weight):
     total, norm = 0.0, 0.0
-    for j, logits in enumerate(outs):
+    for j, h in enumerate(outs):
         w = weight.clone()
         w[:, :j] = 0  # no real entry j positions back
-        logp = torch.log_softmax(logits, -1).gather(-1, ids)
-        ce = -(probs * logp).sum(-1)
-        total = total + TTT_DECAY ** j * (ce * w).sum()
+        at = w > 0  # the LM head (most of a step's work) only where the loss counts
+        logp = torch.log_softmax(head.logits(h[at]), -1).gather(-1, ids[at])
+        ce = -(probs[at] * logp).sum(-1)
+        total = total + TTT_DECAY ** j * (ce * w[at]).sum()
         norm += TTT_DECAY ** j * float(w.sum())
     return total / max(norm, 1e-6)
 
@@ -289,10 +290,10 @@ def agreement(head: EagleHead, batches, steps: int) -> list[float]:
     """Top-1 agreement with the target's top-1 on answer positions, per TTT step."""
     hits, counts = [0.0] * steps, [0.0] * steps
     for feats, nxt, ids, probs, weight in batches:
-        for j, logits in enumerate(ttt_forward(head, feats, nxt, steps)):
+        for j, h in enumerate(ttt_forward(head, feats, nxt, steps)):
             ok = (weight == 1.0) & (probs[..., 0] > 0)
             ok[:, :j] = False
-            hits[j] += float(((logits.argmax(-1) == ids[..., 0]) & ok).sum())
+            hits[j] += float((head.logits(h[ok]).argmax(-1) == ids[..., 0][ok]).sum())
             counts[j] += float(ok.sum())
     return [h / max(c, 1) for h, c in zip(hits, counts)]
 
@@ -342,7 +343,7 @@ def train_eagle(cfg: EagleTrainConfig, log=print, *, cache_dir: str | None = Non
                 for pg in opt.param_groups:
                     pg["lr"] = lr
                 feats, nxt, ids, probs, weight = _batch(group, to_draft, cfg.prompt_weight)
-                loss = _loss(ttt_forward(head, feats, nxt, cfg.ttt_steps), ids, probs, weight)
+                loss = _loss(head, ttt_forward(head, feats, nxt, cfg.ttt_steps), ids, probs, weight)
                 opt.zero_grad()
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -350,7 +351,7 @@ def train_eagle(cfg: EagleTrainConfig, log=print, *, cache_dir: str | None = Non
                 step += 1
                 now = time.perf_counter() - started
                 bar.update(round(min(now, budget)) - bar.n)
-                bar.set_postfix(loss=f"{float(loss):.3f}", step=step)
+                bar.set_postfix(loss=f"{loss.item():.3f}", step=step)
                 elapsed = now
                 if elapsed >= next_eval or elapsed >= budget:
                     next_eval = elapsed + 60.0
