@@ -255,13 +255,15 @@ async def _rest(stream, first: pb.GenerateChunk | None) -> AsyncIterator[pb.Gene
 
 async def _whole(out: oa.Responses, streams: list, firsts: list) -> dict[str, Any]:
     async def collect(stream, first):
-        text, ids, reason, usage = [], [], "length", pb.Usage()
+        text, ids, reason, usage, calls, logprobs = [], [], "length", pb.Usage(), [], []
         async for chunk in _rest(stream, first):
             text.append(chunk.text)
             ids.extend(chunk.token_ids)
+            calls.extend(chunk.tool_calls)
+            logprobs.extend(chunk.logprobs)
             if chunk.finish_reason:
                 reason, usage = chunk.finish_reason, chunk.usage
-        return "".join(text), ids, reason, usage
+        return "".join(text), ids, reason, usage, calls, logprobs
 
     results = await asyncio.gather(*(collect(s, f) for s, f in zip(streams, firsts)))
     return out.whole(*(list(column) for column in zip(*results)))
@@ -351,14 +353,15 @@ class OpenAIIngress:
         return await self._complete(request, oa.CompletionRequest, "/v1/completions")
 
     async def _complete(self, request: Request, kind: type, route: str):
-        status = 500
+        status, req = 500, None
         try:
             req = await _parsed(kind, await _body(request, self.cfg.http.max_body_bytes))
             if req.model != self.model:
                 raise oa.OpenAIError(404, f"model {req.model!r} does not exist; this server serves {self.model!r}",
                                      "model", "model_not_found")
             rid = uuid.uuid4().hex
-            out = oa.Responses(kind is oa.ChatCompletionRequest, rid, self.model, req.return_token_ids)
+            out = oa.Responses(kind is oa.ChatCompletionRequest, rid, self.model, req.return_token_ids,
+                               logprobs=req.top_logprob_count() is not None)
             started = time.monotonic()
             key = bearer(request.headers.get("authorization"))
             streams = [self.router.options(stream=True).generate.remote(g.SerializeToString(), key)
@@ -376,8 +379,8 @@ class OpenAIIngress:
             raise _router_lost(e) from None
         except oa.OpenAIError as e:
             status = e.status
-            if e.param == "prompt" and kind is oa.ChatCompletionRequest:
-                e.param = "messages"
+            if req is not None:  # the router's field, as the request spelt it
+                req.rename(e)
             raise
         finally:
             self.metrics.requests.labels(route, str(status)).inc()
@@ -402,9 +405,11 @@ class OpenAIIngress:
                 last = now
                 if chunk.finish_reason:
                     usages[i] = chunk.usage
-                if chunk.text or chunk.finish_reason or (out.return_token_ids and chunk.token_ids):
+                if chunk.text or chunk.finish_reason or chunk.tool_calls or (out.logprobs and chunk.logprobs) or (
+                        out.return_token_ids and chunk.token_ids):
                     yield _event(out.chunk(i, chunk.text, list(chunk.token_ids), chunk.finish_reason or None,
-                                           with_usage_field=include_usage))
+                                           with_usage_field=include_usage, calls=list(chunk.tool_calls),
+                                           logprobs=list(chunk.logprobs)))
             if include_usage:
                 yield _event(out.usage_chunk([usages[i] for i in sorted(usages)]))
         except oa.OpenAIError as e:

@@ -69,7 +69,7 @@ def template_messages(messages: Sequence[pb.ChatMessage], tools: Sequence[Functi
                       template_knows_tools: bool) -> tuple[list[dict], list[dict] | None]:
     """The messages as the chat template takes them, and the tools to hand it (None: the
     tools are written into the messages here)."""
-    rendered = [_message(m) for m in messages]
+    rendered = [_message(m, i) for i, m in enumerate(messages)]
     if not tools:
         return rendered, None
     specs = [{"type": "function", "function": {"name": f.name, "description": f.description,
@@ -84,15 +84,28 @@ def template_messages(messages: Sequence[pb.ChatMessage], tools: Sequence[Functi
     return rendered, None
 
 
-def _message(m: pb.ChatMessage) -> dict:
+def _message(m: pb.ChatMessage, index: int) -> dict:
     if m.role == "tool":
         return {"role": "user", "content": f"<tool_response>\n{m.content}\n</tool_response>"}
     content = m.content
     if m.tool_calls:
-        calls = "\n".join(f"{OPEN}\n{json.dumps({'name': c.name, 'arguments': json.loads(c.arguments or '{}')})}"
-                          f"\n{CLOSE}" for c in m.tool_calls)
+        calls = "\n".join(f"{OPEN}\n{json.dumps({'name': c.name, 'arguments': _arguments(c, index, j)})}"
+                          f"\n{CLOSE}" for j, c in enumerate(m.tool_calls))
         content = f"{content}\n{calls}" if content else calls
     return {"role": TEMPLATE_ROLES.get(m.role, m.role), "content": content}
+
+
+def _arguments(call: pb.ToolCall, message: int, index: int) -> dict:
+    """A call's arguments sent back in the conversation: a JSON object (else an INVALID_ARGUMENT
+    naming them, not a JSONDecodeError out of the router)."""
+    try:
+        arguments = json.loads(call.arguments or "{}")
+    except (ValueError, RecursionError):
+        arguments = None
+    if not isinstance(arguments, dict):
+        raise InvalidArgument(f"messages[{message}].tool_calls[{index}].arguments",
+                              "must be a JSON object, as JSON text")
+    return arguments
 
 
 def call_grammar(tools: Sequence[Function], choice: str, parallel: bool) -> str:

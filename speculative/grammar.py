@@ -25,6 +25,7 @@ from runtime.errors import InvalidArgument
 # regex must not hold a request, or a router thread, for long).
 COMPILE_TIMEOUT_S = 5.0
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+FORCED_CHECKED = 16  # forced tokens a compile check consumes (speculative.processing's MAX_FORCED a round)
 
 
 class Grammars:
@@ -82,12 +83,21 @@ class Grammars:
         if not outcome:
             raise InvalidArgument(field, f"did not compile within {self.compile_timeout_s:g} s")
         error = outcome[0]
-        if error:
-            raise InvalidArgument(field, f"does not compile: {error}")
+        if error:  # its first line: llguidance appends its state and the grammar
+            raise InvalidArgument(field, f"does not compile: {error.strip().splitlines()[0]}")
 
     def _try_matcher(self, grammar: str) -> str:
+        """"" when a matcher of `grammar` starts, else why not. Starting is the first mask and
+        the tokens it forces, consumed: llguidance builds its lexer lazily, and a grammar too
+        complex for it (the regex a{99999999}) fails only there, which in a verifier failed
+        the request as no verifier available rather than refusing it."""
         try:
             matcher = self._llg.LLMatcher(self.tokenizer, grammar, log_level=0)
+            if not matcher.is_error():
+                matcher.compute_bitmask()
+                for token in matcher.compute_ff_tokens()[:FORCED_CHECKED]:
+                    if not matcher.consume_token(token):
+                        break
         except Exception as e:  # noqa: BLE001 - its message is the caller's error
             return str(e)
         return matcher.get_error() if matcher.is_error() else ""

@@ -26,7 +26,7 @@ import pytest
 from certs import self_signed_pem
 from protos import specserve_pb2 as pb
 from protos import specserve_pb2_grpc as pb_grpc
-from specserve.client import AsyncClient, Chunk, Client, Completion, SpecserveError, Usage
+from specserve.client import AsyncClient, Chunk, Client, Completion, SpecserveError, TokenLogprob, ToolCall, Usage
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -43,6 +43,7 @@ class FakeSpecserve(pb_grpc.SpecserveServicer):
         self.sleep_s = 0.0
         self.invalid = False
         self.echo_metadata = False  # reply text = the x-* metadata received
+        self.calls_and_logprobs = False  # replies carry a tool call and, when asked, each token's logprobs
         self.calls = 0
         self.requests: list[pb.GenerateRequest] = []
 
@@ -72,9 +73,26 @@ class FakeSpecserve(pb_grpc.SpecserveServicer):
         text = "".join(f" t{i}" for i in range(n))
         if self.echo_metadata:
             text = ";".join(f"{k}={v}" for k, v in context.invocation_metadata() if k.startswith("x-"))
-        return pb.GenerateResponse(request_id=request.request_id or "srv", text=text,
+        resp = pb.GenerateResponse(request_id=request.request_id or "srv", text=text,
                                    token_ids=[100 + i for i in range(n)], finish_reason="length",
                                    usage=self._usage(request))
+        if self.calls_and_logprobs:
+            self._add_calls_and_logprobs(resp, request, range(n), last=True)
+        return resp
+
+    @staticmethod
+    def _add_calls_and_logprobs(out, request, ids, last: bool) -> None:
+        if last:
+            out.tool_calls.add(id="call_1", name="get_weather", arguments='{"city": "Paris"}')
+            out.finish_reason = "tool_calls"
+        if request.sampling.HasField("logprobs"):
+            k = request.sampling.logprobs
+            for i in ids:
+                out.logprobs.add(token=100 + i, logprob=-0.5 * i, text=f" t{i}", token_bytes=f" t{i}".encode(),
+                                 top_ids=[100 + i + j for j in range(k)],
+                                 top_logprobs=[-0.5 * i - j for j in range(k)],
+                                 top_texts=[f" t{i + j}" for j in range(k)], top_bytes=[f" t{i + j}".encode()
+                                                                                        for j in range(k)])
 
     def GenerateStream(self, request, context):
         self._start(request, context)
@@ -82,9 +100,12 @@ class FakeSpecserve(pb_grpc.SpecserveServicer):
         for lo in range(0, n, 2):
             ids = range(lo, min(lo + 2, n))
             last = ids[-1] == n - 1
-            yield pb.GenerateChunk(request_id=request.request_id or "srv", text="".join(f" t{i}" for i in ids),
-                                   token_ids=[100 + i for i in ids], finish_reason="length" if last else "",
-                                   usage=self._usage(request) if last else None)
+            chunk = pb.GenerateChunk(request_id=request.request_id or "srv", text="".join(f" t{i}" for i in ids),
+                                     token_ids=[100 + i for i in ids], finish_reason="length" if last else "",
+                                     usage=self._usage(request) if last else None)
+            if self.calls_and_logprobs:
+                self._add_calls_and_logprobs(chunk, request, ids, last)
+            yield chunk
             if self.fail_after_first_chunk:
                 context.abort(grpc.StatusCode.UNAVAILABLE, "verifier lost")
 
@@ -146,6 +167,72 @@ def test_messages_are_sent_and_seed_left_unset(server):
     req = server.servicer.requests[-1]
     assert [(m.role, m.content) for m in req.messages] == [("system", "be brief"), ("user", "hi")]
     assert req.prompt == "" and not req.sampling.HasField("seed")
+
+
+def test_structured_output_tools_logprobs_and_penalties_are_sent(server):
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "weather",
+                                               "parameters": {"type": "object"}}}, {"name": "ping"}]
+    with Client(server.addr) as c:
+        c.generate("x", json_schema={"type": "object"}, logprobs=3, processed_logprobs=True, presence_penalty=0.5,
+                   frequency_penalty=-0.5, repetition_penalty=1.2, logit_bias={12: -100.0}, min_tokens=2,
+                   stop_token_ids=[7], draft_length=0)
+        req = server.servicer.requests[-1]
+        assert json.loads(req.constraint.json_schema) == {"type": "object"}
+        s = req.sampling
+        assert (s.logprobs, s.processed_logprobs, s.min_tokens, list(s.stop_token_ids)) == (3, True, 2, [7])
+        assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty) == pytest.approx((0.5, -0.5, 1.2))
+        assert dict(s.logit_bias) == {12: -100.0} and req.draft_length == 0
+        for kwargs, kind, value in [({"json_object": True}, "json_object", True), ({"regex": "a+"}, "regex", "a+"),
+                                    ({"choice": ["a", "b"]}, "choice", ["a", "b"]),
+                                    ({"grammar": 'start: "x"'}, "grammar", 'start: "x"')]:
+            c.generate("x", **kwargs)
+            got = server.servicer.requests[-1].constraint
+            assert got.WhichOneof("kind") == kind
+            assert (list(got.choice.options) if kind == "choice" else getattr(got, kind)) == value
+        c.generate(messages=[{"role": "user", "content": "weather?"},
+                             {"role": "assistant", "tool_calls": [ToolCall("call_1", "get_weather", '{"city": "P"}')]},
+                             {"role": "assistant", "content": "", "tool_calls": [
+                                 {"id": "call_2", "type": "function",
+                                  "function": {"name": "ping", "arguments": {"n": 1}}}]},
+                             {"role": "tool", "tool_call_id": "call_1", "content": "18 C"}],
+                   tools=tools, tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                   parallel_tool_calls=False)
+        req = server.servicer.requests[-1]
+        assert [(t.name, t.description, t.parameters) for t in req.tools] == [
+            ("get_weather", "weather", '{"type": "object"}'), ("ping", "", "")]
+        assert (req.tool_choice, req.parallel_tool_calls) == ("get_weather", False)
+        assert [[(k.id, k.name, k.arguments) for k in m.tool_calls] for m in req.messages] == [
+            [], [("call_1", "get_weather", '{"city": "P"}')], [("call_2", "ping", '{"n": 1}')], []]
+        assert (req.messages[3].role, req.messages[3].tool_call_id) == ("tool", "call_1")
+        plain = c.generate("x") and server.servicer.requests[-1]
+        assert not plain.sampling.HasField("logprobs") and not plain.HasField("draft_length")
+        assert plain.constraint.WhichOneof("kind") is None and plain.tool_choice == ""
+
+
+@pytest.mark.parametrize("kwargs", [{"regex": "a", "choice": ["a"]}, {"choice": "ab"},
+                                    {"tools": [{"type": "function", "function": {}}]},
+                                    {"tool_choice": {"type": "function"}},
+                                    {"messages": [{"role": "user", "content": "x", "mood": "happy"}]}])
+def test_bad_structured_and_tool_arguments_raise_before_sending(server, kwargs):
+    with Client(server.addr) as c:
+        with pytest.raises(ValueError):
+            c.generate(**({"prompt": "x"} if "messages" not in kwargs else {}), **kwargs)
+    assert server.servicer.calls == 0
+
+
+def test_completion_and_chunks_carry_tool_calls_and_logprobs(server):
+    server.servicer.calls_and_logprobs = True
+    call = ToolCall("call_1", "get_weather", '{"city": "Paris"}')
+    with Client(server.addr) as c:
+        done = c.generate("x", max_tokens=2, logprobs=2)
+        chunks = list(c.stream("x", max_tokens=3, logprobs=1))
+        without = c.generate("x", max_tokens=2)
+    assert done.finish_reason == "tool_calls" and done.tool_calls == (call,)
+    assert call.parsed_arguments() == {"city": "Paris"}
+    assert done.logprobs[1] == TokenLogprob(101, -0.5, " t1", b" t1", (TokenLogprob(101, -0.5, " t1", b" t1"),
+                                                                       TokenLogprob(102, -1.5, " t2", b" t2")))
+    assert [len(ch.logprobs) for ch in chunks] == [2, 1] and chunks[-1].tool_calls == (call,)
+    assert chunks[0].tool_calls == () and without.logprobs is None and without.tool_calls == (call,)
 
 
 @pytest.mark.parametrize("kwargs", [{}, {"prompt": "x", "messages": [{"role": "user", "content": "x"}]},
@@ -319,6 +406,54 @@ def test_cli_json_through_the_server(server):
     assert [(m.role, m.content) for m in req.messages] == [("user", "Name three colours.")]
     assert (req.drafter, req.sampling.seed) == ("", 7)  # no --drafter: the router chooses
     assert req.namespace == "tenant-a"
+
+
+def test_cli_structured_output_logprobs_and_penalties_through_the_server(server, tmp_path):
+    server.servicer.calls_and_logprobs = True
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"type": "object", "properties": {"a": {"type": "integer"}}}')
+    r = specserve("--server", server.addr, "--json", "--prompt", "hi", "--max-tokens", "2", "--json-schema",
+                  str(schema), "--logprobs", "1", "--presence-penalty", "0.5", "--frequency-penalty", "0.25",
+                  "--repetition-penalty", "1.1", "--logit-bias", "12=-100", "--logit-bias", "13=2.5",
+                  "--min-tokens", "1", "--draft-length", "0")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["logprobs"] == [{"token": 100, "text": " t0", "logprob": 0.0,
+                                "top": [{"token": 100, "text": " t0", "logprob": 0.0}]},
+                               {"token": 101, "text": " t1", "logprob": -0.5,
+                                "top": [{"token": 101, "text": " t1", "logprob": -0.5}]}]
+    req = server.servicer.requests[-1]
+    assert json.loads(req.constraint.json_schema) == {"type": "object", "properties": {"a": {"type": "integer"}}}
+    s = req.sampling
+    assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty) == pytest.approx((0.5, 0.25, 1.1))
+    assert dict(s.logit_bias) == {12: -100.0, 13: 2.5} and (s.min_tokens, s.logprobs, req.draft_length) == (1, 1, 0)
+    for flags, kind, value in [(("--regex", "[0-9]+"), "regex", "[0-9]+"),
+                               (("--choice", "yes", "--choice", "no"), "choice", ["yes", "no"]),
+                               (("--grammar", 'start: "x"'), "grammar", 'start: "x"'),
+                               (("--json-object",), "json_object", True)]:
+        r = specserve("--server", server.addr, "--json", "--prompt", "hi", "--max-tokens", "1", *flags)
+        assert r.returncode == 0, r.stderr
+        got = server.servicer.requests[-1].constraint
+        assert got.WhichOneof("kind") == kind
+        assert (list(got.choice.options) if kind == "choice" else getattr(got, kind)) == value
+    r = specserve("--server", server.addr, "--json", "--prompt", "hi", "--max-tokens", "1")
+    plain = server.servicer.requests[-1]
+    assert r.returncode == 0 and not plain.HasField("draft_length") and not plain.sampling.HasField("logprobs")
+    assert not plain.sampling.HasField("repetition_penalty")
+
+
+@pytest.mark.parametrize("flags,flag", [(("--json-schema", "{nope"), "--json-schema"),
+                                        (("--logit-bias", "12"), "--logit-bias"),
+                                        (("--logit-bias", "12=200"), "--logit-bias"),
+                                        (("--presence-penalty", "3"), "--presence-penalty"),
+                                        (("--logprobs", "2"), "--logprobs"),  # without --json
+                                        (("--logprobs", "21", "--json"), "--logprobs"),
+                                        (("--min-tokens", "9", "--max-tokens", "4"), "--min-tokens")])
+def test_cli_bad_new_flags_are_one_line_naming_the_flag(server, flags, flag):
+    r = specserve("--server", server.addr, "--prompt", "hi", *flags)
+    assert r.returncode == 2 and r.stderr.startswith(f"specserve: error: {flag}: ") and \
+        len(r.stderr.splitlines()) == 1, r.stderr
+    assert server.servicer.calls == 0
 
 
 def test_cli_streams_text_through_the_server(server):

@@ -190,8 +190,13 @@ BAD = [  # (change to a good request, the param the error must name, status)
     ({"stop": ["x"] * 9}, "stop", 400),
     ({"messages": []}, "messages", 400),
     ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role", 400),
-    ({"logprobs": True}, "logprobs", 400),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", 400),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", 400),  # logprobs and tools are taken: bad values
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {
+        "type": "function", "function": {"name": "g"}}}, "tool_choice", 400),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}}},
+     "response_format.json_schema.schema", 400),
+    ({"logit_bias": {"12": 101}}, "logit_bias", 400),
+    ({"functions": [{"name": "f"}]}, "functions", 400),
     ({"frobnicate": 1}, "frobnicate", 400),
     ({"drafter": "no-such"}, "drafter", 400),
     ({"domain": "astrology"}, "domain", 400),
