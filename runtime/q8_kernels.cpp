@@ -4,15 +4,15 @@
 // each row of the input is quantised per block of 32 inputs as a Q8_0 block (a float32 scale
 // d = max|x| / 127 and 32 int8 codes), and the weight codes are multiplied by the activation
 // codes with integer dot products: `_mm256_maddubs_epi16` and `_mm256_madd_epi16` with AVX2,
-// `vpdpbusd` where the CPU has AVX512-VNNI or AVX-VNNI (256 bits in every build, so that every
-// build computes the same bits: below).
+// `vpdpbusd` where the CPU has AVX512-VNNI (`_mm512_dpbusd_epi32`) or AVX-VNNI.
 //
 // The weights are packed in tiles of kLanes = 8 output channels (`int4_pack`, `int8_pack` in
-// cpu_kernels.py): a vector holds four consecutive inputs of each of the 8 channels, so one
-// broadcast of four activation codes meets eight channels and every lane is one channel's
-// sum, never added across lanes. A tile's blocks are read from memory once a pass and then
-// from the L1 cache by each group of up to kRowGroup rows: a pass of 17 rows reads the weights
-// as one row does.
+// cpu_kernels.py): a 256-bit vector holds four consecutive inputs of each of the 8 channels, so
+// one broadcast of four activation codes meets eight channels and every lane is one channel's
+// sum, never added across lanes; an AVX-512 build takes two tiles a 512-bit vector (16
+// channels), the last odd tile as the AVX2 build does. A tile's blocks are read from memory
+// once a pass and then from the L1 cache by each group of up to kRowGroup rows: a pass of 17
+// rows reads the weights as one row does.
 //
 // What an output y[r, n] is, exactly (tests/test_cpu_kernels.py computes it so in numpy):
 // per block b of row r, xd = max|x| / 127, xq = rint(x / xd) (round half to even; 0 for a
@@ -39,27 +39,124 @@ constexpr int kRowGroup = 4;      // rows that take a tile's block at once, at m
 constexpr int64_t kInt4Record = kGroup * kLanes / 2 + 2 * kLanes * 4;  // a tile's block: codes, d, m
 constexpr int64_t kInt8Record = kGroup * kLanes;                        // a tile's block of int8 codes
 
-// Integer dot products of unsigned bytes u and signed bytes s, four bytes a lane, added to acc.
+// The vector operations the products take, on 256 bits (one tile: V256) or 512 (two tiles,
+// their lanes side by side: V512). `codes`/`floats` load a tile's 32 bytes / 8 floats at p and,
+// for V512, the next tile's at p + next.
+struct V256 {
+  using I = __m256i;
+  using F = __m256;
+  static constexpr int kTiles = 1;
+  static I codes(const uint8_t* p, int64_t) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static F floats(const float* p, int64_t) { return _mm256_loadu_ps(p); }
+  static I broadcast4(const int8_t* p) {  // four activation codes in every lane
+    int32_t v;
+    __builtin_memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+  }
+  static I zero() { return _mm256_setzero_si256(); }
+  static I nibble(I v, int high) {  // the low or high 4 bits of each byte
+    return _mm256_and_si256(high ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(0x0F));
+  }
+  static I add16(I a, I b) { return _mm256_add_epi16(a, b); }
+  static I add32(I a, I b) { return _mm256_add_epi32(a, b); }
+  static I maddubs(I u, I s) { return _mm256_maddubs_epi16(u, s); }  // u8 x s8 pairs, to int16
+  static I pairs(I a) { return _mm256_madd_epi16(a, _mm256_set1_epi16(1)); }  // int16 pairs to int32
+  static I magnitude(I v) { return _mm256_abs_epi8(v); }
+  static I signed_as(I x, I w) { return _mm256_sign_epi8(x, w); }  // x negated where w < 0 (0 where w is)
+  static I offset(I v) { return _mm256_xor_si256(v, _mm256_set1_epi8(-128)); }  // q + 128, unsigned
+  static I less(I a, int32_t b) { return _mm256_sub_epi32(a, _mm256_set1_epi32(b)); }
+  static F number(I a) { return _mm256_cvtepi32_ps(a); }
+  static F fzero() { return _mm256_setzero_ps(); }
+  static F set(float v) { return _mm256_set1_ps(v); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F add(F a, F b) { return _mm256_add_ps(a, b); }
+  static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
 #if defined(SPECSERVE_EMULATE_VNNI)  // the VNNI path's arithmetic on AVX2, to test it where no CPU has VNNI
 #define SPECSERVE_VNNI 1
-inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) {
-  const __m256i u_even = _mm256_and_si256(u, _mm256_set1_epi16(0x00FF)), u_odd = _mm256_srli_epi16(u, 8);
-  const __m256i s_even = _mm256_srai_epi16(_mm256_slli_epi16(s, 8), 8), s_odd = _mm256_srai_epi16(s, 8);
-  return _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(u_even, s_even), _mm256_madd_epi16(u_odd, s_odd)));
-}
+  static I dpbusd(I acc, I u, I s) {  // u8 x s8, four bytes a lane, added to acc
+    const I u_even = _mm256_and_si256(u, _mm256_set1_epi16(0x00FF)), u_odd = _mm256_srli_epi16(u, 8);
+    const I s_even = _mm256_srai_epi16(_mm256_slli_epi16(s, 8), 8), s_odd = _mm256_srai_epi16(s, 8);
+    return _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(u_even, s_even), _mm256_madd_epi16(u_odd, s_odd)));
+  }
 #elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define SPECSERVE_VNNI 1
-inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
+  static I dpbusd(I acc, I u, I s) { return _mm256_dpbusd_epi32(acc, u, s); }
 #elif defined(__AVXVNNI__)
 #define SPECSERVE_VNNI 1
-inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
+  static I dpbusd(I acc, I u, I s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
 #endif
+};
 
-inline __m256i broadcast4(const int8_t* p) {  // four activation codes in every lane
-  int32_t v;
-  __builtin_memcpy(&v, p, 4);
-  return _mm256_set1_epi32(v);
-}
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && !defined(SPECSERVE_EMULATE_AVX512)
+#define SPECSERVE_V512 1
+struct V512 {
+  using I = __m512i;
+  using F = __m512;
+  static constexpr int kTiles = 2;
+  static I codes(const uint8_t* p, int64_t next) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(V256::codes(p, 0)), V256::codes(p + next, 0), 1);
+  }
+  static F floats(const float* p, int64_t next) {
+    return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(p)), _mm256_loadu_ps(p + next), 1);
+  }
+  static I broadcast4(const int8_t* p) {
+    int32_t v;
+    __builtin_memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+  }
+  static I zero() { return _mm512_setzero_si512(); }
+  static I nibble(I v, int high) { return _mm512_and_si512(high ? _mm512_srli_epi16(v, 4) : v, _mm512_set1_epi8(0x0F)); }
+  static I add16(I a, I b) { return _mm512_add_epi16(a, b); }
+  static I add32(I a, I b) { return _mm512_add_epi32(a, b); }
+  static I maddubs(I u, I s) { return _mm512_maddubs_epi16(u, s); }
+  static I pairs(I a) { return _mm512_madd_epi16(a, _mm512_set1_epi16(1)); }
+  static I magnitude(I v) { return _mm512_abs_epi8(v); }
+  static I signed_as(I x, I w) {  // AVX-512 has no sign_epi8: 0 - x where w < 0 (w = 0 meets |w| = 0)
+    return _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x);
+  }
+  static I offset(I v) { return _mm512_xor_si512(v, _mm512_set1_epi8(-128)); }
+  static I less(I a, int32_t b) { return _mm512_sub_epi32(a, _mm512_set1_epi32(b)); }
+  static F number(I a) { return _mm512_cvtepi32_ps(a); }
+  static F fzero() { return _mm512_setzero_ps(); }
+  static F set(float v) { return _mm512_set1_ps(v); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
+#if defined(__AVX512VNNI__)
+  static I dpbusd(I acc, I u, I s) { return _mm512_dpbusd_epi32(acc, u, s); }
+#endif
+};
+#elif defined(SPECSERVE_EMULATE_AVX512)
+// The AVX-512 build's two-tile arithmetic as two AVX2 halves, to test where no CPU has AVX-512.
+#define SPECSERVE_V512 1
+struct V512 {
+  struct I { __m256i lo, hi; };
+  struct F { __m256 lo, hi; };
+  static constexpr int kTiles = 2;
+  static I codes(const uint8_t* p, int64_t next) { return {V256::codes(p, 0), V256::codes(p + next, 0)}; }
+  static F floats(const float* p, int64_t next) { return {V256::floats(p, 0), V256::floats(p + next, 0)}; }
+  static I broadcast4(const int8_t* p) { return {V256::broadcast4(p), V256::broadcast4(p)}; }
+  static I zero() { return {V256::zero(), V256::zero()}; }
+  static I nibble(I v, int high) { return {V256::nibble(v.lo, high), V256::nibble(v.hi, high)}; }
+  static I add16(I a, I b) { return {V256::add16(a.lo, b.lo), V256::add16(a.hi, b.hi)}; }
+  static I add32(I a, I b) { return {V256::add32(a.lo, b.lo), V256::add32(a.hi, b.hi)}; }
+  static I maddubs(I u, I s) { return {V256::maddubs(u.lo, s.lo), V256::maddubs(u.hi, s.hi)}; }
+  static I pairs(I a) { return {V256::pairs(a.lo), V256::pairs(a.hi)}; }
+  static I magnitude(I v) { return {V256::magnitude(v.lo), V256::magnitude(v.hi)}; }
+  static I signed_as(I x, I w) { return {V256::signed_as(x.lo, w.lo), V256::signed_as(x.hi, w.hi)}; }
+  static I offset(I v) { return {V256::offset(v.lo), V256::offset(v.hi)}; }
+  static I less(I a, int32_t b) { return {V256::less(a.lo, b), V256::less(a.hi, b)}; }
+  static F number(I a) { return {V256::number(a.lo), V256::number(a.hi)}; }
+  static F fzero() { return {V256::fzero(), V256::fzero()}; }
+  static F set(float v) { return {V256::set(v), V256::set(v)}; }
+  static F mul(F a, F b) { return {V256::mul(a.lo, b.lo), V256::mul(a.hi, b.hi)}; }
+  static F add(F a, F b) { return {V256::add(a.lo, b.lo), V256::add(a.hi, b.hi)}; }
+  static void store(float* p, F v) { V256::store(p, v.lo), V256::store(p + 8, v.hi); }
+#if defined(SPECSERVE_VNNI)
+  static I dpbusd(I acc, I u, I s) { return {V256::dpbusd(acc.lo, u.lo, s.lo), V256::dpbusd(acc.hi, u.hi, s.hi)}; }
+#endif
+};
+#endif
 
 // Row r's activations, quantised: codes [rows, k], and per block d, d * sum(codes) and sum(codes).
 struct Q8Rows {
@@ -97,77 +194,128 @@ void quantize_rows(const float* x, int64_t rows, int64_t k, Q8Rows& a) {
 
 enum Kind { kInt4, kInt8Channel, kInt8Group };
 
-// R rows (codes xq [R, k], block scales xd and xs [R, groups]) against one tile of 8 channels:
-// acc[r] lane c is y[r, c], before an int8 channel scale.
-template <int R, Kind kKind>
-void tile(const uint8_t* w, const float* block_scales, int64_t k, const int8_t* xq, const float* xd,
-          const float* xs, const int32_t* xsum, __m256* acc) {
-  const int64_t groups = k / kGroup;
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g) {
-    __m256i dot[R];
-    for (int r = 0; r < R; ++r) dot[r] = _mm256_setzero_si256();
-    if (kKind == kInt4) {
-      // vector j's bytes: four inputs 8j..8j+3 of each channel low, 8j+4..8j+7 high
-      const uint8_t* block = w + g * kInt4Record;
-      const __m256i nibble = _mm256_set1_epi8(0x0F);
+// Whether V multiplies bytes by VNNI's dot product (else maddubs and madd).
+template <typename V>
+constexpr bool vnni() {
 #if defined(SPECSERVE_VNNI)
-      for (int j = 0; j < 4; ++j) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32 * j));
-        const __m256i low = _mm256_and_si256(v, nibble), high = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
-        for (int r = 0; r < R; ++r) {
-          const int8_t* x = xq + r * k + g * kGroup + 8 * j;
-          dot[r] = dpbusd(dpbusd(dot[r], low, broadcast4(x)), high, broadcast4(x + 4));
-        }
-      }
+#if defined(SPECSERVE_V512) && !defined(SPECSERVE_EMULATE_AVX512)
+  if constexpr (V::kTiles == 2) {
+#if defined(__AVX512VNNI__)
+    return true;
 #else
-      // 16-bit sums of two products of at most 15 * 127, eight of them: at most 30,480, exact
-      __m256i pairs[R];
-      for (int r = 0; r < R; ++r) pairs[r] = _mm256_setzero_si256();
-      for (int j = 0; j < 4; ++j) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32 * j));
-        const __m256i low = _mm256_and_si256(v, nibble), high = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
-        for (int r = 0; r < R; ++r) {
-          const int8_t* x = xq + r * k + g * kGroup + 8 * j;
-          pairs[r] = _mm256_add_epi16(pairs[r], _mm256_add_epi16(_mm256_maddubs_epi16(low, broadcast4(x)),
-                                                                 _mm256_maddubs_epi16(high, broadcast4(x + 4))));
-        }
-      }
-      for (int r = 0; r < R; ++r) dot[r] = _mm256_madd_epi16(pairs[r], _mm256_set1_epi16(1));
+    return false;
 #endif
-      const __m256 d = _mm256_loadu_ps(reinterpret_cast<const float*>(block + kGroup * kLanes / 2));
-      const __m256 m = _mm256_loadu_ps(reinterpret_cast<const float*>(block + kGroup * kLanes / 2 + 4 * kLanes));
+  }
+#endif
+  return true;
+#else
+  return false;
+#endif
+}
+
+// R rows (codes xq [R, k], block scales xd and xs and code sums [R, groups]) against V::kTiles
+// tiles of 8 channels (the next tile `next` bytes on, its block scales `next_scales` floats on):
+// acc[r] lane c is y[r, c] of the tiles' channels, before an int8 channel scale.
+template <typename V, int R, Kind kKind>
+void tile(const uint8_t* w, int64_t next, const float* block_scales, int64_t next_scales, int64_t k,
+          const int8_t* xq, const float* xd, const float* xs, const int32_t* xsum, typename V::F* acc) {
+  using I = typename V::I;
+  const int64_t groups = k / kGroup;
+  for (int r = 0; r < R; ++r) acc[r] = V::fzero();
+  for (int64_t g = 0; g < groups; ++g) {
+    I dot[R];
+    for (int r = 0; r < R; ++r) dot[r] = V::zero();
+    if constexpr (kKind == kInt4) {
+      // code vector j's bytes: four inputs 8j..8j+3 of each channel low, 8j+4..8j+7 high
+      const uint8_t* block = w + g * kInt4Record;
+      if constexpr (vnni<V>()) {
+        for (int j = 0; j < 4; ++j) {
+          const I v = V::codes(block + 32 * j, next), low = V::nibble(v, 0), high = V::nibble(v, 1);
+          for (int r = 0; r < R; ++r) {
+            const int8_t* x = xq + r * k + g * kGroup + 8 * j;
+            dot[r] = V::dpbusd(V::dpbusd(dot[r], low, V::broadcast4(x)), high, V::broadcast4(x + 4));
+          }
+        }
+      } else {
+        // 16-bit sums of two products of at most 15 * 127, eight of them: at most 30,480, exact
+        I sums[R];
+        for (int r = 0; r < R; ++r) sums[r] = V::zero();
+        for (int j = 0; j < 4; ++j) {
+          const I v = V::codes(block + 32 * j, next), low = V::nibble(v, 0), high = V::nibble(v, 1);
+          for (int r = 0; r < R; ++r) {
+            const int8_t* x = xq + r * k + g * kGroup + 8 * j;
+            sums[r] = V::add16(sums[r], V::add16(V::maddubs(low, V::broadcast4(x)), V::maddubs(high, V::broadcast4(x + 4))));
+          }
+        }
+        for (int r = 0; r < R; ++r) dot[r] = V::pairs(sums[r]);
+      }
+      const auto d = V::floats(reinterpret_cast<const float*>(block + kGroup * kLanes / 2), next / 4);
+      const auto m = V::floats(reinterpret_cast<const float*>(block + kGroup * kLanes / 2 + 4 * kLanes), next / 4);
       for (int r = 0; r < R; ++r) {
-        const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(xd[r * groups + g]));
-        acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_cvtepi32_ps(dot[r]), scale));
-        acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(m, _mm256_set1_ps(xs[r * groups + g])));
+        const auto scale = V::mul(d, V::set(xd[r * groups + g]));
+        acc[r] = V::add(acc[r], V::mul(V::number(dot[r]), scale));
+        acc[r] = V::add(acc[r], V::mul(m, V::set(xs[r * groups + g])));
       }
     } else {
-      // vector j's bytes: inputs 4j..4j+3 of each channel, signed
+      // code vector j's bytes: inputs 4j..4j+3 of each channel, signed
       const uint8_t* block = w + g * kInt8Record;
       for (int j = 0; j < 8; ++j) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32 * j));
-#if defined(SPECSERVE_VNNI)
-        const __m256i offset = _mm256_xor_si256(v, _mm256_set1_epi8(-128));  // q + 128, unsigned
-        for (int r = 0; r < R; ++r) dot[r] = dpbusd(dot[r], offset, broadcast4(xq + r * k + g * kGroup + 4 * j));
-#else
-        // |q| times x with q's sign: 16-bit sums of two products of at most 128 * 127, exact
-        const __m256i magnitude = _mm256_abs_epi8(v);
-        for (int r = 0; r < R; ++r) {
-          const __m256i x = _mm256_sign_epi8(broadcast4(xq + r * k + g * kGroup + 4 * j), v);
-          dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, x), _mm256_set1_epi16(1)));
+        const I v = V::codes(block + 32 * j, next);
+        if constexpr (vnni<V>()) {  // (q + 128) x, less 128 * sum(x) below
+          const I shifted = V::offset(v);
+          for (int r = 0; r < R; ++r) dot[r] = V::dpbusd(dot[r], shifted, V::broadcast4(xq + r * k + g * kGroup + 4 * j));
+        } else {  // |q| times x with q's sign: 16-bit sums of two products of at most 128 * 127, exact
+          const I magnitude = V::magnitude(v);
+          for (int r = 0; r < R; ++r) {
+            const I x = V::signed_as(V::broadcast4(xq + r * k + g * kGroup + 4 * j), v);
+            dot[r] = V::add32(dot[r], V::pairs(V::maddubs(magnitude, x)));
+          }
         }
-#endif
       }
-#if defined(SPECSERVE_VNNI)
-      for (int r = 0; r < R; ++r) dot[r] = _mm256_sub_epi32(dot[r], _mm256_set1_epi32(128 * xsum[r * groups + g]));
-#endif
-      const __m256 d = kKind == kInt8Group ? _mm256_loadu_ps(block_scales + g * kLanes) : _mm256_setzero_ps();
+      if constexpr (vnni<V>())
+        for (int r = 0; r < R; ++r) dot[r] = V::less(dot[r], 128 * xsum[r * groups + g]);
       for (int r = 0; r < R; ++r) {
-        const __m256 xscale = _mm256_set1_ps(xd[r * groups + g]);
-        const __m256 scale = kKind == kInt8Group ? _mm256_mul_ps(d, xscale) : xscale;
-        acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_cvtepi32_ps(dot[r]), scale));
+        const auto x_scale = V::set(xd[r * groups + g]);
+        if constexpr (kKind == kInt8Group) {
+          const auto scale = V::mul(V::floats(block_scales + g * kLanes, next_scales), x_scale);
+          acc[r] = V::add(acc[r], V::mul(V::number(dot[r]), scale));
+        } else {
+          acc[r] = V::add(acc[r], V::mul(V::number(dot[r]), x_scale));
+        }
       }
+    }
+  }
+}
+
+// Tiles t..t + V::kTiles - 1 against every row, in groups of up to kRowGroup rows as even as can
+// be (17: 4, 4, 3, 3, 3), into y.
+template <typename V, Kind kKind>
+void tiles(int64_t t, const Q8Rows& a, int64_t rows, int64_t k, const uint8_t* w, const float* scales, int64_t out,
+           float* y) {
+  const int64_t groups = k / kGroup, record = kKind == kInt4 ? kInt4Record : kInt8Record;
+  const int64_t next = groups * record, next_scales = groups * kLanes;
+  const uint8_t* wt = w + t * next;
+  const float* st = kKind == kInt8Group ? scales + t * next_scales : nullptr;
+  const int64_t n = t * kLanes, width = V::kTiles * kLanes, valid = out - n < width ? out - n : width;
+  const int64_t row_groups = (rows + kRowGroup - 1) / kRowGroup, small = rows / row_groups, large = rows % row_groups;
+  for (int64_t part = 0, r = 0, count = 0; part < row_groups; ++part, r += count) {
+    count = small + (part < large);
+    const int8_t* xq = a.q.data() + r * k;
+    const float *xd = a.d.data() + r * groups, *xs = a.s.data() + r * groups;
+    const int32_t* xsum = a.sum.data() + r * groups;
+    typename V::F acc[kRowGroup];
+    switch (count) {
+      case 4: tile<V, 4, kKind>(wt, next, st, next_scales, k, xq, xd, xs, xsum, acc); break;
+      case 3: tile<V, 3, kKind>(wt, next, st, next_scales, k, xq, xd, xs, xsum, acc); break;
+      case 2: tile<V, 2, kKind>(wt, next, st, next_scales, k, xq, xd, xs, xsum, acc); break;
+      default: tile<V, 1, kKind>(wt, next, st, next_scales, k, xq, xd, xs, xsum, acc); break;
+    }
+    for (int64_t i = 0; i < count; ++i) {
+      auto v = acc[i];
+      if constexpr (kKind == kInt8Channel) v = V::mul(v, V::floats(scales + n, kLanes));
+      float lanes[V::kTiles * kLanes];
+      V::store(lanes, v);
+      for (int64_t c = 0; c < valid; ++c) y[(r + i) * out + n + c] = lanes[c];
     }
   }
 }
@@ -179,36 +327,18 @@ void linear(const float* x, int64_t rows, int64_t k, const uint8_t* w, const flo
   if (rows <= 0) return;
   Q8Rows a;
   quantize_rows(x, rows, k, a);
-  const int64_t groups = k / kGroup, tiles = (out + kLanes - 1) / kLanes;
-  const int64_t record = kKind == kInt4 ? kInt4Record : kInt8Record;
-  // rows in groups as even as can be (17: 4, 4, 3, 3, 3)
-  const int64_t row_groups = (rows + kRowGroup - 1) / kRowGroup, small = rows / row_groups, large = rows % row_groups;
+  const int64_t count = (out + kLanes - 1) / kLanes;
+#if defined(SPECSERVE_V512)
+  const int64_t pairs = count / 2;  // two tiles at once, then the last odd one alone
 #pragma omp parallel for schedule(static)
-  for (int64_t t = 0; t < tiles; ++t) {
-    const uint8_t* wt = w + t * groups * record;
-    const float* st = kKind == kInt8Group ? scales + t * groups * kLanes : nullptr;
-    const int64_t n = t * kLanes, valid = out - n < kLanes ? out - n : kLanes;
-    for (int64_t part = 0, r = 0, count = 0; part < row_groups; ++part, r += count) {
-      count = small + (part < large);
-      const int8_t* xq = a.q.data() + r * k;
-      const float *xd = a.d.data() + r * groups, *xs = a.s.data() + r * groups;
-      const int32_t* xsum = a.sum.data() + r * groups;
-      __m256 acc[kRowGroup];
-      switch (count) {
-        case 4: tile<4, kKind>(wt, st, k, xq, xd, xs, xsum, acc); break;
-        case 3: tile<3, kKind>(wt, st, k, xq, xd, xs, xsum, acc); break;
-        case 2: tile<2, kKind>(wt, st, k, xq, xd, xs, xsum, acc); break;
-        default: tile<1, kKind>(wt, st, k, xq, xd, xs, xsum, acc); break;
-      }
-      for (int64_t i = 0; i < count; ++i) {
-        __m256 v = acc[i];
-        if (kKind == kInt8Channel) v = _mm256_mul_ps(v, _mm256_loadu_ps(scales + n));
-        float lanes[kLanes];
-        _mm256_storeu_ps(lanes, v);
-        for (int64_t c = 0; c < valid; ++c) y[(r + i) * out + n + c] = lanes[c];
-      }
-    }
+  for (int64_t i = 0; i < pairs + count % 2; ++i) {
+    if (i < pairs) tiles<V512, kKind>(2 * i, a, rows, k, w, scales, out, y);
+    else tiles<V256, kKind>(count - 1, a, rows, k, w, scales, out, y);
   }
+#else
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < count; ++t) tiles<V256, kKind>(t, a, rows, k, w, scales, out, y);
+#endif
 }
 
 }  // namespace

@@ -147,12 +147,15 @@ def q8_input(rows: int, k: int, seed: int = 0) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def q8_libraries():
-    """The library as built here, and (where this CPU has no VNNI) one whose VNNI path's
-    arithmetic is emulated on AVX2: the offset int8 codes and the sums it subtracts."""
+    """The library as built here, and builds that run the other CPUs' paths on this one: the
+    VNNI path's arithmetic (the offset int8 codes and the sums it subtracts) and the AVX-512
+    build's two tiles a vector (two AVX2 halves), each emulated with AVX2, and both together."""
     libs = {"built": cpu_kernels.library()}
-    if not cpu_kernels.vnni():
-        libs["vnni, emulated"] = cpu_kernels.variant(["-DSPECSERVE_EMULATE_VNNI"])
-        assert cpu_kernels.vnni(libs["vnni, emulated"])
+    emulated = {"vnni": ["-DSPECSERVE_EMULATE_VNNI"], "avx512": ["-DSPECSERVE_EMULATE_AVX512"],
+                "avx512 vnni": ["-DSPECSERVE_EMULATE_AVX512", "-DSPECSERVE_EMULATE_VNNI"]}
+    for name, defines in emulated.items():
+        libs[f"{name}, emulated"] = cpu_kernels.variant(defines)
+    assert cpu_kernels.vnni(libs["vnni, emulated"]) and not cpu_kernels.vnni(libs["avx512, emulated"])
     return libs
 
 
@@ -165,7 +168,7 @@ def test_q8_activations_are_the_reference():
     assert got[1][0, 0] == 0 and not got[0][0, :32].any()
 
 
-@pytest.mark.parametrize("shape", [(8, 32), (100, 576), (52, 1536), (13, 96)])
+@pytest.mark.parametrize("shape", [(8, 32), (100, 576), (52, 1536), (13, 96), (104, 64)])
 @pytest.mark.parametrize("kind", ["int4", "int8 channel", "int8 block"])
 def test_q8_products_are_the_integer_reference_exactly(q8_libraries, kind, shape):
     """Bit for bit, in every build: each output is one lane's fixed sequence of float32
