@@ -1,15 +1,20 @@
-"""specserve's own int4 and int8 weight-only products, and float32 products on weights it
-prepacks, for x86 CPUs with AVX2 (cpu_kernels.cpp), RMSNorm, the int models' short passes'
-float64 attention with RoPE, and the attention of short passes over cached rows (float32
-or float64), each one call.
+"""specserve's own int4 and int8 weight products, and float32 products on weights it
+prepacks, for x86 CPUs with AVX2 (cpu_kernels.cpp, q8_kernels.cpp), RMSNorm, the int models'
+short passes' float64 attention with RoPE, and the attention of short passes over cached rows
+(float32 or float64), each one call.
 
-torch's CPU kernels for int weights take bfloat16 activations, and on the AMD EPYCs measured
-(AVX2, and AVX-512 without AMX) they are slower than these (docs/BENCHMARKS.md); for float32,
-oneDNN's prepacked product is slower than these for passes of a few rows. These take
-float32 activations as they are and give each row the same result whatever the rows beside
-it (the lossless contract). The source is compiled with the system's C++ compiler on first
-use, a second or two, for AVX-512 where torch finds it and AVX2 otherwise, and kept in the
-cache directory (`runtime.cache.cache_root`).
+The int products multiply the weight codes either by each row's activations quantised to 8
+bits per block of 32, with integer dot products (q8_kernels.cpp, the default, `ACTIVATIONS`
+"int8": AVX2's maddubs, VNNI's dot product where the CPU has it), so that a pass of many rows
+costs little more than one row; or by the float32 activations as they are ("float32",
+cpu_kernels.cpp: weights decoded to float32, compute-bound with many rows). torch's CPU
+kernels for int weights take bfloat16 activations, and on the AMD EPYCs measured (AVX2, and
+AVX-512 without AMX) they are slower than these (docs/BENCHMARKS.md); for float32, oneDNN's
+prepacked product is slower than these for passes of a few rows. Every one gives each row the
+same result whatever the rows beside it (the lossless contract). The sources are compiled with
+the system's C++ compiler on first use, a few seconds, for AVX-512 where torch finds it and
+AVX2 otherwise, with VNNI where /proc/cpuinfo shows it, and kept in the cache directory
+(`runtime.cache.cache_root`).
 
 Who multiplies (`preferred`, `CpuTuning.kernels`, SPECSERVE_CPU_KERNELS at the edge):
 `auto` these, except on a CPU with AMX (there torch's were measured fast and these were not
@@ -144,12 +149,26 @@ def _load(cache_dir, compiler: str | None) -> ctypes.CDLL:
 
 def variant(defines: Sequence[str], cache_dir: str | os.PathLike | None = None,
             compiler: str | None = None) -> ctypes.CDLL:
-    """The library built with extra preprocessor `defines` (a test builds the VNNI path's
-    arithmetic emulated on AVX2, "-DSPECSERVE_EMULATE_VNNI", with the AVX2 flags)."""
-    return _declared(ctypes.CDLL(str(_built(cache_dir, compiler, build_flags(vnni=False) + list(defines)))))
+    """The 8-bit-activation products alone (q8_kernels.cpp), built with extra preprocessor
+    `defines` and this CPU's flags without VNNI: the tests build other CPUs' paths emulated on
+    AVX2 so ("-DSPECSERVE_EMULATE_VNNI", "-DSPECSERVE_EMULATE_AVX512")."""
+    lib = ctypes.CDLL(str(_built(cache_dir, compiler, build_flags(vnni=False) + list(defines), SOURCES[1:])))
+    return _declared_q8(lib)
+
+
+def _declared_q8(lib: ctypes.CDLL) -> ctypes.CDLL:
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.q8_quantize.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr]
+    lib.int4_linear_q8.argtypes = [ptr, i64, i64, ptr, i64, ptr]
+    lib.int8_linear_q8.argtypes = [ptr, i64, i64, ptr, ptr, ctypes.c_int, i64, ptr]
+    lib.q8_vnni.argtypes, lib.q8_vnni.restype = [], ctypes.c_int
+    for fn in (lib.q8_quantize, lib.int4_linear_q8, lib.int8_linear_q8):
+        fn.restype = None
+    return lib
 
 
 def _declared(lib: ctypes.CDLL) -> ctypes.CDLL:
+    _declared_q8(lib)
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.int4_linear.argtypes = [ptr, i64, i64, ptr, i64, ptr]
     lib.int8_linear.argtypes = [ptr, i64, i64, ptr, ptr, ctypes.c_int, i64, ptr]
@@ -160,27 +179,23 @@ def _declared(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.attend.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, i64, i64, ptr, i64, ptr]
     lib.attend_rows_float32.argtypes = lib.attend_rows_float64.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr,
                                                                            i64, i64, ptr, i64, ptr, ptr]
-    lib.q8_quantize.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr]
-    lib.int4_linear_q8.argtypes = [ptr, i64, i64, ptr, i64, ptr]
-    lib.int8_linear_q8.argtypes = [ptr, i64, i64, ptr, ptr, ctypes.c_int, i64, ptr]
-    lib.q8_vnni.argtypes, lib.q8_vnni.restype = [], ctypes.c_int
     for fn in (lib.float32_pack, lib.float32_linear, lib.int4_linear, lib.int8_linear, lib.int4_dequantize,
-               lib.rms_norm, lib.attend, lib.attend_rows_float32, lib.attend_rows_float64, lib.q8_quantize,
-               lib.int4_linear_q8, lib.int8_linear_q8):
+               lib.rms_norm, lib.attend, lib.attend_rows_float32, lib.attend_rows_float64):
         fn.restype = None
     return lib
 
 
-def library_path(cache_dir: str | os.PathLike | None = None, flags: Sequence[str] | None = None) -> Path:
-    """Where the library compiled from these sources with these flags (None: `build_flags()`) is kept."""
+def library_path(cache_dir: str | os.PathLike | None = None, flags: Sequence[str] | None = None,
+                 sources: Sequence[Path] = SOURCES) -> Path:
+    """Where the library compiled from `sources` with these flags (None: `build_flags()`) is kept."""
     flags = build_flags() if flags is None else flags
-    key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join(flags).encode()).hexdigest()[:16]
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in sources) + " ".join(flags).encode()).hexdigest()[:16]
     return cache_root(cache_dir) / "kernels" / f"cpu_kernels-{key}.so"
 
 
-def _built(cache_dir, compiler: str | None, flags: list[str]) -> Path:
+def _built(cache_dir, compiler: str | None, flags: list[str], sources: Sequence[Path] = SOURCES) -> Path:
     """The compiled library for these sources and these flags, compiling it if needed."""
-    path = library_path(cache_dir, flags)
+    path = library_path(cache_dir, flags, sources)
     if path.exists():  # built before: no compiler needed
         return path
     compiler = compiler or shutil.which("g++") or shutil.which("c++")
@@ -190,7 +205,7 @@ def _built(cache_dir, compiler: str | None, flags: list[str]) -> Path:
     fd, partial = tempfile.mkstemp(suffix=".so", dir=path.parent)  # processes may build at once
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *flags, "-o", partial, *map(str, SOURCES)], capture_output=True, text=True,
+        done = subprocess.run([compiler, *flags, "-o", partial, *map(str, sources)], capture_output=True, text=True,
                               timeout=300)
         if done.returncode:
             raise RuntimeError(f"{compiler} failed (exit {done.returncode}): {done.stderr.strip()[-2000:]}")

@@ -1,7 +1,9 @@
 """Weight-only int8 and int4 linear layers, and `quantize(model, mode)` that installs them.
 
-Only the weights are low-precision; activations, the KV cache and every non-linear op
-stay in the model's float dtype (`Transformer.dtype`, the embedding's). The weights:
+Only the weights are low-precision; the KV cache and every non-linear op stay in the model's
+float dtype (`Transformer.dtype`, the embedding's), and so do the activations between the
+layers (specserve's products quantise a layer's input to 8 bits per block of 32 inside the
+product, unless `CpuTuning.int_activations` is "float32"). The weights:
 
 - int8: per-output-channel symmetric int8;
 - int4: groupwise asymmetric 4-bit, w = d * q + m with q in 0..15 and one (d, m) per
@@ -14,18 +16,20 @@ which is how a tensor-parallel rank takes its slice of the very weights one proc
 use (runtime/tp.py, `shard_weights`).
 
 On an x86 CPU with AVX2 or AVX-512 but not AMX the products are specserve's own
-(runtime/cpu_kernels.py; `quantize`'s `tuning.kernels` picks): float32 activations as
-they are, the weights exactly d * q + m. Elsewhere they are PyTorch's weight-packed kernels on
-bfloat16 activations: `_weight_int8pack_mm`, and for int4 `_weight_int4pack_mm_for_cpu` on a CPU,
-`_weight_int4pack_mm` on CUDA, in torch's int4 format w = (q - 8) * scale + zero
-(scale = d, zero = m + 8d).
+(runtime/cpu_kernels.py; `quantize`'s `tuning.kernels` picks): by default each row's input
+quantised to 8 bits per block of 32 (a Q8_0 block, a scale of its own) and multiplied by the
+weight codes with integer dot products (q8_kernels.cpp), or with `tuning.int_activations`
+"float32" the float32 activations as they are by the weights exactly d * q + m. Elsewhere
+they are PyTorch's weight-packed kernels on bfloat16 activations: `_weight_int8pack_mm`, and
+for int4 `_weight_int4pack_mm_for_cpu` on a CPU, `_weight_int4pack_mm` on CUDA, in torch's
+int4 format w = (q - 8) * scale + zero (scale = d, zero = m + 8d).
 
 Every kernel gives each row of the input the same result whatever the number of rows
 (tests/test_precision.py checks it): verifying a tree rounds like decoding one token.
 Passes longer than PACKED_CHUNK_ROWS rows (long prefills) multiply by the weights
-dequantised to float32 through BLAS instead, like float32's long passes
-(runtime/cpu_tuning.py): several times faster there, not row-exact, which a prefill
-does not need.
+dequantised to float32 through BLAS instead, on the float32 activations, like float32's
+long passes (runtime/cpu_tuning.py): several times faster there, not row-exact, which a
+prefill does not need.
 CPU bfloat16 `nn.Linear` does so only up to BF16_EXACT_ROWS rows (oneDNN switches kernels
 above), so a bfloat16 model's layers run longer passes in slices of that many
 (`RowSlicedLinear`, installed by `quantize(model, "bfloat16")`).
