@@ -15,6 +15,9 @@ of `speculative/` take their values as parameters.
   models' linear layers (with their norms), `auto` (the default: specserve's own on an
   x86 CPU with AVX2 or AVX-512, torch's on one with AMX), `native` (specserve's own on
   any AVX2 CPU) or `torch` (torch's, and oneDNN's prepacked float32 layers).
+- SPECSERVE_INT_ACTIVATIONS: what specserve's int8/int4 products multiply the weights by,
+  `int8` (the default: the activations quantised to 8 bits per block of 32, integer dot
+  products) or `float32` (the activations as they are: slower for passes of many rows).
 - CXX: the C++ compiler that builds specserve's CPU products on first use (unset:
   g++ or c++ on the PATH).
 - SPECSERVE_CACHE_DIR: the cache of converted models and distillation data
@@ -28,19 +31,22 @@ from __future__ import annotations
 
 import os
 
-from runtime.cpu_tuning import KERNELS, LONG_ROWS_PATHS, ONE_ROW_PATHS, SHORT_ROWS_PATHS, CpuTuning
+from runtime.cpu_tuning import INT_ACTIVATIONS, KERNELS, LONG_ROWS_PATHS, ONE_ROW_PATHS, SHORT_ROWS_PATHS, CpuTuning
 
 
 def cpu_tuning_from_env() -> CpuTuning:
     """SPECSERVE_PACKED_LINEAR and the paths through packed layers, SPECSERVE_ONE_ROW_LINEAR,
-    SPECSERVE_SHORT_ROWS_LINEAR and SPECSERVE_LONG_ROWS_LINEAR, SPECSERVE_CPU_KERNELS and CXX
-    (see module doc); the paths are only read when packing is on."""
+    SPECSERVE_SHORT_ROWS_LINEAR and SPECSERVE_LONG_ROWS_LINEAR, SPECSERVE_CPU_KERNELS,
+    SPECSERVE_INT_ACTIVATIONS and CXX (see module doc); the paths are only read when packing is on."""
     kernels = os.environ.get("SPECSERVE_CPU_KERNELS", "auto")
     if kernels not in KERNELS:
         raise ValueError(f"SPECSERVE_CPU_KERNELS must be auto, native or torch, got {kernels!r}")
+    activations = os.environ.get("SPECSERVE_INT_ACTIVATIONS", "int8")
+    if activations not in INT_ACTIVATIONS:
+        raise ValueError(f"SPECSERVE_INT_ACTIVATIONS must be int8 or float32, got {activations!r}")
     compiler = os.environ.get("CXX") or None
     if os.environ.get("SPECSERVE_PACKED_LINEAR", "1") == "0":
-        return CpuTuning(packed_linear=False, kernels=kernels, compiler=compiler)
+        return CpuTuning(packed_linear=False, kernels=kernels, compiler=compiler, int_activations=activations)
     one_row = os.environ.get("SPECSERVE_ONE_ROW_LINEAR", "auto")
     if one_row not in ONE_ROW_PATHS:
         raise ValueError(f"SPECSERVE_ONE_ROW_LINEAR must be auto, blas or packed, got {one_row!r}")
@@ -50,7 +56,8 @@ def cpu_tuning_from_env() -> CpuTuning:
     long_rows = os.environ.get("SPECSERVE_LONG_ROWS_LINEAR", "auto")
     if long_rows not in LONG_ROWS_PATHS:
         raise ValueError(f"SPECSERVE_LONG_ROWS_LINEAR must be auto, blas or packed, got {long_rows!r}")
-    return CpuTuning(one_row=one_row, short_rows=short_rows, long_rows=long_rows, kernels=kernels, compiler=compiler)
+    return CpuTuning(one_row=one_row, short_rows=short_rows, long_rows=long_rows, kernels=kernels, compiler=compiler,
+                     int_activations=activations)
 
 
 def cache_dir_from_env() -> str | None:

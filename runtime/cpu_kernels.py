@@ -1,15 +1,20 @@
-"""specserve's own int4 and int8 weight-only products, and float32 products on weights it
-prepacks, for x86 CPUs with AVX2 (cpu_kernels.cpp), RMSNorm, the int models' short passes'
-float64 attention with RoPE, and the attention of short passes over cached rows (float32
-or float64), each one call.
+"""specserve's own int4 and int8 weight products, and float32 products on weights it
+prepacks, for x86 CPUs with AVX2 (cpu_kernels.cpp, q8_kernels.cpp), RMSNorm, the int models'
+short passes' float64 attention with RoPE, and the attention of short passes over cached rows
+(float32 or float64), each one call.
 
-torch's CPU kernels for int weights take bfloat16 activations, and on the AMD EPYCs measured
-(AVX2, and AVX-512 without AMX) they are slower than these (docs/BENCHMARKS.md); for float32,
-oneDNN's prepacked product is slower than these for passes of a few rows. These take
-float32 activations as they are and give each row the same result whatever the rows beside
-it (the lossless contract). The source is compiled with the system's C++ compiler on first
-use, a second or two, for AVX-512 where torch finds it and AVX2 otherwise, and kept in the
-cache directory (`runtime.cache.cache_root`).
+The int products multiply the weight codes either by each row's activations quantised to 8
+bits per block of 32, with integer dot products (q8_kernels.cpp, the default, `ACTIVATIONS`
+"int8": AVX2's maddubs, VNNI's dot product where the CPU has it), so that a pass of many rows
+costs little more than one row; or by the float32 activations as they are ("float32",
+cpu_kernels.cpp: weights decoded to float32, compute-bound with many rows). torch's CPU
+kernels for int weights take bfloat16 activations, and on the AMD EPYCs measured (AVX2, and
+AVX-512 without AMX) they are slower than these (docs/BENCHMARKS.md); for float32, oneDNN's
+prepacked product is slower than these for passes of a few rows. Every one gives each row the
+same result whatever the rows beside it (the lossless contract). The sources are compiled with
+the system's C++ compiler on first use, a few seconds, for AVX-512 where torch finds it and
+AVX2 otherwise, with VNNI where /proc/cpuinfo shows it, and kept in the cache directory
+(`runtime.cache.cache_root`).
 
 Who multiplies (`preferred`, `CpuTuning.kernels`, SPECSERVE_CPU_KERNELS at the edge):
 `auto` these, except on a CPU with AMX (there torch's were measured fast and these were not
@@ -37,10 +42,18 @@ from .cache import cache_root
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+SOURCES = (SOURCE, Path(__file__).with_name("q8_kernels.cpp"))  # one library
 GROUP = 32  # inputs per int4 group and per step of every product
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC"]
 AVX512_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]  # what torch's AVX512 capability means
+# the integer dot product of the 8-bit-activation products, where the CPU has it (/proc/cpuinfo's
+# flag: the compiler's flag); a compiler that lacks it builds without
+VNNI_FLAGS = {"AVX512": ("avx512_vnni", "-mavx512vnni"), "AVX2": ("avx_vnni", "-mavxvnni")}
 CHOICES = ("auto", "native", "torch")  # who multiplies (module doc)
+# what an int8/int4 layer's native product multiplies its weights by: the activations quantised
+# to 8 bits per block of 32 (integer dot products, q8_kernels.cpp), or float32 as they are
+ACTIVATIONS = ("int8", "float32")
+LANES = 8  # output channels a packed tile of the 8-bit-activation products holds (kLanes)
 
 _library: ctypes.CDLL | None = None
 _error: str | None = None  # why they cannot load, once tried
@@ -102,17 +115,60 @@ def _cpu_supported() -> bool:
     return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 
 
-def build_flags() -> list[str]:
-    """The compiler's flags for this CPU: AVX-512 where torch finds it, else AVX2."""
-    return FLAGS + AVX512_FLAGS if torch.backends.cpu.get_cpu_capability() == "AVX512" else FLAGS
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags (Linux's /proc/cpuinfo; none where it cannot tell)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
+    return set(line.partition(":")[2].split())
+
+
+def build_flags(vnni: bool = True) -> list[str]:
+    """The compiler's flags for this CPU: AVX-512 where torch finds it, else AVX2; with `vnni`,
+    VNNI's dot product where the CPU has it (AVX512-VNNI, or AVX-VNNI beside AVX2)."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    flags = FLAGS + AVX512_FLAGS if capability == "AVX512" else list(FLAGS)
+    cpu_flag, flag = VNNI_FLAGS.get(capability, VNNI_FLAGS["AVX2"])
+    return flags + [flag] if vnni and cpu_flag in cpu_flags() else flags
 
 
 def _load(cache_dir, compiler: str | None) -> ctypes.CDLL:
     if not _cpu_supported():
         raise RuntimeError(f"needs an x86-64 CPU with AVX2, this one is {platform.machine()} "
                            f"{torch.backends.cpu.get_cpu_capability()}")
-    path = _built(cache_dir, compiler)
-    lib = ctypes.CDLL(str(path))
+    try:
+        path = _built(cache_dir, compiler, build_flags())
+    except RuntimeError:  # a compiler without the CPU's VNNI flag (AVX-VNNI needs gcc 11)
+        if build_flags() == build_flags(vnni=False):
+            raise
+        path = _built(cache_dir, compiler, build_flags(vnni=False))
+    return _declared(ctypes.CDLL(str(path)))
+
+
+def variant(defines: Sequence[str], cache_dir: str | os.PathLike | None = None,
+            compiler: str | None = None) -> ctypes.CDLL:
+    """The 8-bit-activation products alone (q8_kernels.cpp), built with extra preprocessor
+    `defines` and this CPU's flags without VNNI: the tests build other CPUs' paths emulated on
+    AVX2 so ("-DSPECSERVE_EMULATE_VNNI", "-DSPECSERVE_EMULATE_AVX512")."""
+    lib = ctypes.CDLL(str(_built(cache_dir, compiler, build_flags(vnni=False) + list(defines), SOURCES[1:])))
+    return _declared_q8(lib)
+
+
+def _declared_q8(lib: ctypes.CDLL) -> ctypes.CDLL:
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.q8_quantize.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr]
+    lib.int4_linear_q8.argtypes = [ptr, i64, i64, ptr, i64, ptr]
+    lib.int8_linear_q8.argtypes = [ptr, i64, i64, ptr, ptr, ctypes.c_int, i64, ptr]
+    lib.q8_vnni.argtypes, lib.q8_vnni.restype = [], ctypes.c_int
+    for fn in (lib.q8_quantize, lib.int4_linear_q8, lib.int8_linear_q8):
+        fn.restype = None
+    return lib
+
+
+def _declared(lib: ctypes.CDLL) -> ctypes.CDLL:
+    _declared_q8(lib)
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.int4_linear.argtypes = [ptr, i64, i64, ptr, i64, ptr]
     lib.int8_linear.argtypes = [ptr, i64, i64, ptr, ptr, ctypes.c_int, i64, ptr]
@@ -129,16 +185,17 @@ def _load(cache_dir, compiler: str | None) -> ctypes.CDLL:
     return lib
 
 
-def library_path(cache_dir: str | os.PathLike | None = None) -> Path:
-    """Where the library compiled from this source with these flags is kept."""
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(build_flags()).encode()).hexdigest()[:16]
+def library_path(cache_dir: str | os.PathLike | None = None, flags: Sequence[str] | None = None,
+                 sources: Sequence[Path] = SOURCES) -> Path:
+    """Where the library compiled from `sources` with these flags (None: `build_flags()`) is kept."""
+    flags = build_flags() if flags is None else flags
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in sources) + " ".join(flags).encode()).hexdigest()[:16]
     return cache_root(cache_dir) / "kernels" / f"cpu_kernels-{key}.so"
 
 
-def _built(cache_dir, compiler: str | None) -> Path:
-    """The compiled library for this source and these flags, compiling it if needed."""
-    flags = build_flags()
-    path = library_path(cache_dir)
+def _built(cache_dir, compiler: str | None, flags: list[str], sources: Sequence[Path] = SOURCES) -> Path:
+    """The compiled library for these sources and these flags, compiling it if needed."""
+    path = library_path(cache_dir, flags, sources)
     if path.exists():  # built before: no compiler needed
         return path
     compiler = compiler or shutil.which("g++") or shutil.which("c++")
@@ -148,7 +205,7 @@ def _built(cache_dir, compiler: str | None) -> Path:
     fd, partial = tempfile.mkstemp(suffix=".so", dir=path.parent)  # processes may build at once
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *flags, "-o", partial, str(SOURCE)], capture_output=True, text=True,
+        done = subprocess.run([compiler, *flags, "-o", partial, *map(str, sources)], capture_output=True, text=True,
                               timeout=300)
         if done.returncode:
             raise RuntimeError(f"{compiler} failed (exit {done.returncode}): {done.stderr.strip()[-2000:]}")
@@ -287,3 +344,102 @@ def to_blocks(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor
     nibbles = groups[..., :GROUP // 2] | (groups[..., GROUP // 2:] << 4)
     scales = torch.stack((d, m), dim=-1).float().contiguous().view(torch.uint8)
     return torch.cat((scales, nibbles), dim=-1).contiguous()
+
+
+def vnni(lib: ctypes.CDLL | None = None) -> bool:
+    """Whether the 8-bit-activation products take VNNI's dot product here (else AVX2's)."""
+    return bool((lib or _library).q8_vnni())
+
+
+def _tiles(out: int) -> int:
+    return -(-out // LANES)
+
+
+def _padded(t: torch.Tensor, out: int) -> torch.Tensor:
+    """`t` [out, ...] with zero channels appended up to whole tiles of LANES."""
+    return torch.cat((t, t.new_zeros(_tiles(out) * LANES - out, *t.shape[1:]))) if out % LANES else t
+
+
+def int4_pack(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """w = d * q + m (q [out, in] in 0..15, d and m [out, in/32] float32) for `int4_linear_q8`:
+    uint8 [tiles, in/32, 192], a tile of LANES = 8 output channels (the last one padded with
+    zeros), each block of 32 inputs 128 bytes of codes, then d and m of the 8 channels. Code
+    vector j (32 bytes) holds at byte 4c + i channel c's input 8j + i low and 8j + 4 + i high."""
+    out, k = q.shape
+    tiles, groups = _tiles(out), k // GROUP
+    codes = _padded(q.to(torch.uint8), out).reshape(tiles, LANES, groups, 4, 2, 4)  # t c g j half i
+    codes = codes.permute(0, 2, 3, 1, 5, 4)  # t g j c i half
+    nibbles = (codes[..., 0] | (codes[..., 1] << 4)).reshape(tiles, groups, GROUP * LANES // 2)
+
+    def scales(s):  # [out, groups] -> [tiles, groups, 8] bytes
+        return _padded(s.float(), out).reshape(tiles, LANES, groups).transpose(1, 2).contiguous().view(torch.uint8)
+
+    return torch.cat((nibbles, scales(d), scales(m)), dim=-1).contiguous()
+
+
+def int4_unpack(packed: torch.Tensor, out: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q, d, m) of `int4_pack`'s tiles."""
+    tiles, groups, _ = packed.shape
+    nibbles = packed[..., :GROUP * LANES // 2].reshape(tiles, groups, 4, LANES, 4)  # t g j c i
+    codes = torch.stack((nibbles & 0x0F, nibbles >> 4), dim=-1)  # t g j c i half
+    q = codes.permute(0, 3, 1, 2, 5, 4).reshape(tiles * LANES, groups * GROUP)[:out].to(torch.int32)
+
+    def scales(first):
+        s = packed[..., first:first + 4 * LANES].contiguous().view(torch.float32)  # t g c
+        return s.transpose(1, 2).reshape(tiles * LANES, groups)[:out].contiguous()
+
+    return q, scales(GROUP * LANES // 2), scales(GROUP * LANES // 2 + 4 * LANES)
+
+
+def int8_pack(q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w = scales * q (q [out, in] int8; scales float32 [out], a channel's, or [out, in/32], a
+    block's: GGUF's Q8_0) for `int8_linear_q8`: codes int8 [tiles, in/32, 256], a tile of LANES
+    = 8 output channels (the last padded with zeros), code vector j (32 bytes) holding at byte
+    4c + i channel c's input 4j + i; and the scales, [tiles * 8] or [tiles, in/32, 8]."""
+    out, k = q.shape
+    tiles, groups = _tiles(out), k // GROUP
+    codes = _padded(q.to(torch.int8), out).reshape(tiles, LANES, groups, 8, 4).permute(0, 2, 3, 1, 4)
+    s = _padded(scales.float(), out)
+    if scales.dim() == 2:
+        s = s.reshape(tiles, LANES, groups).transpose(1, 2)
+    return codes.reshape(tiles, groups, GROUP * LANES).contiguous(), s.contiguous()
+
+
+def int8_unpack(codes: torch.Tensor, scales: torch.Tensor, out: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, scales) of `int8_pack`'s tiles."""
+    tiles, groups, _ = codes.shape
+    q = codes.reshape(tiles, groups, 8, LANES, 4).permute(0, 3, 1, 2, 4).reshape(tiles * LANES, groups * GROUP)
+    s = scales.transpose(1, 2).reshape(tiles * LANES, groups) if scales.dim() == 3 else scales
+    return q[:out].contiguous(), s[:out].contiguous()
+
+
+def q8_quantize(x: torch.Tensor, lib: ctypes.CDLL | None = None) -> tuple[torch.Tensor, ...]:
+    """The 8-bit activations the `*_q8` products make of x [rows, in] float32 contiguous: codes
+    int8 [rows, in], and per block of 32 d = max|x| / 127, d * sum(codes) and sum(codes)
+    int32 [rows, in/32] (q8_kernels.cpp)."""
+    rows, k = x.shape
+    q = torch.empty(rows, k, dtype=torch.int8)
+    d, s = torch.empty(rows, k // GROUP), torch.empty(rows, k // GROUP)
+    total = torch.empty(rows, k // GROUP, dtype=torch.int32)
+    (lib or _library).q8_quantize(x.data_ptr(), rows, k, q.data_ptr(), d.data_ptr(), s.data_ptr(), total.data_ptr())
+    return q, d, s, total
+
+
+def int4_linear_q8(x: torch.Tensor, packed: torch.Tensor, out: int, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """x [rows, in] float32 contiguous @ W.T, W given as `int4_pack`'s tiles of `out` channels,
+    x quantised to 8 bits per block of 32 (`q8_quantize`)."""
+    rows, k = x.shape
+    y = torch.empty(rows, out, dtype=torch.float32)
+    (lib or _library).int4_linear_q8(x.data_ptr(), rows, k, packed.data_ptr(), out, y.data_ptr())
+    return y
+
+
+def int8_linear_q8(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, out: int,
+                   lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """x [rows, in] float32 contiguous @ W.T, W given as `int8_pack`'s tiles of `out` channels and
+    scales, x quantised to 8 bits per block of 32 (`q8_quantize`)."""
+    rows, k = x.shape
+    y = torch.empty(rows, out, dtype=torch.float32)
+    (lib or _library).int8_linear_q8(x.data_ptr(), rows, k, codes.data_ptr(), scales.data_ptr(),
+                                     int(scales.dim() == 3), out, y.data_ptr())
+    return y

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import cpu_kernels
-from .cpu_kernels import CHOICES
+from .cpu_kernels import ACTIVATIONS, CHOICES
 from .model import Transformer
 
 # On the CPU a pass of one row and 2-3 new tokens runs padded to this many: BLAS takes a
@@ -43,6 +43,7 @@ ONE_ROW_PATHS = ("auto", "blas", "packed")
 SHORT_ROWS_PATHS = ("auto", "blas", "padded")
 LONG_ROWS_PATHS = ("auto", "blas", "packed")
 KERNELS = CHOICES  # who multiplies on the CPU (runtime/cpu_kernels.py)
+INT_ACTIVATIONS = ACTIVATIONS  # what specserve's int8/int4 products multiply the weights by
 
 # oneDNN keeps a primitive, with scratch memory sized by its rows, for every shape it meets
 # (up to 1,024 of them): a server whose passes took every row count up to a prompt's length
@@ -68,7 +69,10 @@ class CpuTuning:
     torch's, for int8/int4 weights when `runtime.loading.load` quantises and for
     the float32 layers `packed_linear` packs (`NativeLinear` or `PackedLinear`).
     `compiler`: the C++ compiler that builds specserve's products on first use (None:
-    g++ or c++ on the PATH)."""
+    g++ or c++ on the PATH). `int_activations`: what specserve's int8/int4 products multiply
+    the weights by: `int8`, each row's activations quantised per block of 32 and integer dot
+    products (a pass of many rows costs little more than one), or `float32`, the activations as
+    they are (docs/DESIGN-NOTES.md, Precision)."""
 
     packed_linear: bool = True
     one_row: str = "auto"
@@ -76,6 +80,7 @@ class CpuTuning:
     long_rows: str = "auto"
     kernels: str = "auto"
     compiler: str | None = None
+    int_activations: str = "int8"
 
     def __post_init__(self):
         if self.one_row not in ONE_ROW_PATHS:
@@ -86,6 +91,8 @@ class CpuTuning:
             raise ValueError(f"long_rows must be auto, blas or packed, got {self.long_rows!r}")
         if self.kernels not in KERNELS:
             raise ValueError(f"kernels must be auto, native or torch, got {self.kernels!r}")
+        if self.int_activations not in INT_ACTIVATIONS:
+            raise ValueError(f"int_activations must be int8 or float32, got {self.int_activations!r}")
 
 
 def apply_cpu_tuning(model: Transformer, tuning: CpuTuning = CpuTuning()) -> bool:

@@ -1,7 +1,9 @@
 """Weight-only int8 and int4 linear layers, and `quantize(model, mode)` that installs them.
 
-Only the weights are low-precision; activations, the KV cache and every non-linear op
-stay in the model's float dtype (`Transformer.dtype`, the embedding's). The weights:
+Only the weights are low-precision; the KV cache and every non-linear op stay in the model's
+float dtype (`Transformer.dtype`, the embedding's), and so do the activations between the
+layers (specserve's products quantise a layer's input to 8 bits per block of 32 inside the
+product, unless `CpuTuning.int_activations` is "float32"). The weights:
 
 - int8: per-output-channel symmetric int8;
 - int4: groupwise asymmetric 4-bit, w = d * q + m with q in 0..15 and one (d, m) per
@@ -14,18 +16,20 @@ which is how a tensor-parallel rank takes its slice of the very weights one proc
 use (runtime/tp.py, `shard_weights`).
 
 On an x86 CPU with AVX2 or AVX-512 but not AMX the products are specserve's own
-(runtime/cpu_kernels.py; `quantize`'s `tuning.kernels` picks): float32 activations as
-they are, the weights exactly d * q + m. Elsewhere they are PyTorch's weight-packed kernels on
-bfloat16 activations: `_weight_int8pack_mm`, and for int4 `_weight_int4pack_mm_for_cpu` on a CPU,
-`_weight_int4pack_mm` on CUDA, in torch's int4 format w = (q - 8) * scale + zero
-(scale = d, zero = m + 8d).
+(runtime/cpu_kernels.py; `quantize`'s `tuning.kernels` picks): by default each row's input
+quantised to 8 bits per block of 32 (a Q8_0 block, a scale of its own) and multiplied by the
+weight codes with integer dot products (q8_kernels.cpp), or with `tuning.int_activations`
+"float32" the float32 activations as they are by the weights exactly d * q + m. Elsewhere
+they are PyTorch's weight-packed kernels on bfloat16 activations: `_weight_int8pack_mm`, and
+for int4 `_weight_int4pack_mm_for_cpu` on a CPU, `_weight_int4pack_mm` on CUDA, in torch's
+int4 format w = (q - 8) * scale + zero (scale = d, zero = m + 8d).
 
 Every kernel gives each row of the input the same result whatever the number of rows
 (tests/test_precision.py checks it): verifying a tree rounds like decoding one token.
 Passes longer than PACKED_CHUNK_ROWS rows (long prefills) multiply by the weights
-dequantised to float32 through BLAS instead, like float32's long passes
-(runtime/cpu_tuning.py): several times faster there, not row-exact, which a prefill
-does not need.
+dequantised to float32 through BLAS instead, on the float32 activations, like float32's
+long passes (runtime/cpu_tuning.py): several times faster there, not row-exact, which a
+prefill does not need.
 CPU bfloat16 `nn.Linear` does so only up to BF16_EXACT_ROWS rows (oneDNN switches kernels
 above), so a bfloat16 model's layers run longer passes in slices of that many
 (`RowSlicedLinear`, installed by `quantize(model, "bfloat16")`).
@@ -60,6 +64,12 @@ def cuda_inner_k_tiles(in_features: int) -> int:
     return next(t for t in (8, 4, 2) if in_features % (16 * t) == 0)
 
 
+def _activations(activations: str) -> str:
+    if activations not in cpu_kernels.ACTIVATIONS:
+        raise ValueError(f"int activations must be one of {', '.join(cpu_kernels.ACTIVATIONS)}, got {activations!r}")
+    return activations
+
+
 def _native(device: torch.device, in_features: int, native: bool | None) -> bool:
     """Whether a layer on `device` takes specserve's own CPU products (runtime/cpu_kernels.py):
     `native` where they fit, None for `cpu_kernels.preferred`'s default."""
@@ -85,42 +95,63 @@ class Int8Linear(nn.Module):
     """`nn.Linear` with int8 weights, one scale per output channel (gpt-fast's
     WeightOnlyInt8Linear) or, native only, one per group of 32 inputs (GGUF's Q8_0
     blocks, `scales` [out, in/32]). Scales in float32 for the native CPU product, else in
-    the activation dtype torch's kernel wants."""
+    the activation dtype torch's kernel wants.
+
+    The native product multiplies by the activations quantised to 8 bits per block of 32
+    (`activations` "int8", integer dot products: `weight` and `scales` then in
+    `cpu_kernels.int8_pack`'s tiles), or by them in float32 as they are ("float32")."""
 
     def __init__(self, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
-                 native: bool | None = None):
+                 native: bool | None = None, activations: str = "int8"):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.native = _native(weight.device, self.in_features, native) and scales.dtype == torch.float32
         self.long_rows_blas = True  # native: passes of over PACKED_CHUNK_ROWS rows by BLAS (`quantize`)
         if scales.dim() == 2 and not self.native:
             raise ValueError("int8 with a scale per group of inputs needs the native CPU product")
+        self.grouped = scales.dim() == 2
+        self.activations = _activations(activations) if self.native else None
+        if self.activations == "int8":
+            weight, scales = cpu_kernels.int8_pack(weight, scales)
         self.register_buffer("weight", weight)
         self.register_buffer("scales", scales)
         self.register_buffer("bias", bias)
 
     @classmethod
     def from_weights(cls, q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype,
-                     bias: torch.Tensor | None = None, native: bool | None = None) -> "Int8Linear":
+                     bias: torch.Tensor | None = None, native: bool | None = None,
+                     activations: str = "int8") -> "Int8Linear":
         """From `quantize_int8`'s (q, scales); `dtype` is torch's kernel's activation dtype,
         where the native product does not run."""
         native = _native(q.device, q.shape[1], native)
         if not native:
             scales = scales.to(dtype)
         bias = None if bias is None else bias.detach().to(scales.dtype)
-        return cls(q, scales, bias, native)
+        return cls(q, scales, bias, native, activations)
 
     @classmethod
-    def quantized(cls, linear: nn.Linear, dtype: torch.dtype, native: bool | None = None) -> "Int8Linear":
+    def quantized(cls, linear: nn.Linear, dtype: torch.dtype, native: bool | None = None,
+                  activations: str = "int8") -> "Int8Linear":
         """`linear` quantised (`quantize_int8`)."""
-        return cls.from_weights(*quantize_int8(linear.weight.detach().float()), dtype, linear.bias, native)
+        return cls.from_weights(*quantize_int8(linear.weight.detach().float()), dtype, linear.bias, native,
+                                activations)
+
+    def quantized_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q [out, in] int8, scales [out] or [out, in/32]) as given, whatever the layout kept."""
+        if self.activations == "int8":
+            return cpu_kernels.int8_unpack(self.weight, self.scales, self.out_features)
+        return self.weight, self.scales
 
     def dequantized(self) -> torch.Tensor:
-        if self.scales.dim() == 2:
-            return (self.weight.float().unflatten(1, (-1, cpu_kernels.GROUP)) * self.scales[..., None]).flatten(1)
-        return self.weight.float() * self.scales.float()[:, None]
+        q, scales = self.quantized_weights()
+        if self.grouped:
+            return (q.float().unflatten(1, (-1, cpu_kernels.GROUP)) * scales[..., None]).flatten(1)
+        return q.float() * scales.float()[:, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.activations == "int8":
+            return _native_forward(self, x, lambda rows: cpu_kernels.int8_linear_q8(rows, self.weight, self.scales,
+                                                                                   self.out_features))
         if self.native:
             return _native_forward(self, x, lambda rows: cpu_kernels.int8_linear(rows, self.weight, self.scales))
         flat = x.reshape(-1, self.in_features).to(self.scales.dtype).contiguous()
@@ -131,14 +162,18 @@ class Int8Linear(nn.Module):
 
 class Int4Linear(nn.Module):
     """`nn.Linear` with groupwise 4-bit weights, w = d * q + m: on the native CPU product
-    as Q4_1 blocks (`cpu_kernels.to_blocks`), else in torch's packed int4 layout
-    (gpt-fast's WeightOnlyInt4Linear) with `scales_and_zeros` [in/group, out, 2] in the
-    activation dtype `dtype`."""
+    in `cpu_kernels.int4_pack`'s tiles, multiplied by the activations quantised to 8 bits per
+    block of 32 (`activations` "int8", integer dot products), or as Q4_1 blocks
+    (`cpu_kernels.to_blocks`) by the activations in float32 as they are ("float32"); else in
+    torch's packed int4 layout (gpt-fast's WeightOnlyInt4Linear) with `scales_and_zeros`
+    [in/group, out, 2] in the activation dtype `dtype`."""
 
     def __init__(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, dtype: torch.dtype,
-                 bias: torch.Tensor | None = None, group: int = INT4_GROUP, native: bool | None = None):
+                 bias: torch.Tensor | None = None, group: int = INT4_GROUP, native: bool | None = None,
+                 activations: str = "int8"):
         """`q` [out, in] integers 0..15; `d`, `m` [out, in/group] float32; all on the target
-        device. `native`: take specserve's own CPU product (None: `cpu_kernels.preferred()`)."""
+        device. `native`: take specserve's own CPU product (None: `cpu_kernels.preferred()`),
+        on `activations` (`cpu_kernels.ACTIVATIONS`)."""
         super().__init__()
         self.out_features, self.in_features = q.shape
         if self.in_features % group:
@@ -149,8 +184,10 @@ class Int4Linear(nn.Module):
         self.long_rows_blas = True  # native: passes of over PACKED_CHUNK_ROWS rows by BLAS (`quantize`)
         if self.on_cuda and dtype != torch.bfloat16:
             raise ValueError(f"int4 on CUDA computes in bfloat16 only, not {dtype}")
+        self.activations = _activations(activations) if self.native else None
         if self.native:
-            self.register_buffer("weight", cpu_kernels.to_blocks(q, d, m))
+            self.register_buffer("weight", cpu_kernels.int4_pack(q, d, m) if self.activations == "int8"
+                                 else cpu_kernels.to_blocks(q, d, m))
             self.register_buffer("bias", None if bias is None else bias.float())
             return
         if self.on_cuda:  # the CUDA packer takes two 4-bit values a byte, the even one high
@@ -166,20 +203,24 @@ class Int4Linear(nn.Module):
 
     @classmethod
     def from_blocks(cls, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, dtype: torch.dtype,
-                    bias: torch.Tensor | None = None, native: bool | None = None) -> "Int4Linear":
+                    bias: torch.Tensor | None = None, native: bool | None = None,
+                    activations: str = "int8") -> "Int4Linear":
         """From GGUF 4-bit blocks of 32 (w = d*q + m): `q` [out, in] in 0..15, `d` and `m`
         [out, in/32] in float32 (widened from the blocks' float16; Q4_0 is m = -8d)."""
-        return cls(q, d, m, dtype, bias, group=32, native=native)
+        return cls(q, d, m, dtype, bias, group=32, native=native, activations=activations)
 
     @classmethod
     def quantized(cls, linear: nn.Linear, dtype: torch.dtype, group: int = INT4_GROUP,
-                  native: bool | None = None) -> "Int4Linear":
+                  native: bool | None = None, activations: str = "int8") -> "Int4Linear":
         """`linear` quantised groupwise, each group's min..max spread over 0..15 (`quantize_int4`)."""
         bias = None if linear.bias is None else linear.bias.detach()
-        return cls(*quantize_int4(linear.weight.detach().float(), group), dtype, bias, group, native)
+        return cls(*quantize_int4(linear.weight.detach().float(), group), dtype, bias, group, native, activations)
 
     def dequantized(self) -> torch.Tensor:
         """The weight [out, in] as the kernel computes it, in float32 (torch's: an identity pass)."""
+        if self.activations == "int8":
+            return cpu_kernels.int4_dequantize(cpu_kernels.to_blocks(*cpu_kernels.int4_unpack(self.weight,
+                                                                                              self.out_features)))
         if self.native:
             return cpu_kernels.int4_dequantize(self.weight)
         eye = torch.eye(self.in_features, dtype=self.scales_and_zeros.dtype, device=self.weight.device)
@@ -191,6 +232,9 @@ class Int4Linear(nn.Module):
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.weight, self.group, self.scales_and_zeros)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.activations == "int8":
+            return _native_forward(self, x, lambda rows: cpu_kernels.int4_linear_q8(rows, self.weight,
+                                                                                   self.out_features))
         if self.native:
             return _native_forward(self, x, lambda rows: cpu_kernels.int4_linear(rows, self.weight))
         flat = x.reshape(-1, self.in_features).to(self.scales_and_zeros.dtype).contiguous()
@@ -307,6 +351,7 @@ def quantize(model, mode: str, weights: dict[str, tuple] | None = None, tuning: 
     dtype = KERNEL_DTYPE
     weights = weights or {}
     native = model.device.type == "cpu" and cpu_kernels.preferred(tuning.kernels, cache_dir, tuning.compiler)
+    activations = tuning.int_activations
     for i, layer in enumerate(model.layers):
         for part in LINEAR_PARTS:
             owner_name, attr = part.split(".")
@@ -318,13 +363,13 @@ def quantize(model, mode: str, weights: dict[str, tuple] | None = None, tuning: 
                 given = quantize_int8(w) if mode == "int8" else quantize_int4(w)
             given = tuple(t.to(linear.weight.device) for t in given)
             bias = None if linear.bias is None else linear.bias.detach()
-            setattr(owner, attr, Int8Linear.from_weights(*given, dtype, bias, native) if mode == "int8"
-                    else Int4Linear(*given, dtype, bias, native=native))
+            setattr(owner, attr, Int8Linear.from_weights(*given, dtype, bias, native, activations) if mode == "int8"
+                    else Int4Linear(*given, dtype, bias, native=native, activations=activations))
     head = weights.get("lm_head")
     if has_head and head is not None and _native(model.device, model.lm_head.in_features, native):
-        model.lm_head = Int8Linear(*(t.to(model.device) for t in head), native=True)
+        model.lm_head = Int8Linear(*(t.to(model.device) for t in head), native=True, activations=activations)
     elif has_head:
-        model.lm_head = Int8Linear.quantized(model.lm_head, dtype, native)
+        model.lm_head = Int8Linear.quantized(model.lm_head, dtype, native, activations)
     for m in model.modules():
         if isinstance(m, (Int4Linear, Int8Linear)):
             m.long_rows_blas = tuning.long_rows != "packed"

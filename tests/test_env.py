@@ -18,6 +18,7 @@ def test_cpu_tuning_from_env(monkeypatch):
     monkeypatch.delenv("SPECSERVE_SHORT_ROWS_LINEAR", raising=False)
     monkeypatch.delenv("SPECSERVE_LONG_ROWS_LINEAR", raising=False)
     monkeypatch.delenv("SPECSERVE_CPU_KERNELS", raising=False)
+    monkeypatch.delenv("SPECSERVE_INT_ACTIVATIONS", raising=False)
     monkeypatch.delenv("CXX", raising=False)
     assert cpu_tuning_from_env() == CpuTuning(packed_linear=True, one_row="auto", short_rows="auto", long_rows="auto")
     for choice in ("auto", "blas", "packed"):
@@ -52,6 +53,17 @@ def test_cpu_tuning_from_env(monkeypatch):
     with pytest.raises(ValueError, match="SPECSERVE_CPU_KERNELS must be auto, native or torch, got 'fast'"):
         cpu_tuning_from_env()
     monkeypatch.setenv("SPECSERVE_CPU_KERNELS", "auto")
+    assert cpu_tuning_from_env().int_activations == "int8"
+    for choice in ("int8", "float32"):  # what the int products multiply by, read whether packing is on or not
+        monkeypatch.setenv("SPECSERVE_INT_ACTIVATIONS", choice)
+        assert cpu_tuning_from_env().int_activations == choice
+        monkeypatch.setenv("SPECSERVE_PACKED_LINEAR", "0")
+        assert cpu_tuning_from_env() == CpuTuning(packed_linear=False, int_activations=choice)
+        monkeypatch.setenv("SPECSERVE_PACKED_LINEAR", "1")
+    monkeypatch.setenv("SPECSERVE_INT_ACTIVATIONS", "int4")
+    with pytest.raises(ValueError, match="SPECSERVE_INT_ACTIVATIONS must be int8 or float32, got 'int4'"):
+        cpu_tuning_from_env()
+    monkeypatch.setenv("SPECSERVE_INT_ACTIVATIONS", "int8")
     monkeypatch.setenv("CXX", "/usr/bin/clang++")  # the compiler that builds specserve's products
     assert cpu_tuning_from_env().compiler == "/usr/bin/clang++"
     monkeypatch.setenv("SPECSERVE_PACKED_LINEAR", "0")
