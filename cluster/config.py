@@ -80,6 +80,19 @@ class SecuritySettings(_Section):
     tls_cert_file: str | None = Field(None, description="PEM certificate chain: the HTTP and gRPC APIs speak "
                                                         "only TLS (with tls_key_file)")
     tls_key_file: str | None = Field(None, description="PEM private key of tls_cert_file")
+    internal_tls_cert_file: str | None = Field(None, description="PEM certificate chain every verifier, drafter "
+                                                                 "pool and router presents on internal calls: "
+                                                                 "with internal_tls_key_file and "
+                                                                 "internal_tls_ca_file, those speak only mutual "
+                                                                 "TLS (the cluster secret still checked)")
+    internal_tls_key_file: str | None = Field(None, description="PEM private key of internal_tls_cert_file")
+    internal_tls_ca_file: str | None = Field(None, description="PEM certificate(s) of the CA that signed every "
+                                                               "service's and router's certificate: no other "
+                                                               "peer is accepted")
+    internal_tls_server_name: str | None = Field(None, description="the name callers check each service's "
+                                                                   "certificate for (default: the address it "
+                                                                   "registered, its node's IP, which its "
+                                                                   "certificate must then name)")
 
     @model_validator(mode="after")
     def _tls_pair(self) -> "SecuritySettings":
@@ -91,11 +104,50 @@ class SecuritySettings(_Section):
                 raise ValueError(f"{name}: no file at {path}")
         return self
 
+    @model_validator(mode="after")
+    def _internal_tls(self) -> "SecuritySettings":
+        names = ("internal_tls_cert_file", "internal_tls_key_file", "internal_tls_ca_file")
+        given = [name for name in names if getattr(self, name) is not None]
+        if given and len(given) < len(names):
+            missing = [name for name in names if name not in given]
+            raise ValueError(f"internal TLS needs {', '.join(names)} together ({', '.join(missing)} missing)")
+        if not given and self.internal_tls_server_name is not None:
+            raise ValueError("internal_tls_server_name needs internal_tls_cert_file, _key_file and _ca_file")
+        for name in given:
+            path = getattr(self, name)
+            if not Path(path).is_file():
+                raise ValueError(f"{name}: no file at {path}")
+        if given:
+            self.internal_tls(check=True)
+        return self
+
     def tls(self) -> tuple[bytes, bytes] | None:
         """(certificate chain, key) as PEM bytes, or None without TLS."""
         if self.tls_cert_file is None:
             return None
         return Path(self.tls_cert_file).read_bytes(), Path(self.tls_key_file).read_bytes()
+
+    def internal_tls(self, check: bool = False, address: str | None = None):
+        """The internal calls' protos.server.MutualTls (the files read now), or None without.
+        `check`: ValueError naming the files unless the pair loads, the CA signed it, it is in
+        date, and it names `internal_tls_server_name` or, given, `address` (a service's own:
+        callers check it for the address it registers when no server name is set)."""
+        if self.internal_tls_cert_file is None:
+            return None
+        from protos.server import MutualTls, check_mutual_tls
+
+        tls = MutualTls(Path(self.internal_tls_cert_file).read_bytes(), Path(self.internal_tls_key_file).read_bytes(),
+                        Path(self.internal_tls_ca_file).read_bytes(), self.internal_tls_server_name)
+        if check:
+            name = self.internal_tls_server_name or address
+            try:
+                check_mutual_tls(tls.cert, tls.key, tls.ca, name)
+            except ValueError as e:
+                files = f"internal_tls_cert_file {self.internal_tls_cert_file}, internal_tls_key_file " \
+                        f"{self.internal_tls_key_file}, internal_tls_ca_file {self.internal_tls_ca_file}"
+                named = f" for {name}" if name else ""
+                raise ValueError(f"internal TLS{named}: {e} ({files})") from None
+        return tls
 
 
 class RegistrySettings(_Section):

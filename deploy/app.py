@@ -26,7 +26,7 @@ from ray import serve
 from ray.exceptions import RayError
 from starlette.exceptions import HTTPException
 
-from cluster.actors import DrafterPoolHost, RouterHost, VerifierHost
+from cluster.actors import DrafterPoolHost, RouterHost, VerifierHost, host_node, router_resources
 from cluster.config import ServeConfig, load_config, open_access_warning
 from cluster.state import REDIS_URL_ENV
 from protos import specserve_pb2 as pb
@@ -456,10 +456,12 @@ def build(cfg: ServeConfig, redis_url: str | None = None):
         services.append(DrafterPool.options(ray_actor_options={"num_cpus": 0, "resources": pools.resources},
                                             **_replicas(pools.count, pools.max_count, "drafter_policy", cfg),
                                             **shutdown).bind(spec, redis_url))
-    router = Router.options(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=ROUTER_MAX_ONGOING,
+    # on a router `host` that is one node's address, the routers and the ingress run on that node
+    on_host = {"num_cpus": 0, "resources": router_resources(cfg)}
+    router = Router.options(ray_actor_options=on_host, max_ongoing_requests=ROUTER_MAX_ONGOING,
                             **_replicas(cfg.routers.count, cfg.routers.max_count, "router_policy", cfg),
                             **shutdown).bind(spec, redis_url, *services)
-    return OpenAIIngress.options(ray_actor_options={"num_cpus": 0},
+    return OpenAIIngress.options(ray_actor_options=on_host,
                                  max_ongoing_requests=INGRESS_MAX_ONGOING,
                                  graceful_shutdown_wait_loop_s=SHUTDOWN_POLL_S).bind(spec, router)
 
@@ -489,7 +491,11 @@ def start_app(cfg: ServeConfig, redis_url: str | None = None, progress=print):
     http = {"host": cfg.host, "port": cfg.http.port}
     if cfg.security.tls() is not None:
         http.update(ssl_certfile=cfg.security.tls_cert_file, ssl_keyfile=cfg.security.tls_key_file)
-    serve.start(http_options=http)
+    node = host_node(cfg)
+    # the proxy listens on `host`: when that is the head's address, on the head only (on the
+    # other nodes it could not bind it)
+    on_head = node is not None and "node:__internal_head__" in node["Resources"]
+    serve.start(http_options=http, **({"proxy_location": "HeadOnly"} if on_head else {}))
     serve.run(build(cfg, redis_url), name=APP_NAME, route_prefix="/", blocking=False)
     router = serve.get_deployment_handle("Router", app_name=APP_NAME)
     said = None

@@ -72,10 +72,11 @@ class DrafterServicer(pb_grpc.DrafterServicer):
 
 def serve(pool: DrafterPool, host: str = "127.0.0.1", port: int = 0,
           max_workers: int = 16, threads: int = _SETTINGS.threads,
-          secret: str | None = None) -> tuple[grpc.Server, int]:
+          secret: str | None = None, mutual_tls=None) -> tuple[grpc.Server, int]:
     """Start serving `pool` on host:port (0 picks a free port); returns the server and its port.
     Drafters run on the server's threads, `threads` torch threads each. With a `secret` (the
-    cluster's), calls without it are refused (protos.server.ClusterSecretCheck)."""
+    cluster's), calls without it are refused (protos.server.ClusterSecretCheck); with
+    `mutual_tls` (protos.server.MutualTls), callers without a certificate of the cluster's CA too."""
     return start_server(pb_grpc.add_DrafterServicer_to_server, DrafterServicer(pool), SERVICE_NAME,
                         host, port, max_workers, thread_init=lambda: own_torch_threads(threads),
-                        secret=secret)
+                        secret=secret, mutual_tls=mutual_tls)

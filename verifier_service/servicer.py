@@ -167,10 +167,11 @@ def _verdict(out: VerifyOutcome) -> pb.VerifyResponse:
 
 
 def serve(engine: VerifierEngine, host: str = "127.0.0.1", port: int = 0,
-          max_workers: int = 16, secret: str | None = None) -> tuple[grpc.Server, int]:
+          max_workers: int = 16, secret: str | None = None, mutual_tls=None) -> tuple[grpc.Server, int]:
     """Start serving `engine` on host:port (0 picks a free port); returns the server and its port.
     The engine's worker runs the model; the server's threads only convert, on one torch thread.
-    With a `secret` (the cluster's), calls without it are refused (protos.server.ClusterSecretCheck)."""
+    With a `secret` (the cluster's), calls without it are refused (protos.server.ClusterSecretCheck); with
+    `mutual_tls` (protos.server.MutualTls), callers without a certificate of the cluster's CA too."""
     return start_server(pb_grpc.add_VerifierServicer_to_server, VerifierServicer(engine), SERVICE_NAME,
                         host, port, max_workers, thread_init=lambda: own_torch_threads(1),
-                        secret=secret)
+                        secret=secret, mutual_tls=mutual_tls)

@@ -1,5 +1,6 @@
 """The router's gRPC channels to the verifiers and drafter pools: one per address, each
-call carrying the cluster secret when there is one."""
+call carrying the cluster secret when there is one, over mutual TLS when the cluster has
+it."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import threading
 
 import grpc
 
-from protos.server import CLUSTER_SECRET_METADATA
+from protos.server import CLUSTER_SECRET_METADATA, MutualTls, internal_channel
 
 # gRPC failures after which another replica (or no drafting) is the answer
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
@@ -47,9 +48,11 @@ class _WithSecret(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterc
 
 class Channels:
     """One cached gRPC channel per address; with the cluster's `secret`, every call on them
-    carries it (the verifiers and drafter pools of `specserve serve` refuse calls without)."""
+    carries it (the verifiers and drafter pools of `specserve serve` refuse calls without);
+    with `tls`, each is a TLS channel presenting the router's certificate."""
 
-    def __init__(self, secret: str | None = None):
+    def __init__(self, secret: str | None = None, tls: MutualTls | None = None):
+        self._tls = tls
         self._channels: dict[str, grpc.Channel] = {}
         self._lock = threading.Lock()  # requests, and the drafters of one request, share the channels
         self._secret = _WithSecret(secret) if secret is not None else None
@@ -60,7 +63,7 @@ class Channels:
                 # a subchannel of its own: gRPC shares one per address between channels by default,
                 # with its reconnect backoff, so a channel made after `drop` would fail at once for a
                 # service restarted at the same address (or a new one on a reused port)
-                channel = grpc.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
+                channel = internal_channel(address, self._tls, options=[("grpc.use_local_subchannel_pool", 1)])
                 if self._secret is not None:
                     channel = grpc.intercept_channel(channel, self._secret)
                 self._channels[address] = channel
