@@ -463,10 +463,11 @@ void accumulate(T* acc, const T* ps, const int32_t* slots, int64_t n, const floa
 template <typename T>
 struct Scratch {
   std::vector<T> scores, acc, top, total;
-  std::vector<int32_t> slots;
+  std::vector<int32_t> slots, places;
   std::vector<int64_t> count, cursor;
   void fit(int64_t m, int64_t stride, int64_t d) {
-    if (static_cast<int64_t>(scores.size()) < m * stride) scores.resize(m * stride), slots.resize(m * stride);
+    if (static_cast<int64_t>(scores.size()) < m * stride)
+      scores.resize(m * stride), slots.resize(m * stride), places.resize(m * stride);
     if (static_cast<int64_t>(acc.size()) < m * d) acc.resize(m * d);
     if (static_cast<int64_t>(top.size()) < m) top.resize(m), total.resize(m), count.resize(m), cursor.resize(m);
   }
@@ -493,20 +494,22 @@ constexpr int64_t kSlotBlock = 64;
 
 // The attention of m queries that share one kv head (of one row): query q's scores go over the
 // slots below `limit` where its additive mask row masks[q] is not -inf, in slot order, then
-// softmax, then the values likewise; out[q] [d] float32. The keys and values are float32 in
-// either dtype: float64 attention widens them as it reads them (they are float32 values). The
+// softmax, then the values likewise; out[q] [d] float32. Slot s's key is at keys + place(s) * d,
+// its value likewise: place(s) = s, or `map`[s] where a paged cache's block table places it
+// (runtime/paged_kv.py; the same operations on the same values wherever they lie). The keys and
+// values are float32 in either dtype: float64 attention widens them as it reads them (they are float32 values). The
 // queries take turns at each block of slots, so its keys and values are read from memory once
 // for all of them, and each query's own operations are those it gets alone: a token attends the
 // same in any batch, beside any rows and queries, whatever the batch's span or width (the
 // lossless contract).
 template <typename T>
 void attend_queries(const T* const* qs, const T* const* masks, int64_t m, int64_t limit, const float* keys,
-                    const float* values, int64_t d, T scale, float* const* outs) {
+                    const float* values, int64_t d, T scale, float* const* outs, const int32_t* map) {
   static thread_local Scratch<T> scratch;
   const int64_t stride = limit + kF32Lanes;
   scratch.fit(m, stride, d);
   T *scores = scratch.scores.data(), *acc = scratch.acc.data(), *top = scratch.top.data();
-  int32_t* slots = scratch.slots.data();
+  int32_t *slots = scratch.slots.data(), *places = scratch.places.data();
   int64_t *count = scratch.count.data(), *cursor = scratch.cursor.data();
   for (int64_t q = 0; q < m; ++q) count[q] = 0, cursor[q] = 0, top[q] = -INFINITY;
   for (int64_t first = 0; first < limit; first += kSlotBlock) {
@@ -515,13 +518,15 @@ void attend_queries(const T* const* qs, const T* const* masks, int64_t m, int64_
       const T *query = qs[q], *allowed = masks[q];
       if (last - first == kSlotBlock && !any_allowed(allowed + first, kSlotBlock)) continue;
       T* sc = scores + q * stride;
-      int32_t* seen = slots + q * stride;
+      int32_t *seen = slots + q * stride, *at = places + q * stride;
       int64_t n = count[q];  // in registers over the block, not through memory slot by slot
       T highest = top[q];
       for (int64_t s = first; s < last; ++s) {
         if (allowed[s] == -INFINITY) continue;
-        const T x = score(query, keys + s * d, d, scale, allowed[s]);
+        const int32_t place = map ? map[s] : static_cast<int32_t>(s);
+        const T x = score(query, keys + static_cast<int64_t>(place) * d, d, scale, allowed[s]);
         sc[n] = x;
+        at[n] = place;
         seen[n++] = static_cast<int32_t>(s);
         highest = x > highest ? x : highest;
       }
@@ -536,7 +541,8 @@ void attend_queries(const T* const* qs, const T* const* masks, int64_t m, int64_
       const int32_t* seen = slots + q * stride;
       int64_t end = cursor[q];
       while (end < count[q] && seen[end] < last) ++end;
-      accumulate(acc + q * d, scores + q * stride + cursor[q], seen + cursor[q], end - cursor[q], values, d);
+      accumulate(acc + q * d, scores + q * stride + cursor[q], places + q * stride + cursor[q], end - cursor[q],
+                 values, d);
       cursor[q] = end;
     }
   }
@@ -552,7 +558,7 @@ void attend_queries(const T* const* qs, const T* const* masks, int64_t m, int64_
 template <typename T>
 void attend_rows(const T* q, int64_t b, int64_t t, int64_t n_heads, int64_t n_kv, int64_t d, const float* k,
                  const float* v, int64_t row_stride, int64_t head_stride, const T* mask, int64_t span,
-                 const int64_t* limits, float* out) {
+                 const int64_t* limits, float* out, const int32_t* map = nullptr, int64_t map_stride = 0) {
   const int64_t group = n_heads / n_kv, m = group * t;
   const T scale = static_cast<T>(1.0 / sqrt(static_cast<double>(d)));
   struct Part {
@@ -587,7 +593,7 @@ void attend_rows(const T* q, int64_t b, int64_t t, int64_t n_heads, int64_t n_kv
       masks[n] = mask + (r * t + at) * span;
     }
     attend_queries(qs, masks, n, part.limit, k + r * row_stride + g * head_stride, v + r * row_stride + g * head_stride,
-                   d, scale, outs);
+                   d, scale, outs, map ? map + r * map_stride : nullptr);
   }
 }
 
@@ -663,22 +669,24 @@ void rms_norm(const float* x, int64_t rows, int64_t k, const float* weight, floa
 // attention widens as it reads them; each query then attends to the slots
 // 0..span-1 where the additive mask [t, span] is not -inf. out [t, n_heads * d] float32.
 // The attention is attend_rows' for one row: a token verified beside others attends as it
-// does alone.
+// does alone. With a `map` (a paged cache's row, runtime/paged_kv.py) slot s is at map[s] of
+// each head's max_len slots instead, for the writes and the reads.
 void attend(const float* qkv, int64_t t, int64_t n_heads, int64_t n_kv, int64_t d, const float* cos,
             const float* sin, float* k_cache, float* v_cache, int64_t max_len, int64_t start, const double* mask,
-            int64_t span, float* out) {
+            int64_t span, float* out, const int32_t* map) {
   const int64_t width = (n_heads + 2 * n_kv) * d, half = d / 2;
   std::vector<double> queries(n_heads * t * d);  // [n_heads, t, d], as attend_rows takes them
   for (int64_t i = 0; i < t; ++i) {
     const float *row = qkv + i * width, *c = cos + i * d, *sn = sin + i * d;
     for (int64_t h = 0; h < n_heads + 2 * n_kv; ++h) {
       const float* x = row + h * d;
+      const int64_t place = map ? map[start + i] : start + i;
       if (h >= n_heads + n_kv) {
-        std::copy(x, x + d, v_cache + ((h - n_heads - n_kv) * max_len + start + i) * d);
+        std::copy(x, x + d, v_cache + ((h - n_heads - n_kv) * max_len + place) * d);
         continue;
       }
       double* query = h < n_heads ? queries.data() + (h * t + i) * d : nullptr;
-      float* key = h < n_heads ? nullptr : k_cache + ((h - n_heads) * max_len + start + i) * d;
+      float* key = h < n_heads ? nullptr : k_cache + ((h - n_heads) * max_len + place) * d;
       for (int64_t j = 0; j < d; ++j) {
         const float rotated_in = x[j < half ? j + half : j - half];
         const float a = x[j] * c[j], b = rotated_in * sn[j];
@@ -688,26 +696,28 @@ void attend(const float* qkv, int64_t t, int64_t n_heads, int64_t n_kv, int64_t 
     }
   }
   const int64_t limit = start + t;
-  attend_rows(queries.data(), 1, t, n_heads, n_kv, d, k_cache, v_cache, 0, max_len * d, mask, span, &limit, out);
+  attend_rows(queries.data(), 1, t, n_heads, n_kv, d, k_cache, v_cache, 0, max_len * d, mask, span, &limit, out, map);
 }
 
 // Attention of b rows of t new queries each after their keys and values went to the caches:
 // q [b, n_heads, t, d]; row r's kv head g's slot s at k + r * row_stride + g * head_stride + s * d,
-// likewise v; the additive mask [b, t, span] (0 or -inf); row r's queries see slots below
+// likewise v, or, with a `map` [b, map_stride] (paged rows: row_stride 0), at map[r][s] instead
+// of s; the additive mask [b, t, span] (0 or -inf); row r's queries see slots below
 // limits[r] at most. out [b, t, n_heads * d] float32. Each query's output is the one it gets
 // alone (attend_queries). float32 attention: d a multiple of 16, at most kMaxHeadDim.
 void attend_rows_float32(const float* q, int64_t b, int64_t t, int64_t n_heads, int64_t n_kv, int64_t d,
                          const float* k, const float* v, int64_t row_stride, int64_t head_stride, const float* mask,
-                         int64_t span, const int64_t* limits, float* out) {
-  attend_rows(q, b, t, n_heads, n_kv, d, k, v, row_stride, head_stride, mask, span, limits, out);
+                         int64_t span, const int64_t* limits, float* out, const int32_t* map, int64_t map_stride) {
+  attend_rows(q, b, t, n_heads, n_kv, d, k, v, row_stride, head_stride, mask, span, limits, out, map, map_stride);
 }
 
 // ... float64 attention (the int models') over float32 caches, d a multiple of 4: each query's
 // output the one `attend` gives it alone.
 void attend_rows_float64(const double* q, int64_t b, int64_t t, int64_t n_heads, int64_t n_kv, int64_t d,
                          const float* k, const float* v, int64_t row_stride, int64_t head_stride,
-                         const double* mask, int64_t span, const int64_t* limits, float* out) {
-  attend_rows(q, b, t, n_heads, n_kv, d, k, v, row_stride, head_stride, mask, span, limits, out);
+                         const double* mask, int64_t span, const int64_t* limits, float* out, const int32_t* map,
+                         int64_t map_stride) {
+  attend_rows(q, b, t, n_heads, n_kv, d, k, v, row_stride, head_stride, mask, span, limits, out, map, map_stride);
 }
 
 // w [out, k] = the Q4_1 blocks' weights in float32, each d * q + m as the products compute it.

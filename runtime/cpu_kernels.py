@@ -176,9 +176,9 @@ def _declared(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.float32_linear.argtypes = [ptr, i64, i64, ptr, i64, ptr]
     lib.float32_pack.argtypes = [ptr, i64, i64, ptr]
     lib.rms_norm.argtypes = [ptr, i64, i64, ptr, ctypes.c_float, ptr]
-    lib.attend.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, i64, i64, ptr, i64, ptr]
+    lib.attend.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, i64, i64, ptr, i64, ptr, ptr]
     lib.attend_rows_float32.argtypes = lib.attend_rows_float64.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr,
-                                                                           i64, i64, ptr, i64, ptr, ptr]
+                                                                           i64, i64, ptr, i64, ptr, ptr, ptr, i64]
     for fn in (lib.float32_pack, lib.float32_linear, lib.int4_linear, lib.int8_linear, lib.int4_dequantize,
                lib.rms_norm, lib.attend, lib.attend_rows_float32, lib.attend_rows_float64):
         fn.restype = None
@@ -278,14 +278,16 @@ def attends(head_dim: int) -> bool:
 
 
 def attend(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-           start: int, mask: torch.Tensor, n_heads: int) -> torch.Tensor:
+           start: int, mask: torch.Tensor, n_heads: int, slot_map: torch.Tensor | None = None) -> torch.Tensor:
     """One sequence's attention for t new tokens in float64 (cpu_kernels.cpp's `attend`).
 
     qkv [t, (n_heads + 2 n_kv) * d] float32; cos, sin [t, d] float32 (model.Transformer's
     rope tables at the tokens' positions); k_cache, v_cache [n_kv, max_len, d] float32 (the
     keys and values are float32 values: the attention widens them as it reads them), written
-    at slots start..start+t-1; mask [t, span] float64, 0 or -inf. Returns [t, n_heads * d]
-    float32, each query's output the one it gets alone."""
+    at slots start..start+t-1; mask [t, span] float64, 0 or -inf. `slot_map`: int32 [span
+    at least], where each slot lies in the caches' max_len (a paged cache's row,
+    runtime/paged_kv.py; None: slot s at s). Returns [t, n_heads * d] float32, each query's
+    output the one it gets alone."""
     t = qkv.shape[0]
     n_kv, max_len, d = k_cache.shape
     if n_heads // n_kv * t > MAX_QUERIES:
@@ -293,10 +295,19 @@ def attend(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: tor
     if k_cache.dtype != torch.float32 or v_cache.dtype != torch.float32 or mask.dtype != torch.float64:
         raise ValueError(f"attend: caches {k_cache.dtype} and {v_cache.dtype}, mask {mask.dtype}: "
                          "float32 caches and a float64 mask")
+    _check_map(slot_map, 1, start + t)
     out = torch.empty(t, n_heads * d, dtype=torch.float32)
     _library.attend(qkv.data_ptr(), t, n_heads, n_kv, d, cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(),
-                    v_cache.data_ptr(), max_len, start, mask.data_ptr(), mask.shape[-1], out.data_ptr())
+                    v_cache.data_ptr(), max_len, start, mask.data_ptr(), mask.shape[-1], out.data_ptr(),
+                    None if slot_map is None else slot_map.data_ptr())
     return out
+
+
+def _check_map(slot_map: torch.Tensor | None, rows: int, slots: int) -> None:
+    if slot_map is not None and (slot_map.dtype != torch.int32 or not slot_map.is_contiguous()
+                                 or slot_map.numel() < rows * slots):
+        raise ValueError(f"a slot map is int32, contiguous, {slots} slots a row: got {slot_map.dtype} "
+                         f"{tuple(slot_map.shape)}")
 
 
 def attends_rows(head_dim: int, dtype: torch.dtype) -> bool:
@@ -307,14 +318,18 @@ def attends_rows(head_dim: int, dtype: torch.dtype) -> bool:
 
 
 def attend_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, mask: torch.Tensor,
-                limits: Sequence[int]) -> torch.Tensor:
+                limits: Sequence[int], slot_map: torch.Tensor | None = None) -> torch.Tensor:
     """The attention of b rows of t new queries each, their keys and values in the caches already
     (cpu_kernels.cpp's `attend_rows`), in the queries' dtype (float32 or float64, `attends_rows`).
 
     q [b, n_heads, t, d] in that dtype; k_cache, v_cache [b, n_kv, max_len, d] float32 in
-    either (a rows view of the cache, each row's heads and slots contiguous); mask [b, 1, t,
+    either (a rows view of the cache, or a paged cache's rows gathered: each row's kv heads at
+    any strides, each head's slots contiguous); mask [b, 1, t,
     span] additive (0 or -inf) in the queries' dtype; row r's queries see slots below
-    limits[r] at most. Returns [b, t, n_heads * d] float32, each query's output the one it gets
+    limits[r] at most. `slot_map` int32 [b, S] (S at least every limit): row r's slot s lies at
+    slot_map[r, s] of its heads' max_len, as a paged cache's block table places it
+    (runtime/paged_kv.py: the caches then the pool's, every row the same, stride 0); None: at s.
+    Returns [b, t, n_heads * d] float32, each query's output the one it gets
     in any batch: one thread's fixed sequence of operations over the slots its mask row allows."""
     b, n_heads, t, d = q.shape
     n_kv, max_len = k_cache.shape[1], k_cache.shape[2]
@@ -324,14 +339,19 @@ def attend_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, m
                          "do not fit it")
     if n_heads // n_kv * t > MAX_QUERIES:
         raise ValueError(f"attend_rows: {n_heads // n_kv * t} queries of one kv head exceed {MAX_QUERIES}")
-    if k_cache.stride()[1:] != (max_len * d, d, 1) or v_cache.stride() != k_cache.stride():
-        raise ValueError("attend_rows: each cache row's heads and slots must be contiguous")
+    if k_cache.stride()[2:] != (d, 1) or v_cache.stride() != k_cache.stride():
+        raise ValueError("attend_rows: each cache row's kv heads must hold their slots contiguous")
+    if slot_map is not None:
+        _check_map(slot_map, b, max(limits))
+        if slot_map.dim() != 2 or slot_map.shape[0] != b:
+            raise ValueError(f"attend_rows: a slot map of {b} rows, got {tuple(slot_map.shape)}")
     q, mask = q.contiguous(), mask.contiguous()
     out = torch.empty(b, t, n_heads * d, dtype=torch.float32)
     bounds = (ctypes.c_int64 * b)(*limits)
     kernel = _library.attend_rows_float64 if q.dtype == torch.float64 else _library.attend_rows_float32
     kernel(q.data_ptr(), b, t, n_heads, n_kv, d, k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0),
-           k_cache.stride(1), mask.data_ptr(), mask.shape[-1], bounds, out.data_ptr())
+           k_cache.stride(1), mask.data_ptr(), mask.shape[-1], bounds, out.data_ptr(),
+           None if slot_map is None else slot_map.data_ptr(), 0 if slot_map is None else slot_map.shape[1])
     return out
 
 

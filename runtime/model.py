@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
+from .paged_kv import PagedKVCache, PagedLayer, PagedRows, block_bytes
 
 
 class KVCache:
@@ -161,16 +162,29 @@ class Attention(nn.Module):
         self.attention_dtype: torch.dtype | None = None  # None: the cache's (Transformer.attention_dtype)
 
     def forward(self, x, cos, sin, k_cache, v_cache, starts, mask, packing=None):
+        """`k_cache`, `v_cache`: a KVCache's rows of this layer [B, n_kv, max_len, d], or a
+        `PagedLayer` (v_cache None): a paged cache's rows (runtime/paged_kv.py). The specserve
+        kernels read and write its blocks where they lie (a slot map); SDPA attends over
+        the rows gathered into contiguous ones. The same operations on the same values
+        either way: the same results, bit for bit."""
+        paged = k_cache if isinstance(k_cache, PagedLayer) else None
         qkv = self.qkv(x)
         if packing is not None:  # real tokens only [N, D]: attention works on the padded rows
             qkv = packing.unpack(qkv)
         b, t, _ = qkv.shape
-        dtype = self.attention_dtype or k_cache.dtype
+        cache_dtype = k_cache.dtype
+        dtype = self.attention_dtype or cache_dtype
         if self.fused_attention is not None and b == 1 and packing is None and mask is not None \
-                and t <= FUSED_ATTENTION_MAX_TOKENS and dtype == torch.float64 and k_cache.dtype == torch.float32 \
-                and qkv.dtype == torch.float32 and k_cache[0].is_contiguous() and v_cache[0].is_contiguous():
+                and t <= FUSED_ATTENTION_MAX_TOKENS and dtype == torch.float64 and cache_dtype == torch.float32 \
+                and qkv.dtype == torch.float32 and (paged or k_cache[0].is_contiguous() and v_cache[0].is_contiguous()):
+            if paged:
+                plan, store = paged.plan(starts, t), paged.store()
+                keys, values, slot_map = store[0], store[1], plan.slot_map[0]
+            else:
+                keys, values, slot_map = k_cache[0], v_cache[0], None
             out = self.fused_attention(qkv.reshape(t, -1).contiguous(), cos.reshape(t, -1), sin.reshape(t, -1),
-                                       k_cache[0], v_cache[0], starts[0], mask.reshape(t, -1), self.n_heads)
+                                       keys, values, starts[0], mask.reshape(t, -1), self.n_heads,
+                                       **({} if slot_map is None else {"slot_map": slot_map}))
             return self.o(out.view(b, t, -1))
         heads = qkv.view(b, t, -1, self.head_dim).transpose(1, 2)  # q, k and v heads [B, H, T, D]
         roped = self.n_heads + self.n_kv
@@ -178,6 +192,17 @@ class Attention(nn.Module):
         qk = qk * cos + torch.roll(qk, self.head_dim // 2, -1) * sin  # sin's first half negated
         q, k, v = qk[:, :self.n_heads], qk[:, self.n_heads:], heads[:, roped:]
         q = q.to(dtype)
+        rows_kernel = self.rows_attention is not None and mask is not None and t <= FUSED_ATTENTION_MAX_TOKENS \
+            and x.dtype == torch.float32
+        if paged and rows_kernel:  # the new keys and values to their blocks, attended where they lie
+            plan, store = paged.plan(starts, t), paged.store()
+            plan.write(store, k, v)
+            keys, values = (part[None].expand(b, *part.shape) for part in store)
+            out = self.rows_attention(q, keys, values, mask, [start + t for start in starts], slot_map=plan.slot_map)
+            return self.o(out if packing is None else packing.pack(out))
+        if paged:  # the rows gathered into contiguous ones, the new keys and values written to them
+            plan = paged.plan(starts, t)
+            flat, k_cache, v_cache = plan.rows_of(paged.store())
         if b == 1:  # one copy each: a token's pass is made of many small operators
             start = starts[0]
             k_cache[:1, :, start:start + t] = k
@@ -186,8 +211,9 @@ class Attention(nn.Module):
             for row, start in enumerate(starts):
                 k_cache[row, :, start:start + t] = k[row]
                 v_cache[row, :, start:start + t] = v[row]
-        if self.rows_attention is not None and mask is not None and t <= FUSED_ATTENTION_MAX_TOKENS \
-                and x.dtype == torch.float32:
+        if paged:
+            plan.write_back(flat, paged.store())
+        if rows_kernel:
             out = self.rows_attention(q, k_cache[:b], v_cache[:b], mask, [start + t for start in starts])
             return self.o(out if packing is None else packing.pack(out))
         span, gqa = t if mask is None else mask.shape[-1], self.n_kv != self.n_heads
@@ -302,6 +328,20 @@ class Transformer(nn.Module):
         return KVCache(num_layers or cfg.num_layers, batch, kv_heads, max_len, cfg.head_dim, self.device,
                        self.cache_dtype or self.attention_dtype or self.dtype)
 
+    def new_paged_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
+        """The keys and values of a paged cache's blocks (runtime/paged_kv.py), in the dtype and
+        with the KV heads `new_cache` gives."""
+        cfg = self.config
+        return PagedKVCache(cfg.num_layers, num_blocks, block_size, self.layers[0].attn.n_kv, cfg.head_dim,
+                            self.device, self.cache_dtype or self.attention_dtype or self.dtype,
+                            cfg.max_position_embeddings)
+
+    def kv_block_bytes(self, block_size: int) -> int:
+        """Bytes of one paged-cache block of `block_size` slots (this model's, or a shard's, KV heads)."""
+        cfg = self.config
+        return block_bytes(cfg.num_layers, self.layers[0].attn.n_kv, cfg.head_dim, block_size,
+                           self.cache_dtype or self.attention_dtype or self.dtype)
+
     def layer_inputs(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, mask: torch.Tensor,
                      packed: bool = False):
         """What the first layer takes: the embeddings, RoPE's cos and sin at `positions`, each
@@ -352,8 +392,10 @@ class Transformer(nn.Module):
             x = packing.pack(x)
         picked = range(len(self.layers)) if layers is None else layers
         captured = {}
+        paged = isinstance(cache, PagedRows)
         for i, layer_idx in enumerate(picked):
-            x = self.layers[layer_idx](x, cos, sin, cache.k[i], cache.v[i], starts, mask, packing)
+            k, v = cache.layer(i) if paged else (cache.k[i], cache.v[i])
+            x = self.layers[layer_idx](x, cos, sin, k, v, starts, mask, packing)
             if capture is not None and layer_idx in capture:
                 captured[layer_idx] = x
         for row in range(b):

@@ -33,6 +33,7 @@ from torch import nn
 from .config import ModelConfig
 from .errors import InvalidArgument
 from .model import KVCache, Transformer
+from .paged_kv import PagedKVCache, PagedRows
 
 log = logging.getLogger(__name__)
 
@@ -214,14 +215,31 @@ class TensorParallelTarget:
         self._ops.append(("new", cache.cache_id, max_len, batch, num_layers))
         return cache
 
-    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, cache: "MirroredCache", mask: torch.Tensor,
-                 layers: Sequence[int] | None = None, logits_from: int = 0,
+    def new_paged_cache(self, num_blocks: int, block_size: int) -> "MirroredPagedCache":
+        """A paged cache's blocks (runtime/paged_kv.py) on every rank, each its own KV heads; the
+        block tables live on rank 0 and go with each forward."""
+        cache = MirroredPagedCache(self, self.model.new_paged_cache(num_blocks, block_size))
+        self._ops.append(("new_paged", cache.cache_id, num_blocks, block_size))
+        return cache
+
+    def kv_block_bytes(self, block_size: int) -> int:
+        """Bytes of one paged-cache block on a rank (each holds its KV heads')."""
+        return self.model.kv_block_bytes(block_size)
+
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, cache: "MirroredCache | PagedRows",
+                 mask: torch.Tensor, layers: Sequence[int] | None = None, logits_from: int = 0,
                  real: Sequence[int] | None = None) -> torch.Tensor:
+        rest = (tokens.cpu(), positions.cpu(), mask.cpu(), None if layers is None else list(layers), logits_from,
+                None if real is None else list(real))
+        if isinstance(cache, PagedRows) and isinstance(cache.cache, MirroredPagedCache) \
+                and cache.cache.target is self:
+            call = ("forward_paged", cache.cache.cache_id, cache.tables, list(cache.lengths)) + rest
+            self._send(self._drained() + [call])
+            return self.model(tokens, positions, cache, mask, layers, logits_from, real)  # its storage is rank 0's
         if not isinstance(cache, MirroredCache) or cache.target is not self:
             raise ValueError("a tensor-parallel forward needs a cache of this target's new_cache")
         lengths = list(cache.whole.lengths)
-        call = ("forward", cache.cache_id, cache.rows, lengths, tokens.cpu(), positions.cpu(), mask.cpu(),
-                None if layers is None else list(layers), logits_from, None if real is None else list(real))
+        call = ("forward", cache.cache_id, cache.rows, lengths) + rest
         self._send(self._drained() + [call])
         return self.model(tokens, positions, cache.local, mask, layers, logits_from, real)
 
@@ -275,6 +293,30 @@ class MirroredCache(KVCache):
         self.local.keep(start, offsets, row)
 
 
+class MirroredPagedCache:
+    """Rank 0's paged cache blocks, whose slot copies (`keep` compactions) the other ranks
+    replay on theirs; a forward over its `rows` sends the rows' block tables."""
+
+    def __init__(self, target: TensorParallelTarget, local: PagedKVCache):
+        self.target, self.local = target, local
+        self.num_blocks, self.block_size, self.max_len = local.num_blocks, local.block_size, local.max_len
+        self.zero_slot, self.trash_slot, self.kv = local.zero_slot, local.trash_slot, local.kv
+        self.cache_id = next(target._ids)
+        weakref.finalize(self, target._ops.append, ("free", self.cache_id))
+
+    @property
+    def device(self) -> torch.device:
+        return self.local.device
+
+    def rows(self, tables, lengths) -> PagedRows:
+        return PagedRows(self, tables, lengths)
+
+    def copy_slots(self, src: Sequence[int], dst: Sequence[int]) -> None:
+        if src:
+            self.target._ops.append(("copy_slots", self.cache_id, list(src), list(dst)))
+        self.local.copy_slots(src, dst)
+
+
 def serve_rank(model: Transformer, receive: Receive) -> dict[int, KVCache]:
     """Replay rank 0's calls on this rank's shard until it sends stop; returns the caches
     then still held, by id (each the shard of one of rank 0's caches)."""
@@ -287,6 +329,15 @@ def serve_rank(model: Transformer, receive: Receive) -> dict[int, KVCache]:
             if kind == "new":
                 _, cache_id, max_len, batch, num_layers = op
                 caches[cache_id] = model.new_cache(max_len, batch, num_layers)
+            elif kind == "new_paged":
+                _, cache_id, num_blocks, block_size = op
+                caches[cache_id] = model.new_paged_cache(num_blocks, block_size)
+            elif kind == "copy_slots":
+                _, cache_id, src, dst = op
+                caches[cache_id].copy_slots(src, dst)
+            elif kind == "forward_paged":
+                _, cache_id, tables, lengths, *rest = op
+                _replay_paged_forward(model, caches[cache_id].rows(tables, lengths), *rest)
             elif kind == "grow":
                 _, old, new, max_len = op
                 caches[new] = caches[old].grown(max_len)
@@ -299,6 +350,15 @@ def serve_rank(model: Transformer, receive: Receive) -> dict[int, KVCache]:
                 _replay_forward(model, caches, *op[1:])
             else:
                 raise ValueError(f"unknown tensor-parallel operation {kind!r}")
+
+
+def _replay_paged_forward(model: Transformer, rows: PagedRows, tokens, positions, mask, layers, logits_from,
+                          real) -> None:
+    device = model.device
+    try:
+        model(tokens.to(device), positions.to(device), rows, mask.to(device), layers, logits_from, real)
+    except ValueError:  # as _replay_forward
+        log.debug("forward refused, as on rank 0", exc_info=True)
 
 
 def _replay_forward(model: Transformer, caches: dict[int, KVCache], cache_id: int, rows: tuple[int, int] | None,
