@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-from .paged_kv import PagedKVCache, PagedLayer, PagedRows, block_bytes
+from .paged_kv import PagedKVCache, PagedLayer, PagedRows, RowsLengths, block_bytes
 
 
 class KVCache:
@@ -62,7 +62,7 @@ class KVCache:
             raise ValueError(f"rows {first}..{stop - 1} are not rows of a cache of {self.batch}")
         view = object.__new__(KVCache)
         view.k, view.v = self.k[:, first:stop], self.v[:, first:stop]
-        view.lengths = _RowsLengths(self.lengths, first, stop)
+        view.lengths = RowsLengths(self.lengths, first, stop)
         return view
 
     def rollback(self, length: int, row: int = 0) -> None:
@@ -79,32 +79,6 @@ class KVCache:
             self.k[:, row, :, dst] = self.k[:, row, :, src]
             self.v[:, row, :, dst] = self.v[:, row, :, src]
         self.lengths[row] = start + len(offsets)
-
-
-class _RowsLengths:
-    """The `lengths` list of a rows view, backed by the parent's list."""
-
-    def __init__(self, parent: list[int], first: int, stop: int):
-        self.parent, self.first, self.stop = parent, first, stop
-
-    def __len__(self) -> int:
-        return self.stop - self.first
-
-    def __iter__(self):
-        return iter(self.parent[self.first:self.stop])
-
-    def __getitem__(self, i):
-        if isinstance(i, slice):
-            return self.parent[self.first:self.stop][i]
-        return self.parent[self._index(i)]
-
-    def __setitem__(self, i, value):
-        self.parent[self._index(i)] = value
-
-    def _index(self, i: int) -> int:
-        if not 0 <= i < len(self):
-            raise IndexError(i)
-        return self.first + i
 
 
 def _rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:

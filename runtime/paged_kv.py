@@ -324,9 +324,7 @@ class PagedRows:
             raise ValueError(f"rows {first}..{stop - 1} are not rows of a view of {self.batch}")
         if (first, stop) == (0, self.batch):
             return self
-        from .model import _RowsLengths
-
-        return PagedRows(self.cache, self.tables[first:stop], _RowsLengths(self.lengths, first, stop))
+        return PagedRows(self.cache, self.tables[first:stop], RowsLengths(self.lengths, first, stop))
 
     def row_view(self, row: int) -> "PagedRows":
         return self.rows_view(row, row + 1)
@@ -435,3 +433,29 @@ class PagedLayer:
 
     def plan(self, starts, t: int) -> _Plan:
         return self.rows.plan(starts, t)
+
+
+class RowsLengths:
+    """The `lengths` list of a rows view, backed by the parent's list."""
+
+    def __init__(self, parent: list[int], first: int, stop: int):
+        self.parent, self.first, self.stop = parent, first, stop
+
+    def __len__(self) -> int:
+        return self.stop - self.first
+
+    def __iter__(self):
+        return iter(self.parent[self.first:self.stop])
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return self.parent[self.first:self.stop][i]
+        return self.parent[self._index(i)]
+
+    def __setitem__(self, i, value):
+        self.parent[self._index(i)] = value
+
+    def _index(self, i: int) -> int:
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        return self.first + i
