@@ -86,6 +86,25 @@ def _generate(stub, pb, prompt: str, max_tokens: int, pipelined: bool):
     return time.perf_counter() - t0, reply
 
 
+def _router_counters(http: str) -> dict[str, float]:
+    """The router's drafter-side seconds (its calls to the pools, the link included) and its
+    target passes so far, from the ingress's /metrics."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"{http}/metrics", timeout=30) as reply:
+        text = reply.read().decode()
+    found = {"drafter_s": 0.0, "verifier_s": 0.0, "passes": 0.0}
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name == "specserve_busy_seconds_total" and 'side="drafter"' in line:
+            found["drafter_s"] += float(line.rsplit(" ", 1)[1])
+        elif name == "specserve_busy_seconds_total" and 'side="verifier"' in line:
+            found["verifier_s"] += float(line.rsplit(" ", 1)[1])
+        elif name == "specserve_target_passes_total":
+            found["passes"] += float(line.rsplit(" ", 1)[1])
+    return found
+
+
 def bench(args) -> int:
     import grpc
 
@@ -112,11 +131,16 @@ def bench(args) -> int:
                 c.set_delay(drafter, delay)
                 rtt, rtt_min = measure_rtt(drafter)
                 totals = {False: [0.0, 0, 0, 0], True: [0.0, 0, 0, 0]}  # seconds, tokens, passes, reused
+                sides = {False: [0.0, 0.0], True: [0.0, 0.0]}  # the router's drafter and verifier seconds
                 for r in range(args.repeats):
                     for k, prompt in enumerate(prompts):
                         order = (False, True) if (k + r) % 2 == 0 else (True, False)  # alternate: drift cancels
                         for pipelined in order:
+                            before = _router_counters(served.http)
                             seconds, reply = _generate(stub, pb, prompt, args.max_tokens, pipelined)
+                            after = _router_counters(served.http)
+                            sides[pipelined][0] += after["drafter_s"] - before["drafter_s"]
+                            sides[pipelined][1] += after["verifier_s"] - before["verifier_s"]
                             t = totals[pipelined]
                             t[0] += seconds
                             t[1] += reply.usage.completion_tokens
@@ -129,17 +153,22 @@ def bench(args) -> int:
                        "pipelined_ms_per_round": round(1000 * pipe[0] / pipe[2], 1),
                        "tokens_per_round": round(seq[1] / seq[2], 2),
                        "pipelined_reused_share": round(pipe[3] / max(pipe[2], 1), 2),
+                       "sequential_drafter_ms_per_round": round(1000 * sides[False][0] / seq[2], 1),
+                       "sequential_verifier_ms_per_round": round(1000 * sides[False][1] / seq[2], 1),
+                       "pipelined_drafter_ms_per_round": round(1000 * sides[True][0] / pipe[2], 1),
                        "speedup": round((pipe[1] / pipe[0]) / (seq[1] / seq[0]), 2)}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     finally:
         c.close()
     print("\n| one-way delay (ms) | measured RTT (ms) | sequential tok/s | pipelined tok/s | pipelined / sequential "
-          "| ms per round, sequential | ms per round, pipelined |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+          "| ms a round, sequential (drafting / verifying) | ms a round, pipelined | rounds drafted ahead and used |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
         print(f"| {r['delay_ms']:g} | {r['rtt_ms']} | {r['sequential_tok_s']} | {r['pipelined_tok_s']} | "
-              f"{r['speedup']}x | {r['sequential_ms_per_round']} | {r['pipelined_ms_per_round']} |")
+              f"{r['speedup']}x | {r['sequential_ms_per_round']} ({r['sequential_drafter_ms_per_round']} / "
+              f"{r['sequential_verifier_ms_per_round']}) | {r['pipelined_ms_per_round']} | "
+              f"{round(100 * r['pipelined_reused_share'])}% |")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
     return 0
