@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import fcntl
 import os
 import struct
@@ -130,9 +131,22 @@ s.listen(1)
 print("listening", flush=True)
 c, _ = s.accept()
 c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-while data := c.recv(64):
+while data := c.recv(65536):
     c.sendall(data)
 """
+
+
+@contextlib.contextmanager
+def echo_server(host, port: int = 7999):
+    """A TCP echo server (one connection) on `host` (a tests.netns.Host); yields its address."""
+    echo = subprocess.Popen(host.cmd(sys.executable, "-c", ECHO, host.ip, str(port)), stdout=subprocess.PIPE,
+                            text=True, env=host.env)
+    try:
+        assert echo.stdout.readline().strip() == "listening"
+        yield host.ip, port
+    finally:
+        echo.kill()
+        echo.wait()
 
 
 def measure_rtt(host, port: int = 7999, rounds: int = 50) -> tuple[float, float]:
@@ -140,23 +154,16 @@ def measure_rtt(host, port: int = 7999, rounds: int = 50) -> tuple[float, float]
     server on `host` (a tests.netns.Host): twice the one-way delay and what the path adds."""
     import socket
 
-    echo = subprocess.Popen(host.cmd(sys.executable, "-c", ECHO, host.ip, str(port)), stdout=subprocess.PIPE,
-                            text=True, env=host.env)
-    try:
-        assert echo.stdout.readline().strip() == "listening"
-        with socket.create_connection((host.ip, port), timeout=10) as s:
-            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            times = []
-            for _ in range(rounds):
-                t0 = time.perf_counter()
-                s.sendall(b"x")
-                s.recv(1)
-                times.append((time.perf_counter() - t0) * 1000)
-        times.sort()
-        return times[len(times) // 2], times[0]
-    finally:
-        echo.kill()
-        echo.wait()
+    with echo_server(host, port) as address, socket.create_connection(address, timeout=10) as s:
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        times = []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            s.sendall(b"x")
+            s.recv(1)
+            times.append((time.perf_counter() - t0) * 1000)
+    times.sort()
+    return times[len(times) // 2], times[0]
 
 
 if __name__ == "__main__":

@@ -10,10 +10,14 @@ every drafted round crosses the link to the drafter node.
 - each service listens on its own node's address only, never on all interfaces;
 - from the outsider host, the internal ports refuse a caller without the cluster's
   certificate, or with it and without the secret; Redis without its password;
-- 8 streaming clients (the baseline), then Redis killed and started again from its append-only file under 8 streaming clients:
-  every request completes with the same output;
+- 8 streaming clients (the baseline: three of the outputs checked against the target's
+  here), then Redis killed and started again from its append-only file under 8 streaming
+  clients: every request completes with the baseline's output;
 - the drafter node's processes all killed under 8 streaming clients: every request
-  completes (drafting nothing once the pool is gone) with the same output.
+  completes (drafting nothing once the pool is gone) with the baseline's output.
+
+And the tools themselves, without Ray: the delay wire delays each way and keeps a stream
+whole and in order; `cleanup` removes a cluster a killed run left, its processes first.
 
 Skipped, saying why, where this machine cannot make network namespaces (root or
 CAP_NET_ADMIN and CAP_SYS_ADMIN, and `ip`). One cluster for the module: on the 2 shared
@@ -26,6 +30,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import secrets
+import subprocess
 import sys
 import threading
 import time
@@ -38,7 +43,7 @@ import torch
 
 from certs import ClusterCa
 from cluster.local import LocalEngine, Request
-from netns import NetnsCluster, missing_rights, serve_config, toml
+from netns import NetnsCluster, cleanup, missing_rights, serve_config, toml
 from oracle import PROMPTS
 from protos import specserve_pb2 as pb
 from protos import specserve_pb2_grpc as pb_grpc
@@ -48,6 +53,7 @@ MISSING = missing_rights()
 pytestmark = pytest.mark.skipif(MISSING is not None, reason=f"a cluster of network namespaces: {MISSING}")
 
 CLIENTS = 8
+CHECKED = 3  # prompts whose served output is checked against the target in this process
 MAX_TOKENS = 32
 ATTEMPTS = 4
 
@@ -76,7 +82,7 @@ def reference(smollm2) -> dict[int, list[int]]:
     torch.set_num_threads(1)
     engine = LocalEngine(*smollm2)
     return {i: engine.run(Request(PROMPTS[i][1], True, SamplingParams(max_tokens=MAX_TOKENS))).token_ids
-            for i in range(CLIENTS)}
+            for i in range(CHECKED)}
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +99,48 @@ def netns(tmp_path_factory, reference):
         c.start_nodes([(hosts["verifier0"], {"verifier": 1}), (hosts["drafter0"], {"drafter": 1})])
         served = c.serve(hosts["head"], toml(serve_config(hosts["head"], secret, security=tls_files)), redis.url)
         yield Cluster(c, served, redis, secret, ca, tls_files, hosts)
+
+
+# --- the tools themselves (no Ray: seconds)
+
+
+def test_the_delay_wire_delays_each_way_and_keeps_order(tmp_path):
+    import socket
+
+    from delay_proxy import echo_server, measure_rtt
+
+    with NetnsCluster(tmp_path) as c:
+        near, far = c.add_host("near"), c.add_host("far", delay_ms=5.0)
+        fast, _ = measure_rtt(near, rounds=20)
+        slow, slow_min = measure_rtt(far, rounds=20)
+        assert fast < 5 and 10 <= slow_min and slow < 10 + 5, (fast, slow)  # 5 ms each way
+        c.set_delay(far, 0.0)
+        assert measure_rtt(far, rounds=20)[0] < 5
+        # a stream across it comes back whole and in order (4 MB: many frames on the wire at once)
+        c.set_delay(far, 1.0)
+        data = bytes(range(256)) * (4 << 12)
+        with echo_server(far) as address, socket.create_connection(address, timeout=30) as s:
+            sender = threading.Thread(target=lambda: (s.sendall(data), s.shutdown(socket.SHUT_WR)))
+            sender.start()
+            back = bytearray()
+            while len(back) < len(data) and (chunk := s.recv(1 << 16)):
+                back += chunk
+            sender.join()
+        assert back == data
+        prefix = c.prefix
+    assert not cleanup(prefix)  # closing removed every namespace and link
+
+
+def test_cleanup_removes_what_a_killed_run_left(tmp_path):
+    c = NetnsCluster(tmp_path)
+    host = c.add_host("left", delay_ms=0.0)
+    sleeper = subprocess.Popen(host.cmd("sleep", "600"))
+    c.hosts.clear()  # as if the run that made it had been killed: close() knows nothing of it
+    removed = cleanup(c.prefix)
+    assert host.netns in removed and c.bridge in removed
+    assert sleeper.wait(timeout=10) == -9  # its processes killed first
+    c.close()
+    host.wire.close()
 
 
 def generate(address: str, i: int, timeout: float = 300) -> pb.GenerateResponse:
@@ -271,8 +319,8 @@ def under_clients(address: str, fault) -> tuple[list[Outcome], float]:
     return outcomes, time.monotonic() - t0
 
 
-def check_outcomes(reference, label: str, outcomes: list[Outcome], wall: float) -> None:
-    identical = sum(reference[o.prompt] == o.ids for o in outcomes)
+def check_outcomes(expected, label: str, outcomes: list[Outcome], wall: float) -> None:
+    identical = sum(expected[o.prompt] == o.ids for o in outcomes)
     completed = sum(o.finish != "" and o.usage_tokens == len(o.ids) for o in outcomes)
     print(f"\n| {label} | {CLIENTS} | {completed} | {identical} | {sum(o.retries for o in outcomes)} | "
           f"{wall:.1f} |")
@@ -282,13 +330,21 @@ def check_outcomes(reference, label: str, outcomes: list[Outcome], wall: float) 
     assert all(o.retries == 0 for o in outcomes), [o.errors for o in outcomes]
 
 
-def test_eight_streaming_clients(netns, reference):
-    """The baseline of the faults below (their added seconds are against it)."""
+@pytest.fixture(scope="module")
+def baseline(netns, reference) -> dict[int, list[int]]:
+    """8 streaming clients undisturbed: each prompt's output, the target's where it was computed
+    here (the rest the faults below are held to; their added seconds are against this run's)."""
     outcomes, wall = under_clients(netns.served.grpc, None)
-    check_outcomes(reference, "none (baseline)", outcomes, wall)
+    expected = {o.prompt: o.ids for o in outcomes}
+    check_outcomes(expected | reference, "none (baseline)", outcomes, wall)
+    return expected
 
 
-def test_redis_restarted_from_its_append_only_file(netns, reference):
+def test_eight_streaming_clients(baseline):
+    assert len(baseline) == CLIENTS
+
+
+def test_redis_restarted_from_its_append_only_file(netns, baseline):
     redis = netns.redis
 
     def fault():
@@ -297,17 +353,17 @@ def test_redis_restarted_from_its_append_only_file(netns, reference):
         redis.start()
 
     outcomes, wall = under_clients(netns.served.grpc, fault)
-    check_outcomes(reference, "Redis killed, started again from its AOF 2 s later", outcomes, wall)
+    check_outcomes(baseline, "Redis killed, started again from its AOF 2 s later", outcomes, wall)
     # its data came back: the registrations (renewed since) and the cluster's API state
     assert netns.store().list_services("verifier")
 
 
-def test_the_drafter_node_killed(netns, reference):
+def test_the_drafter_node_killed(netns, baseline):
     drafter = netns.hosts["drafter0"]
     killed = []
     outcomes, wall = under_clients(netns.served.grpc, lambda: killed.extend(drafter.kill()))
     assert killed and not drafter.pids()
-    check_outcomes(reference, "drafter node: every process killed", outcomes, wall)
+    check_outcomes(baseline, "drafter node: every process killed", outcomes, wall)
     # and after: requests still complete, drafting nothing, on the verifier node alone
     got = generate(netns.served.grpc, 3)
-    assert reference[3] == list(got.token_ids)
+    assert baseline[3] == list(got.token_ids)
