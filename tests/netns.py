@@ -336,9 +336,6 @@ class NetnsCluster:
         if errors:
             raise errors[0]
 
-    def restart_ray(self, host: Host, resources: dict | None = None, num_cpus: int = 0) -> None:
-        self.start_ray(host, resources=resources, num_cpus=num_cpus)
-
     @property
     def ray_address(self) -> str:
         return f"{self.head.ip}:{RAY_PORT}"
