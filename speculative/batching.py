@@ -23,6 +23,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from runtime.graphs import StaticPasses
 from runtime.model import KVCache, Transformer
 from .logprobs import TokenLogprob, token_logprobs
 from .processing import Processor
@@ -66,19 +67,46 @@ class Verdict:
         return [self.tree.tokens[node] for node in self.path]
 
 
-def verify_batch(model: Transformer, cache: KVCache, items: list[VerifyItem]) -> list[Verdict]:
-    """One forward for all `items`; returns each item's verdict."""
+def verify_batch(model: Transformer, cache: KVCache, items: list[VerifyItem],
+                 static: StaticPasses | None = None) -> list[Verdict]:
+    """One forward for all `items`; returns each item's verdict. `static`: static-shape passes
+    over `cache` (runtime/graphs.py: CUDA graphs), which run the pass when its shape fits a
+    bucket and no item asks for features; else the eager pass runs."""
     if len({it.row for it in items}) != len(items):
         raise ValueError("two items in one batch share a cache row")
     items, forced = zip(*(_prepared(it) for it in items))
     forced_of = {it.row: n for it, n in zip(items, forced)}
     device = model.device
+    capture = _capture(items)
+    width = max(1 + len(it.tree) for it in items)
+    if static is not None and capture is None and static.cache is cache:
+        # only the items' rows take part, in row order: a static pass reads its rows by index
+        ordered = sorted(items, key=lambda it: it.row)
+        rows_of = [it.row for it in ordered]
+        starts = [cache.lengths[r] for r in rows_of]
+        if static.fits(len(ordered), width, max(starts) + width):
+            tokens, positions, mask, starts, real = _inputs(dict(enumerate(ordered)), len(ordered), width, starts)
+            logits = static(tokens, positions, mask, rows_of, real=real)
+            return _verdicts(cache, items, {row: i for i, row in enumerate(rows_of)}, rows_of, starts, real, logits,
+                             None, forced_of)
     first = min(it.row for it in items)
     rows = max(it.row for it in items) + 1 - first
     cache = cache.rows_view(first, first + rows)  # the batch's row r is the cache's row first + r
     by_row = {it.row - first: it for it in items}
-    width = max(1 + len(it.tree) for it in items)
-    starts = cache.lengths[:rows]
+    tokens, positions, mask, starts, real = _inputs(by_row, rows, width, cache.lengths[:rows])
+    logits = model(tokens.to(device), positions.to(device), cache, mask.to(device), real=real, capture=capture)
+    features = None
+    if capture is not None:  # the same pass's hidden states, laid out as the logits
+        logits, features = logits
+    return _verdicts(cache, items, {it.row: it.row - first for it in items}, list(range(rows)), starts, real,
+                     logits, features, forced_of)
+
+
+def _inputs(by_row: dict, rows: int, width: int, starts: Sequence[int]):
+    """A pass's tokens, positions [rows, width] and mask [rows, width, span] (host tensors):
+    pass row r holds by_row[r]'s root and tree after slot starts[r] (none: padding alone),
+    each padding token seeing only itself; and each row's real token count."""
+    starts = list(starts)
     span = max(starts) + width
     tokens = torch.zeros(rows, width, dtype=torch.long)
     positions = torch.zeros(rows, width, dtype=torch.long)
@@ -95,15 +123,19 @@ def verify_batch(model: Transformer, cache: KVCache, items: list[VerifyItem]) ->
         for j in range(n, width):  # padding: sees only itself
             mask[r, j, start + j] = True
     real = [1 + len(by_row[r].tree) if r in by_row else 0 for r in range(rows)]
-    capture = _capture(items)
-    logits = model(tokens.to(device), positions.to(device), cache, mask.to(device), real=real, capture=capture)
-    if capture is not None:  # the same pass's hidden states, laid out as the logits
-        logits, features = logits
-    results, offset = [], 0
-    for r in range(rows):
-        it = by_row.get(r)
+    return tokens, positions, mask, starts, real
+
+
+def _verdicts(cache, items, pass_row: dict, rows: list[int], starts, real, logits, features, forced_of):
+    """Each item's verdict from the pass's packed logits; the rows' caches keep the root's and
+    the accepted nodes' entries (a row without an item rolls back). `pass_row[cache row]`
+    is the item's pass row; `rows[r]` pass row r's row of `cache`."""
+    by_pass_row = {pass_row[it.row]: it for it in items}
+    results, offset = {}, 0
+    for r in range(len(rows)):
+        it = by_pass_row.get(r)
         if it is None:
-            cache.rollback(starts[r], row=r)
+            cache.rollback(starts[r], row=rows[r])
             continue
         scores = logits[offset:offset + real[r]]
         offset += real[r]
@@ -113,10 +145,9 @@ def verify_batch(model: Transformer, cache: KVCache, items: list[VerifyItem]) ->
         if it.capture is not None:
             verdict.features = features[offset - real[r]:offset][[0] + [node + 1 for node in verdict.path]]
         # keep the root's and the accepted nodes' keys and values, in path order
-        cache.keep(starts[r], [0] + [node + 1 for node in verdict.path], row=r)
-        results.append((r, verdict))
-    verdicts = dict(results)
-    return [verdicts[it.row - first] for it in items]
+        cache.keep(starts[r], [0] + [node + 1 for node in verdict.path], row=rows[r])
+        results[it.row] = verdict
+    return [results[it.row] for it in items]
 
 
 def _capture(items) -> tuple[int, ...] | None:

@@ -18,6 +18,7 @@ from typing import Callable, Protocol, Sequence
 
 import torch
 
+from runtime.graphs import StaticPasses
 from runtime.model import KVCache, Transformer, attention_mask, causal_ancestors
 from .sampling import InvalidArgument, SamplingParams, make_generator
 from .batching import Verdict, VerifyItem, first_verdict, verify_batch
@@ -133,6 +134,7 @@ class Speculation:
     # the layers a drafter drafts from (EAGLE; None: nothing captured), and the target's features
     # at verified positions not yet handed to the drafter (`DraftRequest.features`)
     capture: tuple[int, ...] | None = None
+    static: StaticPasses | None = None  # static-shape passes over `cache` (runtime/graphs.py)
     features: tuple[int, torch.Tensor] | None = None
 
     def add_features(self, start: int, features: torch.Tensor) -> None:
@@ -207,7 +209,8 @@ def speculative_round(spec: Speculation, context: list[int], left: int, ready: D
     room = min(left - 1, spec.cache.max_len - spec.cache.lengths[0] - 1 - len(tree))  # for forced tokens
     [verdict] = verify_batch(spec.target, spec.cache, [VerifyItem(0, context[-1], tree, spec.params, spec.verifier_rng,
                                                                   on_scores=spec.on_scores, processor=spec.processor,
-                                                                  extra_nodes=max(room, 0), capture=spec.capture)])
+                                                                  extra_nodes=max(room, 0), capture=spec.capture)],
+                             static=spec.static)
     if verdict.features is not None:  # the root's and the accepted nodes' positions
         spec.add_features(len(context) - 1, verdict.features)
     accepted, bonus = verdict.accepted, verdict.bonus
@@ -229,7 +232,8 @@ def _draft_ahead(spec: Speculation, context: list[int], guess: list[int], left: 
 def generate(target: Transformer, prompt_ids: Sequence[int], params: SamplingParams,
              drafter: Drafter | None = None, draft_length: int = 5, eos_token_ids: Sequence[int] = (),
              on_tokens: Callable[[list[int]], None] | None = None, pipelined: bool = False,
-             tree_budget: int | None = None, grammars: Grammars | None = None) -> GenerationResult:
+             tree_budget: int | None = None, grammars: Grammars | None = None,
+             static: StaticPasses | None = None) -> GenerationResult:
     """Generate up to `params.max_tokens` tokens after `prompt_ids`.
 
     `draft_length` is the deepest a draft goes, `tree_budget` the most nodes a
@@ -240,6 +244,9 @@ def generate(target: Transformer, prompt_ids: Sequence[int], params: SamplingPar
     overlaps nothing, it runs the same algorithm the router's pipelined
     coordinator runs across processes, so that tests can check it exactly.
     `grammars`: the target tokenizer's, for a request with a grammar (`params.grammar`).
+    `static`: static-shape passes of `target` over a one-row cache (`StaticPasses.for_requests`),
+    kept across requests since its captured graphs are bound to that cache: the rounds'
+    passes run there (the prompt's prefill runs eagerly into the same cache).
     """
     if not prompt_ids:
         raise InvalidArgument("prompt", "must not be empty")
@@ -255,13 +262,18 @@ def generate(target: Transformer, prompt_ids: Sequence[int], params: SamplingPar
     eos = set(eos_token_ids) | set(params.stop_token_ids)
     processor = Processor(params, prompt_ids, target.config.vocab_size, grammars, eos) if params.processed else None
     slots = len(prompt_ids) + params.max_tokens + max(draft_length, nodes) + 1 + (MAX_FORCED if params.grammar else 0)
+    if static is not None:
+        if static.cache.batch != 1 or static.cache.max_len <= slots:
+            raise ValueError(f"static passes over {static.cache.batch} rows of {static.cache.max_len} slots "
+                             f"cannot hold a request of {slots}")
+        static.cache.rollback(0)
     spec = Speculation(
-        target, target.new_cache(slots), params,
+        target, target.new_cache(slots) if static is None else static.cache, params,
         verifier_rng=make_generator(params.seed, target.device, stream=0),
         drafter=drafter, drafter_rng=make_generator(params.seed, target.device, stream=1),
         draft_length=draft_length, tree_budget=nodes, pipelined=pipelined,
         on_scores=None if observe is None else lambda tokens, scores: observe(tokens, *top_candidates(scores)),
-        processor=processor, capture=_captured_layers(drafter))
+        processor=processor, capture=_captured_layers(drafter), static=static)
     result = GenerationResult([], "length", len(prompt_ids), target_forward_passes=1,
                               logprobs=[] if params.logprobs is not None else None)
 

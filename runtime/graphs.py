@@ -1,0 +1,121 @@
+"""Passes at bucketed static shapes over one KV cache, each bucket's pass captured once as a
+CUDA graph and replayed with the request's inputs copied into its buffers.
+
+A pass launched op by op on a GPU is bound by the host (about 850 kernel launches a pass
+for the default model, docs/lab/gpu-h200.md): a replayed graph launches them all at once.
+`StaticPasses` owns the bookkeeping (which bucket, the inputs padded and copied into the
+bucket's static buffers, the outputs sliced to the real rows, the cache's lengths moved as
+`Transformer.forward` moves them); with `graphs` off (the default off CUDA) the same static
+pass runs eagerly on the same buffers, which is what the CPU tests check. The capture
+itself (a side stream's warm-up, `torch.cuda.graph`, one memory pool for every bucket) is
+CUDA only and is exercised by scripts/gpu_check.py.
+
+A graph holds the addresses of the cache it was captured over, so a `StaticPasses` is bound
+to one cache (a drafter whose cache grows makes a new one).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from .model import KVCache, Transformer
+from .static_pass import Bucket, Buckets, StaticInputs, pad, static_forward
+
+WARMUP_PASSES = 2  # eager passes on a side stream before a capture (lazy inits, cuBLAS workspaces)
+
+
+class StaticPasses:
+    """Static-shape passes of `model` over `cache` (its rows; `layers`: a layer-skip
+    drafter's subset). `graphs`: capture each bucket as a CUDA graph (None: when the model
+    is on CUDA)."""
+
+    def __init__(self, model: Transformer, cache: KVCache, buckets: Buckets | None = None,
+                 graphs: bool | None = None, layers: Sequence[int] | None = None):
+        if not isinstance(cache, KVCache):
+            raise TypeError("static passes run over a KVCache's rows")
+        self.model, self.cache, self.buckets = model, cache, buckets or Buckets()
+        self.layers = None if layers is None else list(layers)
+        self.graphs = model.device.type == "cuda" if graphs is None else graphs
+        if self.graphs and model.device.type != "cuda":
+            raise ValueError("CUDA graphs need a model on CUDA")
+        self._inputs: dict[Bucket, StaticInputs] = {}
+        self._outputs: dict[Bucket, torch.Tensor] = {}
+        self._graphs: dict[Bucket, torch.cuda.CUDAGraph] = {}
+        self._pool = None  # the captures' shared memory pool
+        self.replays = 0  # passes run from a captured graph
+        self.passes: dict[Bucket, int] = {}  # passes run per bucket (graph or eager)
+
+    @classmethod
+    def for_requests(cls, model: Transformer, max_len: int, **kwargs) -> "StaticPasses":
+        """Passes over a one-row cache of `max_len` slots (and the trash slot), for in-process
+        requests one after another (`speculative.decoding.generate(static=...)`)."""
+        return cls(model, model.new_cache(max_len + 1), **kwargs)
+
+    def bucket(self, rows: int, tokens: int, span: int) -> Bucket | None:
+        """The bucket a pass of `rows` x `tokens` over `span` slots runs in; None: none fits."""
+        return self.buckets.of(rows, tokens, span, self.cache.max_len)
+
+    def fits(self, rows: int, tokens: int, span: int) -> bool:
+        return self.bucket(rows, tokens, span) is not None
+
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, rows: Sequence[int],
+                 real: Sequence[int] | None = None, logits_from: int = 0) -> torch.Tensor:
+        """Score `tokens` [b, t] at `positions` [b, t] with `mask` [b, t, span] over cache rows
+        `rows` (pass row i is cache row rows[i]), as `Transformer.forward` does: each row's
+        keys and values appended after its committed slots, whose count grows by t. `real`:
+        only the first real[i] tokens of row i matter; the logits then come back packed,
+        [sum(real), V], row after row, as the eager pass gives them; else [b, t - logits_from, V]."""
+        b, t = tokens.shape
+        if real is not None and logits_from:
+            raise ValueError("packed rows give logits for every real token")
+        starts = [self.cache.lengths[r] for r in rows]
+        bucket = self.bucket(b, t, mask.shape[-1])
+        if bucket is None or max(starts) + t > self.cache.max_len - 1:
+            raise ValueError(f"a pass of {b} x {t} tokens over {mask.shape[-1]} slots fits no bucket")
+        counts = list(real) if real is not None else [t] * b
+        padded = pad(bucket, tokens.cpu(), positions.cpu(), mask.cpu(), rows, starts, counts, self.cache.max_len - 1)
+        logits = self._run(bucket, padded)
+        for r in rows:
+            self.cache.lengths[r] += t
+        if real is None:
+            return logits[:b, logits_from:t].clone()
+        return torch.cat([logits[i, :n] for i, n in enumerate(counts)])
+
+    def _run(self, bucket: Bucket, padded) -> torch.Tensor:
+        """The bucket's logits [B, T, V] for `padded`: replayed, captured, or run eagerly."""
+        self.passes[bucket] = self.passes.get(bucket, 0) + 1
+        inputs = self._inputs.get(bucket)
+        if inputs is None:
+            inputs = self._inputs[bucket] = StaticInputs(bucket, self.model.device)
+        inputs.fill(padded)
+        if not self.graphs:
+            with torch.inference_mode():
+                return static_forward(self.model, self.cache, inputs, self.layers)
+        graph = self._graphs.get(bucket)
+        if graph is None:
+            self._capture(bucket, inputs)  # capturing computes nothing: replay it below
+        self._graphs[bucket].replay()
+        self.replays += 1
+        return self._outputs[bucket]
+
+    def _capture(self, bucket: Bucket, inputs: StaticInputs) -> None:
+        """Warm the pass up on a side stream, then capture it into the shared pool. The warm-up
+        writes the request's own keys and values to its own slots (which the replay writes
+        again, the same values) and padding to the trash slots."""
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.inference_mode():
+            with torch.cuda.stream(stream):
+                for _ in range(WARMUP_PASSES):
+                    static_forward(self.model, self.cache, inputs, self.layers)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                self._outputs[bucket] = static_forward(self.model, self.cache, inputs, self.layers)
+        self._pool = graph.pool()
+        self._graphs[bucket] = graph
+
+    def captured(self) -> list[Bucket]:
+        return list(self._graphs)

@@ -1,0 +1,214 @@
+"""Static-shape passes (runtime/static_pass.py) and their capture bookkeeping (runtime/graphs.py)
+on the CPU: the bucket a pass takes, the inputs copied into the bucket's buffers, the outputs
+sliced to the real rows, and the logits of every real row equal to the eager pass's (and to
+the same pass in another bucket) in float32, bfloat16, int8 and int4, with trees and batches.
+What only a GPU shows (the capture, replays, the fused attention kernel) is
+scripts/gpu_check.py's: `test_gpu_check_dry_run` runs its CPU-reachable parts."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from drafter_service.registry import make_drafter
+from runtime import loading
+from runtime.cpu_tuning import CpuTuning, apply_cpu_tuning
+from runtime.graphs import StaticPasses
+from runtime.model import attention_mask, causal_ancestors
+from runtime.quantize import quantize
+from runtime.static_pass import Bucket, Buckets
+from speculative.batching import VerifyItem, verify_batch
+from speculative.decoding import generate
+from speculative.sampling import SamplingParams, make_generator
+from speculative.tree import DraftTree
+from tiny import TINY, tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
+PRECISIONS = ("float32", "float32-tuned", "bfloat16", "int8", "int4")
+# the largest difference a real row's logits may show against the eager pass: the plain float32
+# model multiplies by torch's BLAS and attends by SDPA, neither of which gives a row the same
+# low bits among other rows (and over a longer span of masked slots); every other precision
+# runs row-exact kernels there (specserve's products and attention, float64 attention)
+BOUND = {"float32": 1e-5}
+
+
+# heads of 64 features, which specserve's CPU attention takes (the tiny model's 8 it does not)
+WIDE_HEADS = replace(TINY, hidden_size=128, intermediate_size=256, num_heads=2, num_kv_heads=1, head_dim=64)
+
+
+def model_in(precision: str, seed: int = 0):
+    if precision == "float32-tuned":  # specserve's CPU products and attention, where they build
+        model = tiny_model(seed, max_positions=256, shape=WIDE_HEADS, num_kv_heads=1)
+        apply_cpu_tuning(model, CpuTuning())
+        return model
+    model = tiny_model(seed, max_positions=256)
+    if precision == "float32":
+        return model
+    if precision == "float32":
+        return model
+    return quantize(model.to(loading.parse_dtype(precision)), precision)
+
+
+def same(a: torch.Tensor, b: torch.Tensor, precision: str) -> None:
+    bound = BOUND.get(precision, 0.0)
+    gap = float((a - b).abs().max())
+    assert gap <= bound, f"{precision}: logits {gap:.2e} apart"
+    if not bound:
+        assert torch.equal(a, b)
+
+
+def prefilled(model, prompts, slots=64):
+    cache = model.new_cache(slots, batch=len(prompts))
+    for row, p in enumerate(prompts):
+        view = cache.row_view(row)
+        model(torch.tensor([p]), torch.arange(len(p))[None], view, attention_mask(0, causal_ancestors(len(p))))
+    return cache
+
+
+def test_a_pass_takes_the_smallest_bucket_that_holds_it():
+    buckets = Buckets()
+    assert buckets.of(3, 5, 200, 1024) == Bucket(4, 8, 256)
+    assert buckets.of(1, 1, 10, 1024) == Bucket(1, 1, 128)  # spans from MIN_SPAN up
+    assert buckets.of(1, 1, 300, 400) == Bucket(1, 1, 400)  # never past the cache
+    assert buckets.of(1, 1, 400, 400) is None  # the last slot is the trash slot
+    assert buckets.of(65, 1, 10, 1024) is None and buckets.of(1, 65, 10, 1024) is None
+
+
+def test_inputs_are_copied_into_the_buckets_buffers_and_outputs_sliced():
+    model = tiny_model(0, max_positions=256)
+    cache = prefilled(model, [[1, 2, 3], [4, 5, 6, 7, 1]], slots=40)
+    static = StaticPasses(model, cache)
+    assert not static.graphs  # off CUDA the same bookkeeping runs eagerly
+    tokens = torch.tensor([[3, 4], [5, 6]])
+    positions = torch.tensor([[5, 6], [3, 4]])
+    mask = torch.zeros(2, 2, 7, dtype=torch.bool)
+    mask[0, :, :5] = True
+    mask[0, :, 5:7] = causal_ancestors(2)
+    mask[1, 0, :4] = True
+    mask[1, 1, 3] = True  # row 1's second token is padding (real = [2, 1])
+    logits = static(tokens, positions, mask, rows=[1, 0], real=[2, 1])
+    assert logits.shape == (3, 8)  # packed: row 1's two tokens, then row 0's one
+    bucket = Bucket(2, 2, 40)  # spans stop at the cache's slots
+    assert static.passes == {bucket: 1}
+    inputs = static._inputs[bucket]
+    assert inputs.tokens.tolist() == [[3, 4], [5, 0]]
+    assert inputs.read_rows.tolist() == [1, 0]
+    assert inputs.write_rows.tolist() == [[1, 1], [0, 0]]
+    assert inputs.write_slots.tolist() == [[5, 6], [3, 39]]  # padding to the trash slot, the row's last
+    assert inputs.mask[1, 0, 1].nonzero().flatten().tolist() == [0]  # a padding query sees slot 0 alone
+    assert cache.lengths == [3 + 2, 5 + 2]  # as Transformer.forward moves them
+    with pytest.raises(ValueError):
+        StaticPasses(model, cache, graphs=True)  # the capture is CUDA's
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_a_static_pass_scores_a_row_as_the_eager_pass(precision):
+    """One row, one token and a tree of five: the static pass (bucket 1 x 1, 1 x 8, span 128)
+    against the eager forward over an equal cache."""
+    model = model_in(precision)
+    prompt = [1, 2, 3, 4, 5, 6, 7, 1, 2, 3]
+    eager, ours = prefilled(model, [prompt]), prefilled(model, [prompt])
+    static = StaticPasses(model, ours)
+    tree = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 1, 0, 1]],
+                        dtype=torch.bool)
+    for tokens, ancestors in (([4], causal_ancestors(1)), ([5, 6, 7, 0, 1], tree)):
+        n, start = len(tokens), eager.lengths[0]
+        depths = ancestors.sum(1) - 1
+        args = (torch.tensor([tokens]), (start + depths)[None], attention_mask(start, ancestors))
+        want = model(args[0], args[1], eager, args[2])
+        got = static(*args, rows=[0])
+        assert got.shape == want.shape
+        same(got, want, precision)
+    assert eager.lengths == ours.lengths
+    n = eager.lengths[0]
+    same(ours.k[:, :, :, :n].float(), eager.k[:, :, :, :n].float(), precision)  # the same entries written
+
+
+def _items(trees, rows, seed=0):
+    gen = make_generator(seed, "cpu")
+    return [VerifyItem(row, root, DraftTree(tokens, parents), SamplingParams(), gen)
+            for row, (root, tokens, parents) in zip(rows, trees)]
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_a_batch_of_trees_verifies_alike_static_and_eager(precision):
+    """Three requests in rows 0, 2 and 3 (row 1 idle), a chain, a tree and an empty tree, two
+    rounds: the same scores for every node, the same verdicts, the same kept cache entries."""
+    model = model_in(precision)
+    prompts = [[1, 2, 3, 4], [5, 5, 5], [6, 1, 6, 1, 6, 1], [2, 7, 3]]
+    trees = [(3, [4, 5, 6], [-1, 0, 1]), (2, [1, 3, 0, 2, 4], [-1, -1, 0, 1, 3]), (0, [], [])]
+    runs = {}
+    for kind in ("eager", "static"):
+        cache = prefilled(model, prompts)
+        static = StaticPasses(model, cache) if kind == "static" else None
+        scores, verdicts = [], []
+        for _ in range(2):
+            items = _items(trees, [0, 2, 3])
+            for it in items:
+                it.on_scores = lambda tokens, s: scores.append(s.clone())
+            verdicts += [(v.path, v.bonus) for v in verify_batch(model, cache, items, static=static)]
+        if static is not None:
+            assert sum(static.passes.values()) == 2
+        runs[kind] = scores, verdicts, cache
+    (s_eager, v_eager, c_eager), (s_static, v_static, c_static) = runs["eager"], runs["static"]
+    assert v_static == v_eager
+    for a, b in zip(s_static, s_eager):
+        same(a, b, precision)
+    assert c_static.lengths == c_eager.lengths
+    for row, n in enumerate(c_eager.lengths):
+        same(c_static.k[:, row, :, :n].float(), c_eager.k[:, row, :, :n].float(), precision)
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_padding_rows_and_slots_never_change_a_real_rows_logits(precision):
+    """The same pass in its own bucket and in a much larger one (8 rows, 16 tokens, 256 slots):
+    bit for bit where the kernels are row-exact."""
+    model = model_in(precision)
+    prompts = [[1, 2, 3, 4, 5], [6, 7]]
+    trees = [(3, [4, 5], [-1, 0]), (2, [1, 3, 0], [-1, -1, 0])]
+    out = []
+    for buckets in (Buckets(), Buckets(rows=(8,), tokens=(16,), min_span=256)):
+        cache = prefilled(model, prompts)
+        static = StaticPasses(model, cache, buckets)
+        scores = []
+        items = _items(trees, [0, 1])
+        for it in items:
+            it.on_scores = lambda tokens, s: scores.append(s.clone())
+        verify_batch(model, cache, items, static=static)
+        out.append(scores)
+        assert len(static.passes) == 1
+    for a, b in zip(*out):
+        same(a, b, precision)
+
+
+@pytest.mark.parametrize("drafter", ["pld", "layerskip"])
+def test_generation_through_static_passes_equals_plain_generation(drafter):
+    """Rounds verified (and layer-skip drafts drafted) at static shapes: the same tokens as the
+    eager loop, greedy, with int4's row-exact kernels (so bit for bit, not near)."""
+    model = model_in("int4")
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2]
+    params = SamplingParams(max_tokens=12)
+    static = StaticPasses.for_requests(model, 64)
+    want = generate(model, prompt, params, make_drafter(drafter, model, cuda_graphs=False), 3).token_ids
+    got = generate(model, prompt, params, make_drafter(drafter, model, cuda_graphs=True), 3, static=static)
+    plain = generate(model, prompt, params, None, static=static)  # the same cache, a request after another
+    assert got.token_ids == want == plain.token_ids
+    assert sum(static.passes.values()) == got.target_forward_passes - 1 + plain.target_forward_passes - 1
+
+
+def test_gpu_check_dry_run(tmp_path):
+    """scripts/gpu_check.py's CPU-reachable parts: the bucket checks and one tiny model's
+    drafters against plain decoding, on the CPU."""
+    out = tmp_path / "check.json"
+    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--dry-run", "--out", str(out)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["buckets"]["float32"]["checked"] > 0
+    assert not report["buckets"]["float32"]["differ"]
