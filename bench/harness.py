@@ -326,6 +326,9 @@ class Runners:
                 flag = f"--http {args.http}" if runner is http else f"--server {args.server}"
                 raise ValueError(f"{flag}: the warm-up request of mode {mode} failed: {e}") from e
         engine = LocalEngine.load(args.model, args.device, args.dtype)
+        graphs = getattr(args, "cuda_graphs", "auto")
+        if graphs != "auto":
+            engine.cuda_graphs = graphs == "on"
         # the hf-* modes stay float32 whatever --dtype: they are the judge of float32 and the
         # baseline the low-precision modes are measured against
         source = loading.resolve_source(args.model)

@@ -56,9 +56,24 @@ class Request:
 
 
 class LocalEngine:
-    def __init__(self, model, tokenizer, group=None):
+    def __init__(self, model, tokenizer, group=None, cuda_graphs: bool | None = None):
+        """`cuda_graphs`: run the rounds' passes at static shapes from captured CUDA graphs
+        (runtime/graphs.py; None: on CUDA, one process only)."""
         self.model, self.tokenizer = model, tokenizer
         self.group = group  # the other ranks of a tensor-parallel model (verifier_service/tp_group.py)
+        self.cuda_graphs = (model.device.type == "cuda" and group is None) if cuda_graphs is None else cuda_graphs
+        self._static = None
+
+    def static_passes(self):
+        """The static passes every request runs its rounds in (one cache of the model's context,
+        kept across requests with the graphs captured over it); None when off."""
+        if not self.cuda_graphs:
+            return None
+        if self._static is None:
+            from runtime.graphs import StaticPasses
+
+            self._static = StaticPasses.for_requests(self.model, self.model.config.max_position_embeddings)
+        return self._static
 
     def close(self) -> None:
         """Stop a tensor-parallel model's other ranks (they also stop when this process exits)."""
@@ -88,7 +103,8 @@ class LocalEngine:
     def run(self, req: Request, on_tokens=None) -> GenerationResult:
         ids = self.prompt_ids(req.prompt, req.chat)
         drafter = make_drafter(req.drafter, self.model, namespace=req.namespace,
-                               parallel_layers=req.parallel_layers, calibrate=req.calibrate)
+                               parallel_layers=req.parallel_layers, calibrate=req.calibrate,
+                               cuda_graphs=self.cuda_graphs)
         eos = self.tokenizer.eos_token_ids or self.model.config.eos_token_ids
         return generate(self.model, ids, req.params, drafter, req.draft_length, eos, on_tokens,
-                        tree_budget=req.tree_budget)
+                        tree_budget=req.tree_budget, static=self.static_passes())

@@ -27,6 +27,9 @@ def add_parser(sub) -> None:
                    help="time each generation this many times and report the median; with --load: run each "
                         "level this many times (own arrivals and prompts each) and judge the median ratio")
     b.add_argument("--micro", action="store_true", help="also time single forwards and model loading")
+    b.add_argument("--cuda-graphs", choices=["auto", "on", "off"], default="auto",
+                   help="the in-process modes' passes at static shapes from captured CUDA graphs "
+                        "(runtime/graphs.py; auto, the default: on CUDA)")
     b.add_argument("--temperature", type=float, default=0.0,
                    help="0 (default): greedy, outputs checked against hf-ar; above: a sampled run, "
                         "one seed per question (--seed plus its index) for every mode")

@@ -229,10 +229,10 @@ def _run_constrained(engine, req, grammars, on_tokens=None):
 
     ids = engine.prompt_ids(req.prompt, req.chat)
     drafter = make_drafter(req.drafter, engine.model, namespace=req.namespace, parallel_layers=req.parallel_layers,
-                           calibrate=req.calibrate)
+                           calibrate=req.calibrate, cuda_graphs=engine.cuda_graphs)
     eos = engine.tokenizer.eos_token_ids or engine.model.config.eos_token_ids
     return generate(engine.model, ids, req.params, drafter, req.draft_length, eos, on_tokens,
-                    tree_budget=req.tree_budget, grammars=grammars)
+                    tree_budget=req.tree_budget, grammars=grammars, static=engine.static_passes())
 
 
 def _logprob_json(token: int, text: str, logprob: float, top: list[tuple[int, str, float]]) -> dict:

@@ -14,6 +14,7 @@ from typing import Sequence
 
 import torch
 
+from runtime.graphs import StaticPasses
 from runtime.model import Transformer, attention_mask, causal_ancestors
 from speculative.calibration import Calibration
 from speculative.decoding import DraftRequest
@@ -120,7 +121,7 @@ class ModelDrafter:
                  max_len: int | None = None, draft_top_k: int | None = None,
                  vocab_ids: Sequence[int] | None = None, target_vocab_size: int | None = None,
                  parallel_layers: int | None = None, layer_runner=run_sequentially,
-                 wide_model: Transformer | None = None):
+                 wide_model: Transformer | None = None, cuda_graphs: bool | None = None):
         if parallel_layers is not None and parallel_layers < 1:
             raise ValueError(f"parallel_layers must be >= 1, got {parallel_layers}")
         self.parallel_layers, self.layer_runner = parallel_layers, layer_runner
@@ -141,6 +142,10 @@ class ModelDrafter:
         # SpecDec++-style stop: no more tokens after one drawn with less confidence than this
         self.stop_below = 0.0
         self.cache = None
+        # draft steps at static shapes, CUDA graphs replayed (runtime/graphs.py; None: on CUDA);
+        # the cache is then made at max_len once, since a graph is bound to its cache
+        self.cuda_graphs = model.device.type == "cuda" if cuda_graphs is None else cuda_graphs
+        self._static = None
         self.cached: list[int] = []  # tokens whose keys and values the cache holds
         self.exact = 0  # how many of them have exact entries (the rest were drafted fuzzily)
 
@@ -149,6 +154,7 @@ class ModelDrafter:
         proposal on. Its cache is dropped and refills from the verified context, so nothing
         the old model computed carries over; call between rounds only."""
         self.model, self.cache, self.cached, self.exact = model, None, [], 0
+        self._static = None
 
     def _sync(self, context: Sequence[int], depth: int) -> torch.Tensor:
         """Bring the cache to context[:-1] plus the last token; return logits after it."""
@@ -157,7 +163,8 @@ class ModelDrafter:
         need = min(len(context) + depth + PAD_ROWS_TO, self.max_len)
         if self.cache is None:
             n_layers = len(self.layers) if self.layers is not None else None
-            self.cache = self.model.new_cache(min(max(need, FIRST_CACHE_SLOTS), self.max_len), num_layers=n_layers)
+            first = self.max_len + 1 if self.cuda_graphs else min(max(need, FIRST_CACHE_SLOTS), self.max_len)
+            self.cache = self.model.new_cache(first, num_layers=n_layers)
         elif need > self.cache.max_len:
             self.cache = self.cache.grown(min(max(need, 2 * self.cache.max_len), self.max_len))
         common = 0
@@ -190,11 +197,23 @@ class ModelDrafter:
         return logits
 
     def _draft_forward(self, tokens, positions, cache, mask, layers=None, logits_from=0) -> torch.Tensor:
-        """The forward that scores drafted tokens: the model's own, or EasySpec's layer-parallel one."""
+        """The forward that scores drafted tokens: the model's own (at static shapes, from a
+        captured graph, with `cuda_graphs`), or EasySpec's layer-parallel one."""
         if self.parallel_layers is None:
+            static = self._static_passes(cache)
+            if static is not None and static.fits(1, tokens.shape[1], mask.shape[-1]):
+                return static(tokens, positions, mask, [0], logits_from=logits_from)
             return self.model(tokens, positions, cache, mask, layers=layers, logits_from=logits_from)
         return fuzzy_forward(self.model, tokens, positions, cache, mask, self.parallel_layers, layers=layers,
                              logits_from=logits_from, run=self.layer_runner)
+
+    def _static_passes(self, cache):
+        """This drafter's static passes over `cache` (None: off)."""
+        if not self.cuda_graphs:
+            return None
+        if self._static is None or self._static.cache is not cache:
+            self._static = StaticPasses(self.model, cache, layers=self.layers)
+        return self._static
 
     def propose(self, request: DraftRequest) -> DraftTree:
         context, params, generator = request.context, request.params, request.generator

@@ -87,7 +87,8 @@ def memory(target: Transformer, namespace: str = DEFAULT_NAMESPACE) -> DrafterMe
 
 
 def make_drafter(name: str, target: Transformer, draft_top_k: int | None = None,
-                 namespace: str = DEFAULT_NAMESPACE, parallel_layers: int = 1, calibrate: bool = True):
+                 namespace: str = DEFAULT_NAMESPACE, parallel_layers: int = 1, calibrate: bool = True,
+                 cuda_graphs: bool | None = None):
     """A fresh per-request drafter of kind `name` for `target`; None for plain decoding.
 
     `draft_top_k` makes a model drafter sample from its top-k renormalised
@@ -95,16 +96,19 @@ def make_drafter(name: str, target: Transformer, draft_top_k: int | None = None,
     learns across requests learns and drafts in `namespace`'s memory alone.
     `parallel_layers` > 1 makes model drafters draft EasySpec-style, that many
     layers' attentions at once (speculative.easyspec); other kinds ignore it. `calibrate`:
-    greedy, a fused drafter ranks its members' nodes by calibrated confidences."""
+    greedy, a fused drafter ranks its members' nodes by calibrated confidences. `cuda_graphs`:
+    model drafters draft at static shapes from captured CUDA graphs (None: on CUDA)."""
     if parallel_layers < 1:
         raise InvalidArgument("parallel_layers", f"must be >= 1, got {parallel_layers}")
     # 1 keeps the model's own (CPU-tuned) forward: the same drafts, bit for bit
     easyspec = {} if parallel_layers == 1 else dict(parallel_layers=parallel_layers,
                                                     layer_runner=make_runner(parallel_layers))
+    easyspec["cuda_graphs"] = cuda_graphs
     check_drafter(name)
     if "+" in name:  # every member trusted alike; greedy, their confidences are calibrated
         parts = name.split("+")
-        return FusedDrafter([(make_drafter(part, target, draft_top_k, namespace, parallel_layers), 1.0)
+        return FusedDrafter([(make_drafter(part, target, draft_top_k, namespace, parallel_layers,
+                                           cuda_graphs=cuda_graphs), 1.0)
                              for part in parts],
                             calibrations=[calibration(part, target, namespace) if calibrate else None
                                           for part in parts])
