@@ -270,7 +270,8 @@ class VerifierHost(_ServiceHost):
         self.engine = VerifierEngine(model, max_batch=v.max_batch, max_len=verifier_slots(cfg),
                                      max_batch_tokens=v.max_batch_tokens, checkpoints=store, threads=threads,
                                      checkpoint_interval_s=v.checkpoint_interval_s,
-                                     grammars=target_grammars(cfg, model.config.vocab_size))
+                                     grammars=target_grammars(cfg, model.config.vocab_size),
+                                     cuda_graphs=v.cuda_graphs)
         host = internal_host(cfg)
         self.server, port = serve(self.engine, host=host, port=0, secret=cluster_secret(cfg, store),
                                   mutual_tls=cfg.security.internal_tls(check=True, address=host))
@@ -335,7 +336,7 @@ class DrafterPoolHost(_ServiceHost):
         metrics = DrafterMetrics()
         learning = online_learning(cfg, store, model, metrics.registry)
         self.pool = DrafterPool(model, kinds=tuple(pools.kinds), parallel_layers=pools.parallel_layers,
-                                metrics=metrics, learning=learning)
+                                metrics=metrics, learning=learning, cuda_graphs=pools.cuda_graphs)
         host = internal_host(cfg)
         self.server, port = serve(self.pool, host=host, port=0, threads=pools.threads,
                                   secret=cluster_secret(cfg, store),

@@ -54,13 +54,15 @@ class DrafterPool:
     def __init__(self, target_model: Transformer, kinds: Sequence[str] = tuple(_SETTINGS.kinds),
                  idle_timeout_s: float = 300.0, draft_top_k: int = 32,
                  clock: Callable[[], float] = time.monotonic, metrics: DrafterMetrics | None = None,
-                 parallel_layers: int = _SETTINGS.parallel_layers, learning: OnlineLearning | None = None):
+                 parallel_layers: int = _SETTINGS.parallel_layers, learning: OnlineLearning | None = None,
+                 cuda_graphs: bool | None = _SETTINGS.cuda_graphs):
         """`metrics`: where the pool records its Prometheus metrics (default: a fresh registry of its own).
         `parallel_layers`: EasySpec layer-parallel drafting of the model drafters (1: exact).
         `learning`: online learning (drafter_service/learner.py): its small drafters then learn from
-        the target's scores they are sent, and swap in published versions between rounds."""
+        the target's scores they are sent, and swap in published versions between rounds.
+        `cuda_graphs`: model drafters draft from captured CUDA graphs (None: on CUDA)."""
         check_kinds(kinds)
-        self.parallel_layers = parallel_layers
+        self.parallel_layers, self.cuda_graphs = parallel_layers, cuda_graphs
         self.target, self.kinds = target_model, tuple(kinds)
         self.idle_timeout_s, self.draft_top_k, self.clock = idle_timeout_s, draft_top_k, clock
         self._requests: dict[str, _Request] = {}
@@ -94,7 +96,7 @@ class DrafterPool:
         params.validate()
         generator = make_generator(params.seed, self.target.device, stream=stream, resumed=resumed)
         drafter = make_drafter(kind, self.target, draft_top_k=self.draft_top_k, namespace=namespace,
-                               parallel_layers=self.parallel_layers)
+                               parallel_layers=self.parallel_layers, cuda_graphs=self.cuda_graphs)
         if self.learning is not None:
             drafter = self.learning.wrap(drafter, kind, domain or "any", self.target)
         state = _Request(drafter, list(token_ids),

@@ -55,6 +55,9 @@ class DrafterPoolSettings(BaseModel):
     parallel_layers: int = Field(1, ge=1, description="EasySpec: model drafters run the attentions of this many "
                                                       "consecutive layers at once, on the group's input, and "
                                                       "recompute accepted tokens exactly (1: exact drafting)")
+    cuda_graphs: bool | None = Field(None, description="model drafters' draft steps at static shapes, captured "
+                                     "as CUDA graphs (runtime/graphs.py); default: on where the models are on "
+                                     "CUDA, off on a CPU")
     learner: LearnerSettings = Field(default_factory=LearnerSettings)
 
     @field_validator("kinds")

@@ -26,6 +26,14 @@ from .static_pass import Bucket, Buckets, StaticInputs, pad, static_forward
 WARMUP_PASSES = 2  # eager passes on a side stream before a capture (lazy inits, cuBLAS workspaces)
 
 
+def static_passes(model: Transformer, cache, cuda_graphs: bool | None = None) -> "StaticPasses | None":
+    """A server's static passes over its cache, as its `cuda_graphs` setting asks (None: where the
+    model is on CUDA); None when off, or when the cache is not a KVCache's rows (the passes then
+    run eagerly)."""
+    on = model.device.type == "cuda" if cuda_graphs is None else cuda_graphs
+    return StaticPasses(model, cache) if on and isinstance(cache, KVCache) else None
+
+
 class StaticPasses:
     """Static-shape passes of `model` over `cache` (its rows; `layers`: a layer-skip
     drafter's subset). `graphs`: capture each bucket as a CUDA graph (None: when the model

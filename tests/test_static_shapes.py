@@ -212,3 +212,28 @@ def test_gpu_check_dry_run(tmp_path):
     report = json.loads(out.read_text())
     assert report["buckets"]["float32"]["checked"] > 0
     assert not report["buckets"]["float32"]["differ"]
+
+
+def test_the_verifier_engine_verifies_through_static_passes_when_asked():
+    """`cuda_graphs` on (on the CPU: the static passes run eagerly): the same outcomes, round
+    after round, as the engine's eager passes; off by default on the CPU."""
+    from verifier_service.engine import VerifierEngine
+
+    model = model_in("int8")
+    assert VerifierEngine(model, max_batch=2, max_len=64)._static is None
+    outcomes = {}
+    for on in (False, True):
+        engine = VerifierEngine(model, max_batch=2, max_len=64, cuda_graphs=on)
+        try:
+            got = [engine.prefill(r, p, SamplingParams()).next_token for r, p in (("a", [1, 2, 3]), ("b", [4, 5]))]
+            for _ in range(3):
+                for r in ("a", "b"):
+                    o = engine.verify(r, DraftTree([3, 4, 1], [-1, 0, -1]))
+                    got.append((o.accepted, o.bonus))
+            outcomes[on] = got
+            assert (engine._static is not None) == on
+            if on:
+                assert sum(engine._static.passes.values()) == 6
+        finally:
+            engine.close()
+    assert outcomes[True] == outcomes[False]

@@ -35,6 +35,7 @@ from speculative.grammar import Grammars
 from speculative.logprobs import TokenLogprob
 from speculative.processing import MAX_FORCED, Processor
 from runtime.cpu_tuning import PAD_ROWS_TO, own_torch_threads
+from runtime.graphs import static_passes
 from runtime.model import Transformer, attention_mask, causal_ancestors
 from speculative.recycling import PROMPT_SEED, top_candidates
 from speculative.sampling import InvalidArgument, SamplingParams, make_generator
@@ -248,12 +249,13 @@ class VerifierEngine:
                  checkpoint_interval_s: float = _SETTINGS.checkpoint_interval_s,
                  idle_timeout_s: float = 300.0, clock: Callable[[], float] = time.monotonic,
                  threads: int | None = None, metrics: VerifierMetrics | None = None,
-                 grammars: Grammars | None = None):
+                 grammars: Grammars | None = None, cuda_graphs: bool | None = _SETTINGS.cuda_graphs):
         """`threads`: torch threads of the worker thread, which runs every forward pass
         (None: torch's setting). A process that serves should run nothing multi-threaded
         on any other thread (`runtime.cpu_tuning.own_torch_threads`). `metrics`: where
         the engine records its Prometheus metrics (default: a fresh registry of its own).
-        `grammars`: the target tokenizer's, for requests with a grammar (None: refused)."""
+        `grammars`: the target tokenizer's, for requests with a grammar (None: refused).
+        `cuda_graphs`: passes at static shapes from captured CUDA graphs (None: on CUDA)."""
         if max_batch < 1 or max_batch_tokens < 1:
             raise ValueError("max_batch and max_batch_tokens must be positive")
         self.model, self.threads, self.grammars = model, threads, grammars
@@ -268,6 +270,7 @@ class VerifierEngine:
         # max_batch_tokens; a tuned CPU model may pad one row's 2-3 tokens to PAD_ROWS_TO), so rows
         # get spare slots for it.
         self._cache = model.new_cache(self.max_len + max(max_batch_tokens, PAD_ROWS_TO), batch=max_batch)
+        self._static = static_passes(model, self._cache, cuda_graphs)
         self._requests: dict[str, _Request] = {}
         self._queue: deque[_Work] = deque()
         self._cond = threading.Condition()
@@ -573,7 +576,7 @@ class VerifierEngine:
 
     def _pass(self, items: list[VerifyItem]) -> list[Verdict]:
         """One verification pass over a batch's rows: what `PassShape.seconds` times."""
-        return verify_batch(self.model, self._cache, items)
+        return verify_batch(self.model, self._cache, items, static=self._static)
 
     def _check_tree(self, tree: DraftTree, state: _Request) -> None:
         """What a well-formed tree still needs: room in the row, and when sampling, its draws' q."""
