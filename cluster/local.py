@@ -62,7 +62,15 @@ class LocalEngine:
         self.model, self.tokenizer = model, tokenizer
         self.group = group  # the other ranks of a tensor-parallel model (verifier_service/tp_group.py)
         self.cuda_graphs = (model.device.type == "cuda" and group is None) if cuda_graphs is None else cuda_graphs
-        self._static = None
+        self._static = self._drafter_passes = None
+
+    def drafter_passes(self):
+        """The caches and graphs the requests' model drafters take in turn (None: off)."""
+        if self.cuda_graphs and self._drafter_passes is None:
+            from runtime.graphs import SharedPasses
+
+            self._drafter_passes = SharedPasses()
+        return self._drafter_passes
 
     def static_passes(self):
         """The static passes every request runs its rounds in (one cache of the model's context,
@@ -104,7 +112,7 @@ class LocalEngine:
         ids = self.prompt_ids(req.prompt, req.chat)
         drafter = make_drafter(req.drafter, self.model, namespace=req.namespace,
                                parallel_layers=req.parallel_layers, calibrate=req.calibrate,
-                               cuda_graphs=self.cuda_graphs)
+                               cuda_graphs=self.cuda_graphs, shared_passes=self.drafter_passes())
         eos = self.tokenizer.eos_token_ids or self.model.config.eos_token_ids
         return generate(self.model, ids, req.params, drafter, req.draft_length, eos, on_tokens,
                         tree_budget=req.tree_budget, static=self.static_passes())

@@ -229,7 +229,8 @@ def _run_constrained(engine, req, grammars, on_tokens=None):
 
     ids = engine.prompt_ids(req.prompt, req.chat)
     drafter = make_drafter(req.drafter, engine.model, namespace=req.namespace, parallel_layers=req.parallel_layers,
-                           calibrate=req.calibrate, cuda_graphs=engine.cuda_graphs)
+                           calibrate=req.calibrate, cuda_graphs=engine.cuda_graphs,
+                           shared_passes=engine.drafter_passes())
     eos = engine.tokenizer.eos_token_ids or engine.model.config.eos_token_ids
     return generate(engine.model, ids, req.params, drafter, req.draft_length, eos, on_tokens,
                     tree_budget=req.tree_budget, grammars=grammars, static=engine.static_passes())

@@ -14,7 +14,7 @@ from typing import Sequence
 
 import torch
 
-from runtime.graphs import StaticPasses
+from runtime.graphs import SharedPasses, StaticPasses
 from runtime.model import Transformer, attention_mask, causal_ancestors
 from speculative.calibration import Calibration
 from speculative.decoding import DraftRequest
@@ -121,7 +121,8 @@ class ModelDrafter:
                  max_len: int | None = None, draft_top_k: int | None = None,
                  vocab_ids: Sequence[int] | None = None, target_vocab_size: int | None = None,
                  parallel_layers: int | None = None, layer_runner=run_sequentially,
-                 wide_model: Transformer | None = None, cuda_graphs: bool | None = None):
+                 wide_model: Transformer | None = None, cuda_graphs: bool | None = None,
+                 shared_passes: SharedPasses | None = None):
         if parallel_layers is not None and parallel_layers < 1:
             raise ValueError(f"parallel_layers must be >= 1, got {parallel_layers}")
         self.parallel_layers, self.layer_runner = parallel_layers, layer_runner
@@ -145,6 +146,7 @@ class ModelDrafter:
         # draft steps at static shapes, CUDA graphs replayed (runtime/graphs.py; None: on CUDA);
         # the cache is then made at max_len once, since a graph is bound to its cache
         self.cuda_graphs = model.device.type == "cuda" if cuda_graphs is None else cuda_graphs
+        self.shared_passes = shared_passes  # whose cache and graphs to use, when several drafters take turns
         self._static = None
         self.cached: list[int] = []  # tokens whose keys and values the cache holds
         self.exact = 0  # how many of them have exact entries (the rest were drafted fuzzily)
@@ -161,7 +163,11 @@ class ModelDrafter:
         # the cache grows with the request (doubling), never past max_len; PAD_ROWS_TO spare
         # slots hold a padded pass
         need = min(len(context) + depth + PAD_ROWS_TO, self.max_len)
-        if self.cache is None:
+        if self.cache is None and self.cuda_graphs and self.shared_passes is not None:
+            self._static = self.shared_passes.get(self.model, self.layers, self.max_len)
+            self.cache, self.cached, self.exact = self._static.cache, [], 0
+            self.cache.rollback(0)  # what the last drafter to use it left
+        elif self.cache is None:
             n_layers = len(self.layers) if self.layers is not None else None
             first = self.max_len + 1 if self.cuda_graphs else min(max(need, FIRST_CACHE_SLOTS), self.max_len)
             self.cache = self.model.new_cache(first, num_layers=n_layers)

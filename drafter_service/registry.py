@@ -88,7 +88,7 @@ def memory(target: Transformer, namespace: str = DEFAULT_NAMESPACE) -> DrafterMe
 
 def make_drafter(name: str, target: Transformer, draft_top_k: int | None = None,
                  namespace: str = DEFAULT_NAMESPACE, parallel_layers: int = 1, calibrate: bool = True,
-                 cuda_graphs: bool | None = None):
+                 cuda_graphs: bool | None = None, shared_passes=None):
     """A fresh per-request drafter of kind `name` for `target`; None for plain decoding.
 
     `draft_top_k` makes a model drafter sample from its top-k renormalised
@@ -97,18 +97,19 @@ def make_drafter(name: str, target: Transformer, draft_top_k: int | None = None,
     `parallel_layers` > 1 makes model drafters draft EasySpec-style, that many
     layers' attentions at once (speculative.easyspec); other kinds ignore it. `calibrate`:
     greedy, a fused drafter ranks its members' nodes by calibrated confidences. `cuda_graphs`:
-    model drafters draft at static shapes from captured CUDA graphs (None: on CUDA)."""
+    model drafters draft at static shapes from captured CUDA graphs (None: on CUDA), over the
+    caches of `shared_passes` (runtime.graphs.SharedPasses) when given: requests one at a time."""
     if parallel_layers < 1:
         raise InvalidArgument("parallel_layers", f"must be >= 1, got {parallel_layers}")
     # 1 keeps the model's own (CPU-tuned) forward: the same drafts, bit for bit
     easyspec = {} if parallel_layers == 1 else dict(parallel_layers=parallel_layers,
                                                     layer_runner=make_runner(parallel_layers))
-    easyspec["cuda_graphs"] = cuda_graphs
+    easyspec.update(cuda_graphs=cuda_graphs, shared_passes=shared_passes)
     check_drafter(name)
     if "+" in name:  # every member trusted alike; greedy, their confidences are calibrated
         parts = name.split("+")
         return FusedDrafter([(make_drafter(part, target, draft_top_k, namespace, parallel_layers,
-                                           cuda_graphs=cuda_graphs), 1.0)
+                                           cuda_graphs=cuda_graphs, shared_passes=shared_passes), 1.0)
                              for part in parts],
                             calibrations=[calibration(part, target, namespace) if calibrate else None
                                           for part in parts])

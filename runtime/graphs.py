@@ -127,3 +127,39 @@ class StaticPasses:
 
     def captured(self) -> list[Bucket]:
         return list(self._graphs)
+
+    def prepare(self, buckets: Sequence[Bucket]) -> None:
+        """Capture `buckets` ahead of the requests that will take them (no-op off CUDA or for
+        those captured): each bucket's first pass is then a replay. A dummy pass: every row
+        padding, reading row 0 and writing only its trash slot."""
+        trash = self.cache.max_len - 1
+        for bucket in buckets:
+            if not self.graphs or bucket in self._graphs:
+                continue
+            b, t, s = bucket.rows, bucket.tokens, bucket.span
+            inputs = self._inputs.setdefault(bucket, StaticInputs(bucket, self.model.device))
+            inputs.tokens.zero_(), inputs.positions.zero_(), inputs.read_rows.zero_(), inputs.write_rows.zero_()
+            inputs.write_slots.fill_(trash)
+            inputs.mask.zero_()
+            inputs.mask[..., 0] = True
+            self._capture(bucket, inputs)
+
+
+class SharedPasses:
+    """Static passes per (model, layers), each over a one-row cache of its own, lent to drafters
+    that run one after another in one process (the in-process engine's requests), so that a
+    drafter made per request replays the graphs the last one captured instead of capturing
+    again. Not for drafters running at once: they would share a cache."""
+
+    def __init__(self):
+        self._passes: dict[tuple[int, tuple[int, ...] | None, int], StaticPasses] = {}
+
+    def get(self, model: Transformer, layers: Sequence[int] | None, max_len: int) -> StaticPasses:
+        """The passes of `model`'s `layers` over a cache of `max_len` slots (and the trash slot)."""
+        key = (id(model), None if layers is None else tuple(layers), max_len)
+        passes = self._passes.get(key)
+        if passes is None or passes.model is not model:
+            n_layers = None if layers is None else len(layers)
+            passes = self._passes[key] = StaticPasses(model, model.new_cache(max_len + 1, num_layers=n_layers),
+                                                      layers=layers)
+        return passes

@@ -19,7 +19,7 @@ import torch
 from drafter_service.registry import make_drafter
 from runtime import loading
 from runtime.cpu_tuning import CpuTuning, apply_cpu_tuning
-from runtime.graphs import StaticPasses
+from runtime.graphs import SharedPasses, StaticPasses
 from runtime.model import attention_mask, causal_ancestors
 from runtime.quantize import quantize
 from runtime.static_pass import Bucket, Buckets
@@ -190,16 +190,23 @@ def test_padding_rows_and_slots_never_change_a_real_rows_logits(precision):
 @pytest.mark.parametrize("drafter", ["pld", "layerskip"])
 def test_generation_through_static_passes_equals_plain_generation(drafter):
     """Rounds verified (and layer-skip drafts drafted) at static shapes: the same tokens as the
-    eager loop, greedy, with int4's row-exact kernels (so bit for bit, not near)."""
+    eager loop, greedy, with int4's row-exact kernels (so bit for bit, not near). Requests one
+    after another reuse the target's passes and the drafters' (SharedPasses)."""
     model = model_in("int4")
     prompt = [1, 2, 3, 1, 2, 3, 1, 2]
     params = SamplingParams(max_tokens=12)
-    static = StaticPasses.for_requests(model, 64)
+    static, shared = StaticPasses.for_requests(model, 64), SharedPasses()
     want = generate(model, prompt, params, make_drafter(drafter, model, cuda_graphs=False), 3).token_ids
-    got = generate(model, prompt, params, make_drafter(drafter, model, cuda_graphs=True), 3, static=static)
-    plain = generate(model, prompt, params, None, static=static)  # the same cache, a request after another
-    assert got.token_ids == want == plain.token_ids
-    assert sum(static.passes.values()) == got.target_forward_passes - 1 + plain.target_forward_passes - 1
+    for _ in range(2):  # the second request finds the caches the first left
+        d = make_drafter(drafter, model, cuda_graphs=True, shared_passes=shared)
+        got = generate(model, prompt, params, d, 3, static=static)
+        assert got.token_ids == want
+    plain = generate(model, prompt, params, None, static=static)
+    assert plain.token_ids == want
+    assert sum(static.passes.values()) == 2 * (got.target_forward_passes - 1) + plain.target_forward_passes - 1
+    if drafter == "layerskip":
+        [passes] = shared._passes.values()
+        assert d._static is passes and sum(passes.passes.values()) > 0
 
 
 def test_gpu_check_dry_run(tmp_path):
