@@ -120,29 +120,14 @@ class StaticPasses:
                     static_forward(self.model, self.cache, inputs, self.layers)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
+            # thread_local: a server's other threads may touch CUDA while its worker captures
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                 self._outputs[bucket] = static_forward(self.model, self.cache, inputs, self.layers)
         self._pool = graph.pool()
         self._graphs[bucket] = graph
 
     def captured(self) -> list[Bucket]:
         return list(self._graphs)
-
-    def prepare(self, buckets: Sequence[Bucket]) -> None:
-        """Capture `buckets` ahead of the requests that will take them (no-op off CUDA or for
-        those captured): each bucket's first pass is then a replay. A dummy pass: every row
-        padding, reading row 0 and writing only its trash slot."""
-        trash = self.cache.max_len - 1
-        for bucket in buckets:
-            if not self.graphs or bucket in self._graphs:
-                continue
-            b, t, s = bucket.rows, bucket.tokens, bucket.span
-            inputs = self._inputs.setdefault(bucket, StaticInputs(bucket, self.model.device))
-            inputs.tokens.zero_(), inputs.positions.zero_(), inputs.read_rows.zero_(), inputs.write_rows.zero_()
-            inputs.write_slots.fill_(trash)
-            inputs.mask.zero_()
-            inputs.mask[..., 0] = True
-            self._capture(bucket, inputs)
 
 
 class SharedPasses:

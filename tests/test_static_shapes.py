@@ -244,3 +244,78 @@ def test_the_verifier_engine_verifies_through_static_passes_when_asked():
         finally:
             engine.close()
     assert outcomes[True] == outcomes[False]
+
+
+class _FakeGraph:
+    """A CUDA graph's contract on the CPU: capture records the pass (its input buffers, its output
+    tensor), replay runs it again over the same buffers into the same output, in place."""
+
+    capturing = None
+
+    def __init__(self):
+        self.recorded = None
+
+    def pool(self):
+        return "pool"
+
+    def replay(self):
+        fn, args, out = self.recorded
+        with torch.inference_mode():
+            out.copy_(fn(*args))
+
+
+def test_the_capture_path_replays_each_buckets_graph_with_new_inputs(monkeypatch):
+    """The CUDA-only calls stubbed with _FakeGraph: a bucket is captured once (after the warm-up
+    passes), every later pass of it replays with the request's inputs copied into the same
+    buffers, and the logits (sliced from the graph's output) are each request's own."""
+    import contextlib
+
+    from runtime import graphs
+
+    calls = []
+    real_forward = graphs.static_forward
+
+    def forward(*args):
+        calls.append("capture" if _FakeGraph.capturing else "eager")
+        out = real_forward(*args)
+        if _FakeGraph.capturing is not None:
+            _FakeGraph.capturing.recorded = (real_forward, args, out)
+        return out
+
+    @contextlib.contextmanager
+    def capture(graph, pool=None, capture_error_mode=None):
+        _FakeGraph.capturing = graph
+        try:
+            yield
+        finally:
+            _FakeGraph.capturing = None
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+    monkeypatch.setattr(graphs, "static_forward", forward)
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: Stream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", capture)
+    model = model_in("int8")
+    prompts = [[1, 2, 3, 4], [5, 6, 7]]
+    eager_cache, cache = prefilled(model, prompts), prefilled(model, prompts)
+    static = StaticPasses(model, cache)
+    static.graphs = True  # as on CUDA
+    for round_ in range(3):
+        trees = [(round_ + 1, [4, 5][:round_ + 1], [-1, 0][:round_ + 1]), (2, [1], [-1])]
+        want, got = [], []
+        for c, s, out in ((eager_cache, None, want), (cache, static, got)):
+            items = _items(trees, [0, 1])
+            for it in items:
+                it.on_scores = lambda tokens, scores, out=out: out.append(scores.clone())
+            verify_batch(model, c, items, static=s)
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
+    # rounds of 2, 3 and 3 tokens a row: buckets 2x2 and 2x4, each captured once after its warm-up
+    assert calls == ["eager", "eager", "capture"] * 2
+    assert static.captured() == [Bucket(2, 2, 64), Bucket(2, 4, 64)]
+    assert static.replays == 3 and cache.lengths == eager_cache.lengths
