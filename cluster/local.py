@@ -75,7 +75,7 @@ class LocalEngine:
     def static_passes(self):
         """The static passes every request runs its rounds in (one cache of the model's context,
         kept across requests with the graphs captured over it); None when off."""
-        if not self.cuda_graphs:
+        if not self.cuda_graphs or self.group is not None:  # a tensor-parallel target runs eagerly
             return None
         if self._static is None:
             from runtime.graphs import StaticPasses

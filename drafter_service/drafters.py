@@ -14,7 +14,7 @@ from typing import Sequence
 
 import torch
 
-from runtime.graphs import SharedPasses, StaticPasses
+from runtime.graphs import SharedPasses, StaticPasses, runs_static
 from runtime.model import Transformer, attention_mask, causal_ancestors
 from speculative.calibration import Calibration
 from speculative.decoding import DraftRequest
@@ -163,7 +163,8 @@ class ModelDrafter:
         # the cache grows with the request (doubling), never past max_len; PAD_ROWS_TO spare
         # slots hold a padded pass
         need = min(len(context) + depth + PAD_ROWS_TO, self.max_len)
-        if self.cache is None and self.cuda_graphs and self.shared_passes is not None:
+        if self.cache is None and self.cuda_graphs and self.shared_passes is not None \
+                and isinstance(self.model, Transformer):
             self._static = self.shared_passes.get(self.model, self.layers, self.max_len)
             self.cache, self.cached, self.exact = self._static.cache, [], 0
             self.cache.rollback(0)  # what the last drafter to use it left
@@ -215,7 +216,7 @@ class ModelDrafter:
 
     def _static_passes(self, cache):
         """This drafter's static passes over `cache` (None: off)."""
-        if not self.cuda_graphs:
+        if not self.cuda_graphs or not runs_static(self.model, cache):
             return None
         if self._static is None or self._static.cache is not cache:
             self._static = StaticPasses(self.model, cache, layers=self.layers)

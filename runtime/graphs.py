@@ -28,10 +28,15 @@ WARMUP_PASSES = 2  # eager passes on a side stream before a capture (lazy inits,
 
 def static_passes(model: Transformer, cache, cuda_graphs: bool | None = None) -> "StaticPasses | None":
     """A server's static passes over its cache, as its `cuda_graphs` setting asks (None: where the
-    model is on CUDA); None when off, or when the cache is not a KVCache's rows (the passes then
-    run eagerly)."""
+    model is on CUDA); None when off, or when the static pass cannot run over them (the passes
+    then run eagerly): a cache that is not a KVCache's rows, a tensor-parallel target."""
     on = model.device.type == "cuda" if cuda_graphs is None else cuda_graphs
-    return StaticPasses(model, cache) if on and isinstance(cache, KVCache) else None
+    return StaticPasses(model, cache) if on and runs_static(model, cache) else None
+
+
+def runs_static(model, cache) -> bool:
+    """Whether static passes can run `model` over `cache`: a plain Transformer over a KVCache."""
+    return isinstance(model, Transformer) and type(cache) is KVCache
 
 
 class StaticPasses:
@@ -41,8 +46,8 @@ class StaticPasses:
 
     def __init__(self, model: Transformer, cache: KVCache, buckets: Buckets | None = None,
                  graphs: bool | None = None, layers: Sequence[int] | None = None):
-        if not isinstance(cache, KVCache):
-            raise TypeError("static passes run over a KVCache's rows")
+        if not runs_static(model, cache):
+            raise TypeError("static passes run a plain Transformer over a KVCache's rows")
         self.model, self.cache, self.buckets = model, cache, buckets or Buckets()
         self.layers = None if layers is None else list(layers)
         self.graphs = model.device.type == "cuda" if graphs is None else graphs
