@@ -153,27 +153,33 @@ def _overhead_table(report: dict) -> list[str]:
     return lines + ["| " + " | ".join(_overhead_cells(r)) + " |" for r in rows]
 
 
-def forward_ms(engine: LocalEngine, sizes=(1, 2, 4, 6, 8, 16, 32), prefix: int = 128, repeats: int = 10) -> dict[str, float]:
-    """Median time of one target forward of T new tokens after a cached prefix."""
+def forward_ms(engine: LocalEngine, sizes=(1, 2, 4, 6, 8, 16, 32), prefix: int = 128, repeats: int = 10,
+               static=None) -> dict[str, float]:
+    """Median time of one target forward of T new tokens after a cached prefix; with `static`
+    (runtime.graphs.StaticPasses) through its static passes, each size's first (a capture on
+    CUDA) untimed."""
     from runtime.model import attention_mask, causal_ancestors
 
     m = engine.model
     dev = m.device
-    cache = m.new_cache(prefix + max(sizes) + PAD_ROWS_TO)
+    cache = m.new_cache(prefix + max(sizes) + PAD_ROWS_TO) if static is None else static.cache
+    cache.rollback(0)
     ids = torch.arange(prefix, device=dev)[None] % m.config.vocab_size
     m(ids, torch.arange(prefix, device=dev)[None], cache, attention_mask(0, causal_ancestors(prefix, dev)))
     out = {}
     for t in sizes:
         times = []
-        for _ in range(repeats):
+        for i in range(repeats + (static is not None)):
             cache.rollback(prefix)
             start = time.perf_counter()
             positions = torch.arange(prefix, prefix + t, device=dev)[None]
-            logits = m(torch.zeros(1, t, dtype=torch.long, device=dev), positions, cache,
-                       attention_mask(prefix, causal_ancestors(t, dev)))
+            tokens, mask = torch.zeros(1, t, dtype=torch.long, device=dev), attention_mask(prefix, causal_ancestors(t, dev))
+            logits = m(tokens, positions, cache, mask) if static is None else static(tokens, positions, mask, [0])
             logits[0, -1, 0].item()  # on a GPU, waits for the pass
-            times.append(time.perf_counter() - start)
+            if static is None or i:
+                times.append(time.perf_counter() - start)
         out[str(t)] = round(statistics.median(times) * 1000, 2)
+    cache.rollback(0)
     return out
 
 
@@ -422,6 +428,8 @@ def run_bench(args) -> dict:
     if args.micro:
         engine = runners.engine
         report["forward_ms"] = forward_ms(engine)
+        if engine.static_passes() is not None:  # the same passes at static shapes (CUDA graphs)
+            report["forward_ms_static"] = forward_ms(engine, static=engine.static_passes())
         report["load_seconds"] = load_seconds(args.model, args.device)
         report["draft_token_ms"] = draft_token_ms(engine, [m for m in args.modes if m in MODEL_DRAFTERS],
                                                   report["forward_ms"]["1"], tokens=args.draft_length,
@@ -484,6 +492,8 @@ def _footnotes(report: dict) -> list[str]:
         notes.append(f"Served overhead per round (ms): {report['served_overhead_ms_per_round']}")
     if "forward_ms" in report:
         notes.append(f"One target forward (ms) by new tokens: {report['forward_ms']}")
+    if "forward_ms_static" in report:
+        notes.append(f"The same from static passes (CUDA graphs): {report['forward_ms_static']}")
         notes.append(f"Model load (s): {report['load_seconds']}")
     for name, d in report.get("draft_token_ms", {}).items():
         notes.append(f"One draft token of {name}: {d['ms']} ms, {d['ratio_to_target_forward']:.1%} of a target forward")

@@ -319,3 +319,19 @@ def test_the_capture_path_replays_each_buckets_graph_with_new_inputs(monkeypatch
     assert calls == ["eager", "eager", "capture"] * 2
     assert static.captured() == [Bucket(2, 2, 64), Bucket(2, 4, 64)]
     assert static.replays == 3 and cache.lengths == eager_cache.lengths
+
+
+def test_the_in_process_engine_and_bench_time_passes_through_static_passes():
+    """LocalEngine's `cuda_graphs` (off on a CPU by default) gives the requests one StaticPasses
+    and the bench's --micro times one pass through it (each size's first, a capture on CUDA,
+    untimed)."""
+    from bench.harness import forward_ms
+    from cluster.local import LocalEngine
+
+    model = tiny_model(0, max_positions=256)
+    assert LocalEngine(model, None).static_passes() is None
+    engine = LocalEngine(model, None, cuda_graphs=True)
+    static = engine.static_passes()
+    assert static is engine.static_passes() and engine.drafter_passes() is not None
+    times = forward_ms(engine, sizes=(1, 4), repeats=2, static=static)
+    assert set(times) == {"1", "4"} and static.passes == {Bucket(1, 1, 256): 3, Bucket(1, 4, 256): 3}
