@@ -173,7 +173,8 @@ def forward_ms(engine: LocalEngine, sizes=(1, 2, 4, 6, 8, 16, 32), prefix: int =
             cache.rollback(prefix)
             start = time.perf_counter()
             positions = torch.arange(prefix, prefix + t, device=dev)[None]
-            tokens, mask = torch.zeros(1, t, dtype=torch.long, device=dev), attention_mask(prefix, causal_ancestors(t, dev))
+            tokens = torch.zeros(1, t, dtype=torch.long, device=dev)
+            mask = attention_mask(prefix, causal_ancestors(t, dev))
             logits = m(tokens, positions, cache, mask) if static is None else static(tokens, positions, mask, [0])
             logits[0, -1, 0].item()  # on a GPU, waits for the pass
             if static is None or i:
