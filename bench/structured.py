@@ -30,11 +30,12 @@ from tqdm import tqdm
 from bench.questions import load_questions
 from cluster.local import LocalEngine, Request
 from protos import specserve_pb2 as pb
-from router.tools import OPEN, CLOSE, call_grammar, functions, parse_calls, template_messages
+from router.tools import CLOSE, OPEN, call_grammar, call_schema, functions, parse_calls, template_messages
 from speculative.grammar import Grammars
 from speculative.sampling import SamplingParams
 
 WORKLOADS = ("extraction", "tools")
+LLAMACPP_AR = "llamacpp-ar"  # llama.cpp's plain decoding under its own grammar sampler
 CATEGORIES = ["writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities",
               "translation", "summarization", "qa", "rag"]
 EXTRACTION_SCHEMA = {
@@ -59,10 +60,24 @@ TOOLS = [
 
 @dataclass
 class Case:
-    """One prompt of a workload: its token ids and the grammar its output must follow."""
+    """One prompt of a workload: its token ids and the grammar its output must follow (ours,
+    and the same structure in llama.cpp's GBNF for `llamacpp-ar`)."""
     question: str
     ids: list[int]
     grammar: str
+    schema: dict
+
+
+def gbnf(workload: str, schema: dict) -> str:
+    """The output's structure for llama.cpp: its JSON-schema converter's grammar, inside a
+    `<tool_call>` block for the tools workload."""
+    from llama_cpp.llama_grammar import json_schema_to_gbnf
+
+    grammar = json_schema_to_gbnf(json.dumps(schema))
+    if workload == "extraction":
+        return grammar
+    body = grammar.replace("root ::=", "call ::=", 1)
+    return f'root ::= "{OPEN}\\n" call "\\n{CLOSE}"\n{body}'
 
 
 def extraction_case(engine: LocalEngine, grammars: Grammars, question: str) -> Case:
@@ -70,7 +85,7 @@ def extraction_case(engine: LocalEngine, grammars: Grammars, question: str) -> C
               f"{', '.join(CATEGORIES)}), a one-sentence answer, and up to three key terms.\n\n"
               f"Question: {question}")
     ids = engine.tokenizer.encode_chat([{"role": "user", "content": prompt}])
-    return Case(question, ids, grammars.compile("json_schema", EXTRACTION_SCHEMA, "json_schema"))
+    return Case(question, ids, grammars.compile("json_schema", EXTRACTION_SCHEMA, "json_schema"), EXTRACTION_SCHEMA)
 
 
 def tools_case(engine: LocalEngine, grammars: Grammars, question: str) -> Case:
@@ -78,7 +93,8 @@ def tools_case(engine: LocalEngine, grammars: Grammars, question: str) -> Case:
     messages, specs = template_messages([pb.ChatMessage(role="user", content=question)], tools,
                                         engine.tokenizer.template_knows_tools)
     ids = engine.tokenizer.encode_chat(messages, tools=specs)
-    return Case(question, ids, grammars.compile("grammar", call_grammar(tools, "required", False), "tool_choice"))
+    return Case(question, ids, grammars.compile("grammar", call_grammar(tools, "required", False), "tool_choice"),
+                call_schema(tools))
 
 
 def valid(workload: str, text: str) -> bool:
@@ -145,21 +161,29 @@ def run_structured(args) -> dict:
     outputs: dict[str, list[list[int]]] = {m: [] for m in modes}
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     bar = tqdm(total=len(cases) * len(modes), desc=f"bench {args.workload}", unit="gen")
+    llama = _llama(args, engine, cases) if LLAMACPP_AR in modes else None
+    eos = list(engine.tokenizer.eos_token_ids or engine.model.config.eos_token_ids)
     for case in cases:
         for mode in modes:
-            req = Request("", True, dataclasses.replace(params, grammar=case.grammar), mode, args.draft_length,
-                          args.tree_budget, namespace=f"bench-{mode}")
             seconds = []
             for _ in range(args.repeats):
-                result = engine.run(req, grammars=grammars, prompt_ids=case.ids)
-                seconds.append(result.seconds)
+                if mode == LLAMACPP_AR:  # llama.cpp's own grammar sampler, on the GGUF as it is
+                    tokens, took, passes, _ = llama.run(case.ids, params, mode, gbnf(args.workload, case.schema))
+                    tokens, forced = [t for t in tokens if t not in eos], 0
+                else:
+                    req = Request("", True, dataclasses.replace(params, grammar=case.grammar), mode,
+                                  args.draft_length, args.tree_budget, namespace=f"bench-{mode}")
+                    result = engine.run(req, grammars=grammars, prompt_ids=case.ids)
+                    tokens, took, passes, forced = (result.token_ids, result.seconds, result.target_forward_passes,
+                                                    result.forced_tokens)
+                seconds.append(took)
             row = rows[mode]
-            row["tokens"] += len(result.token_ids)
+            row["tokens"] += len(tokens)
             row["seconds"] += statistics.median(seconds)
-            row["passes"] += result.target_forward_passes
-            row["forced"] += result.forced_tokens
-            row["valid"] += valid(args.workload, engine.tokenizer.decode(result.token_ids))
-            outputs[mode].append(result.token_ids)
+            row["passes"] += passes
+            row["forced"] += forced
+            row["valid"] += valid(args.workload, engine.tokenizer.decode(tokens))
+            outputs[mode].append(tokens)
             bar.update()
     bar.close()
     plain = outputs.get("none")
@@ -170,8 +194,8 @@ def run_structured(args) -> dict:
         row["tokens_per_pass"] = round(row["tokens"] / row["passes"], 3) if row["passes"] else None
         row["forced_share"] = round(row["forced"] / row["tokens"], 3) if row["tokens"] else None
     per_token, per_node = [], []
-    eos = list(engine.tokenizer.eos_token_ids or engine.model.config.eos_token_ids)
-    for case, tokens in zip(cases, outputs[modes[0]]):
+    ours = next(m for m in modes if m != LLAMACPP_AR)
+    for case, tokens in zip(cases, outputs[ours]):
         t, n = mask_costs(grammars, case.grammar, tokens, eos)
         per_token += t
         per_node += n
@@ -186,6 +210,17 @@ def run_structured(args) -> dict:
         json.dump(report, f, indent=2)
     print(to_markdown(report))
     return report
+
+
+def _llama(args, engine: LocalEngine, cases: list[Case]):
+    """llama.cpp on the GGUF the engine loaded, sized for the longest prompt and answer."""
+    from bench.llamacpp import LlamaCppRunner
+    from runtime.loading import resolve_source
+
+    n_ctx = max(len(c.ids) for c in cases) + args.max_tokens + 8
+    eos = engine.tokenizer.eos_token_ids or engine.model.config.eos_token_ids
+    return LlamaCppRunner(resolve_source(args.model), [LLAMACPP_AR], n_ctx, torch.get_num_threads(),
+                          args.draft_length, eos)
 
 
 def to_markdown(report: dict) -> str:

@@ -112,7 +112,7 @@ def run(args) -> int:
         return _bench_structured(args)
     args.modes = args.modes or TEXT_MODES
     from bench.harness import GRPC, HF_MODES, HTTP, REMOTE, run_bench
-    from bench.llamacpp import AMX_HINT, INSTALL_HINT, LLAMACPP_MODES, built_with_amx, llama_cpp_missing
+    from bench.llamacpp import LLAMACPP_MODES
 
     in_process_only = HF_MODES | set(LLAMACPP_MODES)
 
@@ -127,18 +127,8 @@ def run(args) -> int:
     if unknown:
         raise InvalidArgument("modes", f"unknown mode(s) {', '.join(unknown)}")
     llama_modes = [m for m in args.modes if m in LLAMACPP_MODES]
-    if llama_modes:  # before any work: llama.cpp is an optional extra
-        if llama_cpp_missing():
-            raise InvalidArgument("modes", f"{', '.join(llama_modes)}: {INSTALL_HINT}")
-        if args.temperature != 0:
-            raise InvalidArgument("temperature", f"must be 0 with {', '.join(llama_modes)} (greedy only)")
-        from runtime.loading import resolve_source
-
-        if resolve_source(args.model).suffix != ".gguf":
-            raise InvalidArgument("model", f"must be a .gguf file with {', '.join(llama_modes)} (they run it "
-                                           f"as it is), got {args.model}")
-        if built_with_amx():
-            raise InvalidArgument("modes", f"{', '.join(llama_modes)}: the installed llama-cpp-python {AMX_HINT}")
+    if llama_modes:
+        _check_llamacpp(args, llama_modes)
     if any(m.startswith(GRPC) for m in args.modes) and not args.server:
         raise InvalidArgument("server", "the served-* and pipelined-* modes need --server HOST:PORT")
     if any(m.startswith(HTTP) for m in args.modes) and not args.http:
@@ -156,10 +146,15 @@ def run(args) -> int:
 def _bench_structured(args) -> int:
     """`bench --workload extraction|tools`: our own decoding modes under a grammar, greedy."""
     args.modes = args.modes or STRUCTURED_MODES
-    unknown = [m for m in args.modes if m != "ar" and not (is_drafter(m) and m != "none")]
+    unknown = [m for m in args.modes if m not in ("ar", "llamacpp-ar") and not (is_drafter(m) and m != "none")]
     if unknown:
-        raise InvalidArgument("modes", f"{', '.join(unknown)}: with --workload {args.workload}, ar or drafters "
-                                       "(in process) only")
+        raise InvalidArgument("modes", f"{', '.join(unknown)}: with --workload {args.workload}, ar, llamacpp-ar "
+                                       "or drafters (in process) only")
+    if "llamacpp-ar" in args.modes:
+        _check_llamacpp(args, ["llamacpp-ar"])
+    if args.modes == ["llamacpp-ar"]:
+        raise InvalidArgument("modes", "llamacpp-ar needs one of our modes beside it (the grammar's cost is "
+                                       "measured on our outputs)")
     if args.temperature != 0:
         raise InvalidArgument("temperature", f"must be 0 with --workload {args.workload} (greedy only)")
     for name in ("max_tokens", "limit_per_category", "repeats", "draft_length"):
@@ -169,6 +164,22 @@ def _bench_structured(args) -> int:
 
     run_structured(args)
     return 0
+
+
+def _check_llamacpp(args, llama_modes: list[str]) -> None:
+    """Before any work: llama.cpp is an optional extra, greedy only, on a GGUF as it is."""
+    from bench.llamacpp import AMX_HINT, INSTALL_HINT, built_with_amx, llama_cpp_missing
+    from runtime.loading import resolve_source
+
+    if llama_cpp_missing():
+        raise InvalidArgument("modes", f"{', '.join(llama_modes)}: {INSTALL_HINT}")
+    if args.temperature != 0:
+        raise InvalidArgument("temperature", f"must be 0 with {', '.join(llama_modes)} (greedy only)")
+    if resolve_source(args.model).suffix != ".gguf":
+        raise InvalidArgument("model", f"must be a .gguf file with {', '.join(llama_modes)} (they run it "
+                                       f"as it is), got {args.model}")
+    if built_with_amx():
+        raise InvalidArgument("modes", f"{', '.join(llama_modes)}: the installed llama-cpp-python {AMX_HINT}")
 
 
 def _check_http_url(url: str | None) -> None:
