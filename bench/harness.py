@@ -153,7 +153,7 @@ def _overhead_table(report: dict) -> list[str]:
     return lines + ["| " + " | ".join(_overhead_cells(r)) + " |" for r in rows]
 
 
-def forward_ms(engine: LocalEngine, sizes=(1, 2, 4, 6, 8, 16, 32), prefix: int = 128, repeats: int = 10,
+def forward_ms(engine: LocalEngine, sizes=(1, 2, 4, 6, 8, 16, 17, 32), prefix: int = 128, repeats: int = 10,
                static=None) -> dict[str, float]:
     """Median time of one target forward of T new tokens after a cached prefix; with `static`
     (runtime.graphs.StaticPasses) through its static passes, each size's first (a capture on

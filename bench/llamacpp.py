@@ -88,16 +88,23 @@ class LlamaCppRunner:
                                    logits_all=mode == "llamacpp-pld", verbose=False)
                        for mode in modes if mode in LLAMACPP_MODES}
 
-    def run(self, ids: list[int], params: SamplingParams, mode: str) -> tuple[list[int], float, int, tuple[int, int]]:
+    def run(self, ids: list[int], params: SamplingParams, mode: str, gbnf: str | None = None
+            ) -> tuple[list[int], float, int, tuple[int, int]]:
         """Greedy tokens after `ids` up to the first end-of-sequence token (kept) or `params.max_tokens`;
         seconds; target passes (the prompt's, then one per decoding step); (draft tokens
-        proposed, draft tokens that became output)."""
+        proposed, draft tokens that became output). `gbnf`: a grammar (llama.cpp's GBNF) the
+        output must follow, its sampler's own constraint."""
         llama = self.llamas[mode]
         calls, proposed = self.drafts.calls, self.drafts.proposed
         tokens: list[int] = []
         start = time.perf_counter()
         llama.reset()  # no prompt prefix kept from the last question: our modes keep none either
-        for token in llama.generate(ids, **GREEDY):
+        grammar = None
+        if gbnf is not None:
+            from llama_cpp import LlamaGrammar
+
+            grammar = LlamaGrammar.from_string(gbnf, verbose=False)  # a fresh state a request
+        for token in llama.generate(ids, **GREEDY, grammar=grammar):
             tokens.append(token)
             if token in self.eos or len(tokens) >= params.max_tokens:
                 break

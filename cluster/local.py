@@ -108,11 +108,14 @@ class LocalEngine:
             return self.tokenizer.encode_chat([{"role": "user", "content": prompt}])
         return self.tokenizer.encode(prompt)
 
-    def run(self, req: Request, on_tokens=None) -> GenerationResult:
-        ids = self.prompt_ids(req.prompt, req.chat)
+    def run(self, req: Request, on_tokens=None, grammars=None, prompt_ids: list[int] | None = None
+            ) -> GenerationResult:
+        """`grammars` (speculative.grammar.Grammars): for a request whose params name a grammar;
+        `prompt_ids`: the prompt already tokenized (a chat with tools), instead of req.prompt."""
+        ids = self.prompt_ids(req.prompt, req.chat) if prompt_ids is None else prompt_ids
         drafter = make_drafter(req.drafter, self.model, namespace=req.namespace,
                                parallel_layers=req.parallel_layers, calibrate=req.calibrate,
                                cuda_graphs=self.cuda_graphs, shared_passes=self.drafter_passes())
         eos = self.tokenizer.eos_token_ids or self.model.config.eos_token_ids
         return generate(self.model, ids, req.params, drafter, req.draft_length, eos, on_tokens,
-                        tree_budget=req.tree_budget, static=self.static_passes())
+                        tree_budget=req.tree_budget, grammars=grammars, static=self.static_passes())

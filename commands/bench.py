@@ -8,18 +8,22 @@ from speculative.sampling import InvalidArgument
 
 from .args import add_model_args
 
+TEXT_MODES = ["hf-ar", "hf-pld", "ar", "pld", "layerskip"]
+STRUCTURED_MODES = ["ar", "pld", "suffix", "pld+suffix"]
+
 
 def add_parser(sub) -> None:
     b = sub.add_parser("bench", help="benchmark decoding modes on Spec-Bench questions")
     b.add_argument("--questions", required=True, help="Spec-Bench JSONL file")
     b.add_argument("--max-tokens", type=int, default=128)
     b.add_argument("--limit-per-category", type=int, default=3)
-    b.add_argument("--modes", nargs="+", default=["hf-ar", "hf-pld", "ar", "pld", "layerskip"],
+    b.add_argument("--modes", nargs="+", default=None,
                    help="what to run side by side: hf-ar and hf-pld (Hugging Face generate, plain and prompt "
                         "lookup), llamacpp-ar and llamacpp-pld (llama.cpp on the GGUF, the [llamacpp] extra), ar "
                         "(our plain decoding), any drafter or a+b fusion (in process), served-<drafter>, "
                         "served-auto and pipelined-<drafter> (gRPC, --server), http-<drafter> and http-auto (the "
-                        "OpenAI API, --http) (default: hf-ar hf-pld ar pld layerskip)")
+                        "OpenAI API, --http) (default: hf-ar hf-pld ar pld layerskip; with --workload extraction or tools: "
+                        "ar pld suffix pld+suffix)")
     b.add_argument("--draft-length", type=int, default=5)
     b.add_argument("--tree-budget", type=int, default=None,
                    help="most draft nodes per round for the in-process modes (default: the draft length)")
@@ -60,6 +64,9 @@ def add_parser(sub) -> None:
                         "a mode named twice runs twice (none auto none: plain decoding against itself too) "
                         "(default none auto)")
     b.add_argument("--seed", type=int, default=0, help="seed of --load arrival times, and of sampled runs (default 0)")
+    b.add_argument("--workload", choices=["text", "extraction", "tools"], default="text",
+                   help="text (default): free answers; extraction: a JSON schema over each answer; tools: a "
+                        "required tool call (bench/structured.py; in-process modes: ar and drafters)")
     add_model_args(b)
 
 
@@ -104,8 +111,11 @@ def add_simulate_parser(sub) -> None:
 def run(args) -> int:
     if args.load:
         return _bench_load(args)
+    if args.workload != "text":
+        return _bench_structured(args)
+    args.modes = args.modes or TEXT_MODES
     from bench.harness import GRPC, HF_MODES, HTTP, REMOTE, run_bench
-    from bench.llamacpp import AMX_HINT, INSTALL_HINT, LLAMACPP_MODES, built_with_amx, llama_cpp_missing
+    from bench.llamacpp import LLAMACPP_MODES
 
     in_process_only = HF_MODES | set(LLAMACPP_MODES)
 
@@ -120,18 +130,8 @@ def run(args) -> int:
     if unknown:
         raise InvalidArgument("modes", f"unknown mode(s) {', '.join(unknown)}")
     llama_modes = [m for m in args.modes if m in LLAMACPP_MODES]
-    if llama_modes:  # before any work: llama.cpp is an optional extra
-        if llama_cpp_missing():
-            raise InvalidArgument("modes", f"{', '.join(llama_modes)}: {INSTALL_HINT}")
-        if args.temperature != 0:
-            raise InvalidArgument("temperature", f"must be 0 with {', '.join(llama_modes)} (greedy only)")
-        from runtime.loading import resolve_source
-
-        if resolve_source(args.model).suffix != ".gguf":
-            raise InvalidArgument("model", f"must be a .gguf file with {', '.join(llama_modes)} (they run it "
-                                           f"as it is), got {args.model}")
-        if built_with_amx():
-            raise InvalidArgument("modes", f"{', '.join(llama_modes)}: the installed llama-cpp-python {AMX_HINT}")
+    if llama_modes:
+        _check_llamacpp(args, llama_modes)
     if any(m.startswith(GRPC) for m in args.modes) and not args.server:
         raise InvalidArgument("server", "the served-* and pipelined-* modes need --server HOST:PORT")
     if any(m.startswith(HTTP) for m in args.modes) and not args.http:
@@ -144,6 +144,45 @@ def run(args) -> int:
             raise InvalidArgument(name, f"must be positive, got {getattr(args, name)}")
     run_bench(args)
     return 0
+
+
+def _bench_structured(args) -> int:
+    """`bench --workload extraction|tools`: our own decoding modes under a grammar, greedy."""
+    args.modes = args.modes or STRUCTURED_MODES
+    unknown = [m for m in args.modes if m not in ("ar", "llamacpp-ar") and not (is_drafter(m) and m != "none")]
+    if unknown:
+        raise InvalidArgument("modes", f"{', '.join(unknown)}: with --workload {args.workload}, ar, llamacpp-ar "
+                                       "or drafters (in process) only")
+    if "llamacpp-ar" in args.modes:
+        _check_llamacpp(args, ["llamacpp-ar"])
+    if args.modes == ["llamacpp-ar"]:
+        raise InvalidArgument("modes", "llamacpp-ar needs one of our modes beside it (the grammar's cost is "
+                                       "measured on our outputs)")
+    if args.temperature != 0:
+        raise InvalidArgument("temperature", f"must be 0 with --workload {args.workload} (greedy only)")
+    for name in ("max_tokens", "limit_per_category", "repeats", "draft_length"):
+        if getattr(args, name) <= 0:
+            raise InvalidArgument(name, f"must be positive, got {getattr(args, name)}")
+    from bench.structured import run_structured
+
+    run_structured(args)
+    return 0
+
+
+def _check_llamacpp(args, llama_modes: list[str]) -> None:
+    """Before any work: llama.cpp is an optional extra, greedy only, on a GGUF as it is."""
+    from bench.llamacpp import AMX_HINT, INSTALL_HINT, built_with_amx, llama_cpp_missing
+    from runtime.loading import resolve_source
+
+    if llama_cpp_missing():
+        raise InvalidArgument("modes", f"{', '.join(llama_modes)}: {INSTALL_HINT}")
+    if args.temperature != 0:
+        raise InvalidArgument("temperature", f"must be 0 with {', '.join(llama_modes)} (greedy only)")
+    if resolve_source(args.model).suffix != ".gguf":
+        raise InvalidArgument("model", f"must be a .gguf file with {', '.join(llama_modes)} (they run it "
+                                       f"as it is), got {args.model}")
+    if built_with_amx():
+        raise InvalidArgument("modes", f"{', '.join(llama_modes)}: the installed llama-cpp-python {AMX_HINT}")
 
 
 def _check_http_url(url: str | None) -> None:

@@ -153,6 +153,8 @@ def run(args) -> int:
                                                  "[drafter_pools] parallel_layers does")
     if args.server and args.no_calibrate:
         raise InvalidArgument("no_calibrate", "does not apply with --server: the server's [router] calibrate does")
+    if args.server and args.tree_budget is not None:
+        raise InvalidArgument("tree_budget", "does not apply with --server: the server's drafters shape their trees")
     if args.server and args.tensor_parallel is not None:
         raise InvalidArgument("tensor_parallel", "does not apply with --server: the server's "
                                                  "[verifiers] tensor_parallel does")
@@ -178,7 +180,7 @@ def run(args) -> int:
     req = Request(args.prompt, args.chat, params, args.drafter, 5 if args.draft_length is None else args.draft_length,
                   args.tree_budget, parallel_layers=args.parallel_layers or 1, calibrate=not args.no_calibrate)
     tok = engine.tokenizer
-    run_request = engine.run if grammars is None else partial(_run_constrained, engine, grammars=grammars)
+    run_request = partial(engine.run, grammars=grammars)
     if args.json:
         result = run_request(req)
     else:
@@ -220,20 +222,6 @@ def run(args) -> int:
                                          [(t, text(t), v) for t, v in lp.top]) for lp in result.logprobs]
     print(json.dumps(out))
     return 0
-
-
-def _run_constrained(engine, req, grammars, on_tokens=None):
-    """LocalEngine.run, with the target tokenizer's grammars for the request's grammar."""
-    from drafter_service.registry import make_drafter
-    from speculative.decoding import generate
-
-    ids = engine.prompt_ids(req.prompt, req.chat)
-    drafter = make_drafter(req.drafter, engine.model, namespace=req.namespace, parallel_layers=req.parallel_layers,
-                           calibrate=req.calibrate, cuda_graphs=engine.cuda_graphs,
-                           shared_passes=engine.drafter_passes())
-    eos = engine.tokenizer.eos_token_ids or engine.model.config.eos_token_ids
-    return generate(engine.model, ids, req.params, drafter, req.draft_length, eos, on_tokens,
-                    tree_budget=req.tree_budget, grammars=grammars, static=engine.static_passes())
 
 
 def _logprob_json(token: int, text: str, logprob: float, top: list[tuple[int, str, float]]) -> dict:

@@ -26,7 +26,7 @@ from speculative.ngram import lookup_draft
 from speculative.recycling import RecycledCandidates
 from speculative.sampling import SamplingParams, choice_scores, probabilities, sample
 from speculative.suffix import SuffixFeed, SuffixIndex, suffix_draft
-from speculative.tree import DraftTree, one_hot
+from speculative.tree import DraftTree, one_hot, sample_tree
 
 FIRST_CACHE_SLOTS = 256  # a model drafter's first KV cache: most requests fit, and it doubles as they grow
 # passes of this many tokens or more go to a model drafter's `wide_model` when it has one: the
@@ -338,41 +338,20 @@ class ModelDrafter:
         single chain does."""
         base = len(context)
         logits = self._sync(context, depth * branches)
-        tree_tokens: list[int] = []  # drafter's own ids
-        parents: list[int] = []
-        confidence: list[float] = []
-        draw_nodes: list[int] = []
-        qs: list[torch.Tensor] = []
         slot: dict[int, int] = {}
-        child: dict[tuple[int, int], int] = {}
-        frontier, frontier_logits, chains = [-1], logits[None], {-1: branches}  # live chains per node
-        for level in range(depth):
-            going: dict[int, int] = {}
-            for node, node_logits in zip(frontier, frontier_logits):
-                q = self._draft_q(node_logits, params)
-                full = self._spread(q)
-                for _ in range(chains[node]):
-                    tok = sample(q, generator)
-                    p = float(q[tok])
-                    c = child.get((node, tok))
-                    if c is None:
-                        c = child[node, tok] = len(tree_tokens)
-                        tree_tokens.append(tok)
-                        parents.append(node)
-                        confidence.append(p)
-                    draw_nodes.append(c)
-                    qs.append(full)
-                    if p >= self.stop_below:
-                        going[c] = going.get(c, 0) + 1
-            frontier = [n for n in range(len(tree_tokens)) if n in going]
-            if level + 1 == depth or not frontier:
-                break
-            frontier_logits, chains = self._score_level(frontier, tree_tokens, parents, slot, base, level), going
+
+        def draw(node_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            q = self._draft_q(node_logits, params)
+            return q, self._spread(q)
+
+        def expand(level_nodes, tokens, parents, states, frontier, level):  # tokens: the drafter's own ids
+            return self._score_level(level_nodes, tokens, parents, slot, base, level)
+
+        tree = sample_tree(logits[None], depth, branches, draw, expand, generator, self.stop_below)
         self.cache.rollback(base)  # keep the verified context only
-        tokens = tree_tokens
-        if self.vocab_ids is not None:
-            tokens = self.vocab_ids[torch.tensor(tokens, dtype=torch.long)].tolist()
-        return DraftTree(tokens, parents, draw_nodes, torch.stack(qs), confidence)
+        if self.vocab_ids is None:
+            return tree
+        return replace(tree, tokens=self.vocab_ids[torch.tensor(tree.tokens, dtype=torch.long)].tolist())
 
     def _choice_scores(self, logits: torch.Tensor, params: SamplingParams, position: int) -> torch.Tensor:
         """`speculative.sampling.choice_scores` of rows [N, V'] all guessing the token at

@@ -28,7 +28,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
 from runtime import loading
@@ -36,7 +35,7 @@ from runtime.cpu_tuning import CpuTuning
 from runtime.eagle_head import EagleHead, HeadConfig, save_head
 from runtime.model import Transformer, attention_mask, causal_ancestors
 
-from .corpus import corpus_files, read_corpus
+from .corpus import corpus_files
 
 TTT_DECAY = 0.8  # the weight of training-time test step j's loss: TTT_DECAY ** j
 INIT_STD = 0.02

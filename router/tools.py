@@ -112,11 +112,16 @@ def call_grammar(tools: Sequence[Function], choice: str, parallel: bool) -> str:
     """A Lark grammar (llguidance's dialect) of the output when it must call: one call (or,
     `parallel`, several) of the named function or of any of the tools, each a JSON object
     whose `name` is the function's and whose `arguments` its parameter schema validates."""
-    named = [f for f in tools if choice in ("required", f.name)]
-    schema = {"oneOf": [{"type": "object", "properties": {"name": {"const": f.name}, "arguments": f.parameters},
-                         "required": ["name", "arguments"], "additionalProperties": False} for f in named]}
+    schema = call_schema(tools, choice)
     repeat = ' ("\\n" call)*' if parallel else ""
     return f'start: call{repeat}\ncall: "{OPEN}\\n" %json {json.dumps(schema)} "\\n{CLOSE}"'
+
+
+def call_schema(tools: Sequence[Function], choice: str = "required") -> dict:
+    """The JSON schema of one call: of the named function, or (`required`) of any of the tools."""
+    named = [f for f in tools if choice in ("required", f.name)]
+    return {"oneOf": [{"type": "object", "properties": {"name": {"const": f.name}, "arguments": f.parameters},
+                       "required": ["name", "arguments"], "additionalProperties": False} for f in named]}
 
 
 def parse_calls(text: str) -> tuple[str, list[pb.ToolCall]]:

@@ -27,8 +27,8 @@ import torch
 
 from runtime.eagle_head import EagleHead, HeadCache
 from .drafter_kinds import abilities as kind_abilities
-from .sampling import SamplingParams, choice_scores, probabilities, sample
-from .tree import DraftTree
+from .sampling import SamplingParams, choice_scores, probabilities
+from .tree import DraftTree, sample_tree
 
 FIRST_SLOTS = 256  # the head cache's first size; it doubles as a request grows
 
@@ -237,36 +237,14 @@ class EagleDrafter:
         draw under `stop_below`."""
         base = self.cache.length
         self._room(base + depth * branches + 1)
-        tokens: list[int] = []
-        parents: list[int] = []
-        confidence: list[float] = []
-        draw_nodes: list[int] = []
-        qs: list[torch.Tensor] = []
         slot: dict[int, int] = {}
-        child: dict[tuple[int, int], int] = {}
-        frontier, frontier_h, chains = [-1], h[None], {-1: branches}
-        for level in range(depth):
-            going: dict[int, int] = {}
-            for node, node_h in zip(frontier, frontier_h):
-                q = self._q(node_h, params)
-                full = self._spread(q)
-                for _ in range(chains[node]):
-                    d = sample(q, generator)
-                    p = float(q[d])
-                    tok = int(self.head.vocab_ids[d])
-                    c = child.get((node, tok))
-                    if c is None:
-                        c = child[node, tok] = len(tokens)
-                        tokens.append(tok)
-                        parents.append(node)
-                        confidence.append(p)
-                    draw_nodes.append(c)
-                    qs.append(full)
-                    if p >= self.stop_below:
-                        going[c] = going.get(c, 0) + 1
-            level_nodes = [i for i in range(len(tokens)) if i in going]
-            if level + 1 == depth or not level_nodes:
-                break
-            frontier_h = self._level(level_nodes, tokens, parents, slot, frontier_h, frontier, base, n - 1 + level)
-            frontier, chains = level_nodes, going
-        return DraftTree(tokens, parents, draw_nodes, torch.stack(qs), confidence)
+
+        def draw(node_h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            q = self._q(node_h, params)
+            return q, self._spread(q)
+
+        def expand(level_nodes, tokens, parents, frontier_h, frontier, level):
+            return self._level(level_nodes, tokens, parents, slot, frontier_h, frontier, base, n - 1 + level)
+
+        return sample_tree(h[None], depth, branches, draw, expand, generator, self.stop_below,
+                           lambda d: int(self.head.vocab_ids[d]))

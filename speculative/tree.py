@@ -16,7 +16,7 @@ verification never reads it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -145,3 +145,50 @@ class DraftTree:
 
     def _confidence(self, n_nodes: int) -> list[float] | None:
         return None if self.confidence is None else self.confidence[:n_nodes]
+
+
+def sample_tree(states: Sequence, depth: int, branches: int, draw: Callable[[object], tuple[torch.Tensor, torch.Tensor]],
+                expand: Callable[[list[int], list[int], list[int], Sequence, list[int], int], Sequence],
+                generator: torch.Generator, stop_below: float, token_of: Callable[[int], int] = int) -> DraftTree:
+    """A sampled draft tree: `branches` chains drawn independently from a drafter, grown
+    together level by level (one drafter pass a level scores every distinct node), shared
+    prefixes merged. Each chain's draw at a node comes from q after that node's path, so the
+    draws below a node are independent draws of one q, which multi-draft verification takes
+    exactly. A chain stops after a draw under `stop_below`.
+
+    `states`: the root's drafter state, as a one-row sequence; `draw(state)`: q over the
+    drafter's vocabulary, and q spread over the target's (the draw's record); `token_of(d)`:
+    the node token of draw index d; `expand(level_nodes, tokens, parents, states, frontier,
+    level)`: the states of the next level's nodes, from the drafter's pass over them."""
+    from .sampling import sample
+
+    tokens: list[int] = []
+    parents: list[int] = []
+    confidence: list[float] = []
+    draw_nodes: list[int] = []
+    qs: list[torch.Tensor] = []
+    child: dict[tuple[int, int], int] = {}
+    frontier, chains = [-1], {-1: branches}  # live chains per node
+    for level in range(depth):
+        going: dict[int, int] = {}
+        for node, state in zip(frontier, states):
+            q, full = draw(state)
+            for _ in range(chains[node]):
+                d = sample(q, generator)
+                p, tok = float(q[d]), token_of(d)
+                c = child.get((node, tok))
+                if c is None:
+                    c = child[node, tok] = len(tokens)
+                    tokens.append(tok)
+                    parents.append(node)
+                    confidence.append(p)
+                draw_nodes.append(c)
+                qs.append(full)
+                if p >= stop_below:
+                    going[c] = going.get(c, 0) + 1
+        level_nodes = [i for i in range(len(tokens)) if i in going]
+        if level + 1 == depth or not level_nodes:
+            break
+        states = expand(level_nodes, tokens, parents, states, frontier, level)
+        frontier, chains = level_nodes, going
+    return DraftTree(tokens, parents, draw_nodes, torch.stack(qs), confidence)

@@ -138,7 +138,7 @@ def hints(vocab_size: int, request_ids: tuple[str, ...], kinds: tuple[str, ...]
     tokens = (st.integers(0, v - 1), st.sampled_from([-1, v, v + 1, -2**31, 2**31 - 1]))
     return {
         **{name: tokens for name in ("token_ids", "tokens", "new_tokens", "speculative_tokens", "observed_tokens",
-                                     "observed_ids", "ids", "candidate_ids", "eos_token_ids")},
+                                     "observed_ids", "ids", "candidate_ids", "eos_token_ids", "stop_token_ids")},
         "draw_nodes": (st.integers(0, 8), st.sampled_from([-1, 9, 2**31 - 1])),
         "parents": (st.integers(-1, 7), st.sampled_from([-2, 8, 2**31 - 1])),
         "request_id": (st.sampled_from(request_ids), None),
@@ -165,6 +165,17 @@ def hints(vocab_size: int, request_ids: tuple[str, ...], kinds: tuple[str, ...]
         **{name: (st.text(st.characters(codec="utf-8"), min_size=1, max_size=20), None)
            for name in ("prompt", "content")},
         "stop": (st.sampled_from(["1", "23", "4"]), st.sampled_from(["", "\x00"])),
+        "tool_choice": (st.sampled_from(["", "auto", "none"]), st.sampled_from(["required", "get_weather", "x"])),
+        **{name: (st.sampled_from([0.0, 0.0, 0.5, -1.0, 2.0]), st.sampled_from([2.5, -3.0, math.nan, math.inf]))
+           for name in ("presence_penalty", "frequency_penalty")},
+        "repetition_penalty": (st.sampled_from([1.0, 1.1, 0.8]), st.sampled_from([0.0, -1.0, math.nan, math.inf])),
+        "logit_bias": (st.dictionaries(st.integers(0, v - 1), st.sampled_from([-100.0, -1.0, 0.5, 100.0]), max_size=3),
+                       st.dictionaries(st.sampled_from([-1, v]), st.sampled_from([0.0, 101.0, math.nan]),
+                                       min_size=1, max_size=2)),
+        "min_tokens": (st.integers(0, 2), st.sampled_from([-1, 13, 2**31 - 1])),
+        "grammar": (st.just(""), None),  # the constrained tests reach the grammars themselves
+        "logprobs": (st.integers(0, 5), st.sampled_from([-1, 21, 2**31 - 1])),
+        "prompt_length": (st.integers(1, 3), st.sampled_from([0, -1, 2**31 - 1])),
     }
 
 
@@ -197,6 +208,9 @@ class Strategies:
         """A value to set (None: leave the field unset); `hinted`: from the field's hint alone,
         where it has one."""
         if fd.message_type is not None and fd.message_type.GetOptions().map_entry:
+            if fd.name in self.hints:  # a map with a hint of its own, as for a scalar
+                likely, edge = self.hints[fd.name]
+                return likely if hinted else st.one_of(likely, edge)
             key, value = fd.message_type.fields_by_name["key"], fd.message_type.fields_by_name["value"]
             return st.dictionaries(self.scalar(key, hinted), self.field(value, hinted), max_size=4)
         one = self.message(fd.message_type, hinted) if fd.message_type is not None else self.scalar(fd, hinted)
@@ -358,6 +372,21 @@ def _one_input(msg: pb.GenerateRequest, choice: int, off: str | None) -> pb.Gene
         msg.ClearField("messages" if choice % 2 else "prompt")
     if off != "sampling" and not msg.sampling.HasField("max_tokens"):
         msg.sampling.max_tokens = 1 + choice % 12
+    # no structure, or a valid one: a constraint, or (chat only) one tool the model may call
+    shape = choice // 2 % 6
+    if off != "constraint":
+        msg.ClearField("constraint")
+        if shape == 1:
+            msg.constraint.json_object = True
+        elif shape == 2:
+            msg.constraint.choice.options.extend(["yes", "no"])
+    if off not in ("tools", "tool_choice", "parallel_tool_calls"):
+        msg.ClearField("tools")
+        msg.tool_choice = ""
+        if shape == 3 and msg.messages and not msg.HasField("constraint"):
+            msg.tools.add(name="get_weather", description="the weather in a city",
+                          parameters='{"type": "object", "properties": {"city": {"type": "string"}}}')
+            msg.tool_choice = ("auto", "required", "")[choice // 12 % 3]
     return msg
 
 
@@ -626,19 +655,22 @@ class CharTokenizer:
     """Enough of a tokenizer for the tiny target: each of the first 16 characters of the
     prompt (or the last message) is one token, its code point mod the vocabulary."""
 
-    def __init__(self, vocab_size: int):
-        self.vocab_size = vocab_size
+    def __init__(self, vocab_size: int, chars: int = 16):
+        self.vocab_size, self.chars = vocab_size, chars
 
     def encode(self, text: str) -> list[int]:
-        return [ord(c) % self.vocab_size for c in text[:16]]
+        return [ord(c) % self.vocab_size for c in text[:self.chars]]
 
     template_knows_tools = False
 
     def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         return self.encode(messages[-1]["content"])
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return "".join(map(str, ids))
+
+    def id_to_token(self, token_id: int) -> str:
+        return str(token_id)
 
 
 TINY_KINDS = ("pld", "suffix", "recycle", "layerskip")

@@ -37,7 +37,7 @@ from router.auth import Denied, Gatekeeper, bearer, create_key
 from router.servicer import RouterConfig, RouterServicer
 from router.servicer import serve as serve_router
 from specserve.client import Client
-from test_bench_load import CharTokenizer
+from fuzzing import CharTokenizer
 from serve_process import free_port
 from test_http_api import MODEL
 from tiny import TINY, tiny_model
@@ -115,7 +115,7 @@ def two_routers(redis_url):
                           vocab_size=TINY.vocab_size, default_drafter="pld", draft_length=3, adaptive=False)
     store = RedisStateStore(redis_url, prefix="auth-grpc:")
     with loopback(pool, engine) as coordinator:
-        servers = [serve_router(RouterServicer(CharTokenizer(), coordinator, config,
+        servers = [serve_router(RouterServicer(CharTokenizer(TINY.vocab_size), coordinator, config,
                                                gatekeeper=Gatekeeper(RedisStateStore(redis_url, prefix="auth-grpc:"),
                                                                      require_keys=True)), "127.0.0.1", 0)
                    for _ in range(2)]

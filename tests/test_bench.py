@@ -220,3 +220,37 @@ def test_departures_a_mode_shares_with_an_earlier_one_are_not_listed_twice():
     assert notes == ["Where ar leaves hf-ar (token, HF's top-two logit gap there): qa 7 (2.0e-05)",
                      "Where pld leaves hf-ar (token, HF's top-two logit gap there): as ar",
                      "Where suffix leaves hf-ar (token, HF's top-two logit gap there): qa 9 (2.0e-05)"]
+
+
+def test_structured_bench_keeps_plain_decodings_tokens_and_counts_forced_ones(tmp_path):
+    """`bench --workload tools`: a required tool call; pld under the grammar emits plain decoding's
+    tokens, the grammar forces some (the call's opening), and the mask's cost is reported."""
+    out = tmp_path / "tools.json"
+    argv = ["bench", "--questions", str(DEV_QUESTIONS), "--workload", "tools", "--limit-per-category", "1",
+            "--max-tokens", "12", "--modes", "ar", "pld", "--out", str(out)]
+    assert cli_main(argv) == 0
+    report = json.loads(out.read_text())
+    plain, pld = report["modes"]["none"], report["modes"]["pld"]
+    assert report["prompts"] == 6 and pld["same_as_plain"] == 6
+    assert plain["forced"] > 0 and plain["passes"] < plain["tokens"]  # forced tokens cost no pass of their own
+    assert report["mask_per_token"]["median_ms"] > 0 and report["mask_per_tree_node"]["median_ms"] > 0
+
+
+def test_structured_outputs_are_judged_by_jsonschema_not_by_the_grammar():
+    from bench.structured import valid
+
+    call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2 + 2"}}\n</tool_call>'
+    assert valid("tools", call)
+    assert not valid("tools", call.replace('"expression"', '"formula"'))  # no such parameter
+    assert not valid("tools", call.replace("calculator", "abacus"))
+    answer = {"category": "math", "answer": "Four.", "key_terms": ["sum"]}
+    assert valid("extraction", json.dumps(answer))
+    assert not valid("extraction", json.dumps({**answer, "category": "astrology"}))
+    assert not valid("extraction", json.dumps(answer)[:-1])  # cut off
+
+
+@pytest.mark.parametrize("extra,field", [(["--modes", "hf-ar"], "modes"), (["--temperature", "0.7"], "temperature")])
+def test_structured_bench_refuses_what_it_cannot_run(extra, field, capsys):
+    argv = ["bench", "--questions", str(DEV_QUESTIONS), "--workload", "extraction", "--out", "x.json", *extra]
+    assert cli_main(argv) == 2
+    assert field in capsys.readouterr().err

@@ -115,3 +115,19 @@ def test_llamacpp_modes_run_beside_ours_and_agree_with_ar(tmp_path):
     assert llama["pld_identical_to_ar"] in ("0/1", "1/1")
     assert f"llamacpp-pld's outputs identical to llamacpp-ar's: {llama['pld_identical_to_ar']}" in markdown
     assert f"| 1 | {report['results'][0]['category']} | {q['llamacpp-ar']}/{q['reference_tokens']} |" in markdown
+
+
+def test_the_structured_workloads_grammars_hold_llama_cpps_own_structure():
+    """`bench --workload ... --modes llamacpp-ar`: llama.cpp decodes under the GBNF made of the
+    same schemas (its JSON-schema converter, in a <tool_call> block for tools), which its
+    grammar parser takes."""
+    needs_llama_cpp()
+    from llama_cpp import LlamaGrammar
+
+    from bench.structured import EXTRACTION_SCHEMA, TOOLS, gbnf
+    from router.tools import call_schema, functions
+
+    for workload, schema in (("extraction", EXTRACTION_SCHEMA), ("tools", call_schema(functions(TOOLS)))):
+        text = gbnf(workload, schema)
+        LlamaGrammar.from_string(text, verbose=False)  # compiles
+        assert text.startswith('root ::= "<tool_call>\\n" call') == (workload == "tools")

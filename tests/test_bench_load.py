@@ -19,6 +19,7 @@ from bench.load import schedule, summarize
 from commands.cli import main as cli_main
 from conftest import DEV_QUESTIONS
 from drafter_service.pool import DrafterPool
+from fuzzing import CharTokenizer
 from http_front import http_front
 from loopback import loopback
 from router.servicer import RouterConfig, RouterServicer
@@ -30,22 +31,6 @@ V = TINY.vocab_size
 PROMPT_CHARS = 16  # the tiny target has 64 positions
 
 
-class CharTokenizer:
-    """Enough of a tokenizer for the tiny target: the first characters of the
-    last message, each one token (its code point mod the vocabulary)."""
-
-    def encode(self, text: str) -> list[int]:
-        return [ord(c) % V for c in text[:PROMPT_CHARS]]
-
-    template_knows_tools = False
-
-    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-        return self.encode(messages[-1]["content"])
-
-    def decode(self, ids: list[int]) -> str:
-        return "".join(map(str, ids))
-
-
 @pytest.fixture(scope="module")
 def server():
     """HOST:PORT of a real Specserve router whose default drafter is pld."""
@@ -54,7 +39,7 @@ def server():
     config = RouterConfig(context_length=TINY.max_position_embeddings - 12, eos_token_ids=[], vocab_size=V,
                           default_drafter="pld", draft_length=3, adaptive=False)
     with loopback(pool, engine) as coordinator:
-        router, port = serve_router(RouterServicer(CharTokenizer(), coordinator, config), "127.0.0.1", 0)
+        router, port = serve_router(RouterServicer(CharTokenizer(V, PROMPT_CHARS), coordinator, config), "127.0.0.1", 0)
         yield f"127.0.0.1:{port}"
         router.stop(None)
 

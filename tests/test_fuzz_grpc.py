@@ -135,8 +135,8 @@ def test_a_served_drafter_and_the_smallest_temperature_still_generate(target):
 def test_the_role_error_lists_every_role_and_developer_is_the_system_role(target):
     """Found: the role error listed "assistant, system, user", though HTTP took "developer"."""
     status, details, _ = call(target.channel("Specserve"), GENERATE, pb.GenerateRequest(
-        messages=[pb.ChatMessage(role="tool", content="hi")], sampling=pb.SamplingParams(max_tokens=4)), 20.0)
-    assert status == "INVALID_ARGUMENT" and "assistant, developer, system, user" in details, details
+        messages=[pb.ChatMessage(role="robot", content="hi")], sampling=pb.SamplingParams(max_tokens=4)), 20.0)
+    assert status == "INVALID_ARGUMENT" and "assistant, developer, system, tool, user" in details, details
     status, details, resp = call(target.channel("Specserve"), GENERATE, pb.GenerateRequest(
         messages=[pb.ChatMessage(role="developer", content="be brief"), pb.ChatMessage(role="user", content="hi")],
         sampling=pb.SamplingParams(max_tokens=4)), 20.0)

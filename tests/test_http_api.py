@@ -250,7 +250,7 @@ def test_fuzzed_requests_get_2xx_or_openai_errors_and_leave_nothing_held(server)
     pytest.importorskip("schemathesis")
     from hypothesis import HealthCheck, given, settings
 
-    from fuzzing import HttpFuzz
+    from fuzzing import HOSTILE_KINDS, HttpFuzz
 
     fuzz = HttpFuzz(server[0], MODEL)
     assert {"POST /v1/chat/completions", "POST /v1/completions"} <= {op.label for op in fuzz.operations}
@@ -262,6 +262,10 @@ def test_fuzzed_requests_get_2xx_or_openai_errors_and_leave_nothing_held(server)
         fuzz.run(*case_and_aim)
 
     run()
+    # and every kind of hostile body on both routes, whatever the draws were
+    for chat in (True, False):
+        for kind in sorted(set(HOSTILE_KINDS)):
+            fuzz.run_hostile(fuzz.hostile(chat, kind, 1))
     assert not fuzz.failures, "\n".join(f"{f.operation} -> {f.status}: {f.problem}\n  {f.body!r:.500}"
                                         for f in fuzz.failures)
     # the steered requests reached the model, and the others were refused in the error shape

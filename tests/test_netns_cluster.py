@@ -1,6 +1,6 @@
 """Multi-node on real hosts (issue 66): a cluster of network namespaces on one machine,
 each a host with an address of its own (tests/netns.py): the head (Ray's head, Redis,
-`specserve serve`: the router and the HTTP ingress), a verifier node, a drafter node, and
+`specserve serve`: the router and the HTTP ingress), two verifier nodes, a drafter node, and
 an outsider host with nothing on it. The internal calls speak mutual TLS and carry the
 cluster secret; the pools draft on their own node only (`verifier_drafting = false`), so
 every drafted round crosses the link to the drafter node.
@@ -14,7 +14,10 @@ every drafted round crosses the link to the drafter node.
   here), then Redis killed and started again from its append-only file under 8 streaming
   clients: every request completes with the baseline's output;
 - the drafter node's processes all killed under 8 streaming clients: every request
-  completes (drafting nothing once the pool is gone) with the baseline's output.
+  completes (drafting nothing once the pool is gone) with the baseline's output;
+- then one of the two verifier nodes' processes all killed under 8 streaming clients:
+  the requests it held resume on the other from their checkpoints, every one completes
+  with the baseline's output.
 
 And the tools themselves, without Ray: the delay wire delays each way and keeps a stream
 whole and in order; `cleanup` removes a cluster a killed run left, its processes first.
@@ -89,16 +92,28 @@ def reference(smollm2) -> dict[int, list[int]]:
 def netns(tmp_path_factory, reference):
     workdir = tmp_path_factory.mktemp("netns")
     with NetnsCluster(workdir) as c:  # every process, link and namespace goes, however this ends
-        hosts = {name: c.add_host(name) for name in ("head", "verifier0", "drafter0", "outsider")}
+        hosts = {name: c.add_host(name) for name in ("head", "verifier0", "verifier1", "drafter0", "outsider")}
         ca = ClusterCa()
         # one certificate naming every node's address (each node could have its own, at the same path)
         tls_files = ca.write(workdir, ips=tuple(h.ip for h in hosts.values() if h.name != "outsider"), names=())
         secret = secrets.token_urlsafe(24)
         c.start_ray(hosts["head"], head=True, num_cpus=1)
         redis = c.start_redis(hosts["head"])
-        c.start_nodes([(hosts["verifier0"], {"verifier": 1}), (hosts["drafter0"], {"drafter": 1})])
-        served = c.serve(hosts["head"], toml(serve_config(hosts["head"], secret, security=tls_files)), redis.url)
-        yield Cluster(c, served, redis, secret, ca, tls_files, hosts)
+        c.start_nodes([(hosts["verifier0"], {"verifier": 1}), (hosts["verifier1"], {"verifier": 1}),
+                       (hosts["drafter0"], {"drafter": 1})])
+        config = serve_config(hosts["head"], secret, security=tls_files, verifiers={"count": 2})
+        served = c.serve(hosts["head"], toml(config), redis.url)
+        cluster = Cluster(c, served, redis, secret, ca, tls_files, hosts)
+        # it serves once a verifier does; the tests want every service registered
+        wait_for_services(cluster, {"verifier": 2, "drafter": 1})
+        yield cluster
+
+
+def wait_for_services(cluster: Cluster, counts: dict[str, int], timeout_s: float = 300.0) -> None:
+    store, deadline = cluster.store(), time.monotonic() + timeout_s
+    while any(len(store.list_services(kind)) < n for kind, n in counts.items()):
+        assert time.monotonic() < deadline, {kind: store.list_services(kind) for kind in counts}
+        time.sleep(0.5)
 
 
 # --- the tools themselves (no Ray: seconds)
@@ -168,12 +183,15 @@ def _is(address: str, ip: str) -> bool:
 def test_services_run_on_their_nodes_and_listen_on_their_address_only(netns):
     store = netns.store()
     ours: dict[str, set[int]] = {}  # host ip -> our registered ports there (gRPC and metrics)
-    for kind, node in (("router", "head"), ("verifier", "verifier0"), ("drafter", "drafter0")):
+    for kind, nodes in (("router", ["head"]), ("verifier", ["verifier0", "verifier1"]), ("drafter", ["drafter0"])):
         services = store.list_services(kind)
-        assert len(services) == 1, (kind, services)
-        for address in (services[0].address, services[0].meta["metrics"]):
-            assert _host_of(address) == netns.hosts[node].ip, (kind, address)
-            ours.setdefault(_host_of(address), set()).add(int(address.rsplit(":", 1)[1]))
+        # one a node, each on its own (placed by the node's resource)
+        assert sorted(_host_of(s.address) for s in services) == sorted(netns.hosts[n].ip for n in nodes), \
+            (kind, services)
+        for service in services:
+            for address in (service.address, service.meta["metrics"]):
+                assert _host_of(address) == _host_of(service.address), (kind, address)
+                ours.setdefault(_host_of(address), set()).add(int(address.rsplit(":", 1)[1]))
     ours[netns.hosts["head"].ip] |= {int(netns.served.http.rsplit(":", 1)[1]), 6380}  # the ingress, Redis
     wildcard = {}
     for host in netns.hosts.values():
@@ -367,3 +385,17 @@ def test_the_drafter_node_killed(netns, baseline):
     # and after: requests still complete, drafting nothing, on the verifier node alone
     got = generate(netns.served.grpc, 3)
     assert baseline[3] == list(got.token_ids)
+
+
+def test_a_verifier_node_killed_while_another_is_up(netns, baseline):
+    """Last: it leaves one verifier node. The requests it held resume on the other from their
+    checkpoints in Redis; the router's connections never die, so none is sent again."""
+    store = netns.store()
+    victim = next(name for name in ("verifier0", "verifier1")
+                  if any(_is(_host_of(s.address), netns.hosts[name].ip) for s in store.list_services("verifier")))
+    killed = []
+    outcomes, wall = under_clients(netns.served.grpc, lambda: killed.extend(netns.hosts[victim].kill()))
+    assert killed and not netns.hosts[victim].pids()
+    check_outcomes(baseline, f"verifier node ({victim}): every process killed, another up", outcomes, wall)
+    got = generate(netns.served.grpc, 4)
+    assert baseline[4] == list(got.token_ids)

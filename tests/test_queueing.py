@@ -18,7 +18,7 @@ from protos import specserve_pb2_grpc as pb_grpc
 from router.servicer import RouterConfig, RouterServicer
 from router.servicer import serve as serve_router
 from speculative.sampling import SamplingParams
-from test_bench_load import CharTokenizer
+from fuzzing import CharTokenizer
 from tiny import TINY, tiny_model
 from verifier_service.engine import VerifierEngine
 
@@ -35,7 +35,7 @@ def test_more_requests_than_rows_all_complete_alike():
     config = CONFIG
     with loopback(pool, engine) as coordinator:
         coordinator.services.service_wait_s = 0.1  # a queued request waits past it: it is waiting for a row
-        server, port = serve_router(RouterServicer(CharTokenizer(), coordinator, config), "127.0.0.1", 0)
+        server, port = serve_router(RouterServicer(CharTokenizer(TINY.vocab_size), coordinator, config), "127.0.0.1", 0)
         try:
             with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
                 stub = pb_grpc.SpecserveStub(channel)
@@ -58,7 +58,7 @@ def test_requests_waiting_for_a_row_get_it_in_the_order_they_came():
     pool, engine = DrafterPool(target, kinds=["pld"]), VerifierEngine(target, max_batch=1, max_len=64)
     waiters, finished, lock = 8, [], threading.Lock()
     with loopback(pool, engine) as coordinator:
-        server, port = serve_router(RouterServicer(CharTokenizer(), coordinator, CONFIG), "127.0.0.1", 0)
+        server, port = serve_router(RouterServicer(CharTokenizer(TINY.vocab_size), coordinator, CONFIG), "127.0.0.1", 0)
         try:
             # a request of another router holds the only row: its release wakes no one here
             engine.prefill("elsewhere", [1, 2, 3], SamplingParams(temperature=0.0))
