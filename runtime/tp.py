@@ -228,7 +228,9 @@ class TensorParallelTarget:
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, cache: "MirroredCache | PagedRows",
                  mask: torch.Tensor, layers: Sequence[int] | None = None, logits_from: int = 0,
-                 real: Sequence[int] | None = None) -> torch.Tensor:
+                 real: Sequence[int] | None = None, capture: Sequence[int] | None = None) -> torch.Tensor:
+        if capture is not None:  # the ranks would have to gather their hidden states' slices
+            raise ValueError("a tensor-parallel target does not capture features (an EAGLE head needs one process)")
         rest = (tokens.cpu(), positions.cpu(), mask.cpu(), None if layers is None else list(layers), logits_from,
                 None if real is None else list(real))
         if isinstance(cache, PagedRows) and isinstance(cache.cache, MirroredPagedCache) \
@@ -303,6 +305,14 @@ class MirroredPagedCache:
         self.zero_slot, self.trash_slot, self.kv = local.zero_slot, local.trash_slot, local.kv
         self.cache_id = next(target._ids)
         weakref.finalize(self, target._ops.append, ("free", self.cache_id))
+
+    @property
+    def k(self) -> torch.Tensor:
+        return self.local.k
+
+    @property
+    def v(self) -> torch.Tensor:
+        return self.local.v
 
     @property
     def device(self) -> torch.device:
