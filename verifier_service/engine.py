@@ -810,10 +810,10 @@ class VerifierEngine:
         generator.set_state(torch.frombuffer(state_bytes, dtype=torch.uint8))
         tokens, params = saved["tokens"], SamplingParams.from_dict(saved["params"])
         prompt_length = saved.get("prompt_length", len(tokens) - 1)
+        # held as preempted: its round computes its cache when there is room (`_make_room`)
         blocks = SequenceBlocks(self._pool, saved.get("namespace", DEFAULT_NAMESPACE))
-        self._compute(blocks, tokens[:-1], len(tokens) - 1, headroom=self._resident())
         state = _Request(blocks, params, generator, tokens, self.clock(), prompt_length,
-                         self._processor(params, tokens, prompt_length), next(self._seqs))
+                         self._processor(params, tokens, prompt_length), next(self._seqs), resident=False)
         self._requests[request_id] = state
         log.info("resumed request %s from its checkpoint (%d tokens)", request_id, len(tokens))
         return state
