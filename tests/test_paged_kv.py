@@ -572,3 +572,21 @@ def test_a_tensor_parallel_verifier_shares_prefixes_and_preempts_with_each_rank_
     for i, tokens in enumerate(outputs):
         assert tokens == single_run(plain, prompt(i, shared), params[i]), f"request {i}"
     assert stats["preemptions"] > 0 and stats["prefix_cache_hits"] >= 8 * (n - 1), stats
+
+
+def test_kv_cache_memory_is_a_share_or_bytes_and_anything_else_an_error_naming_it():
+    from pydantic import ValidationError
+
+    from verifier_service.settings import VerifierSettings, memory_bytes
+
+    total = 10 * 2**30
+    assert memory_bytes("0.1", total) == total // 10 and memory_bytes(0.5, total) == total // 2
+    assert memory_bytes("4GiB", total) == 4 * 2**30 and memory_bytes("512MB", total) == 512 * 10**6
+    assert memory_bytes(2e9, total) == 2 * 10**9 and memory_bytes("1", total) == total
+    for bad in ("lots", "0", -1, True, "-2GiB"):
+        with pytest.raises(ValueError, match="kv_cache_memory"):
+            memory_bytes(bad, total)
+    with pytest.raises(ValidationError, match="kv_cache_memory"):
+        VerifierSettings(kv_cache_memory="a lot")
+    with pytest.raises(ValidationError, match="kv_block_size"):
+        VerifierSettings(kv_block_size=0)
