@@ -13,7 +13,8 @@
 
     python experiments/kv_cache_probe.py [ttft shared admission] [--conversations 4] [--clients 16]
 
-The machine may be shared: each comparison alternates its two sides, and says so.
+The machine may be shared: `ttft` alternates its two sides; `shared` runs one after the other
+(`--off-first` swaps them, for a second run).
 """
 
 from __future__ import annotations
@@ -84,13 +85,14 @@ def second_turns(model, tok, conversations: int, answer_tokens: int) -> None:
         print(f"| {qid} | {n} | {hits} | {cold * 1e3:.0f} | {warm * 1e3:.0f} | {cold / warm:.1f}x |")
 
 
-def shared_prompt(model, tok, clients: int, system_tokens: int, output_tokens: int) -> None:
+def shared_prompt(model, tok, clients: int, system_tokens: int, output_tokens: int,
+                  order: tuple[bool, ...] = (True, False)) -> None:
     system = SYSTEM * (system_tokens // len(tok.encode(SYSTEM)) + 1)
     questions = [q["turns"][0] for q in map(json.loads, DEV.read_text().splitlines())][:clients]
     prompts = [tok.encode_chat([{"role": "system", "content": system}, {"role": "user", "content": q}])
                for q in questions]
     results = {}
-    for caching in (True, False):
+    for caching in order:
         engine = VerifierEngine(model, max_len=4096, kv_cache_memory="2GiB", prefix_caching=caching)
         ttft = [0.0] * clients
 
@@ -166,13 +168,15 @@ def main() -> None:
     p.add_argument("--system-tokens", type=int, default=1000)
     p.add_argument("--output-tokens", type=int, default=8)
     p.add_argument("--memory", default=VerifierSettings().kv_cache_memory)
+    p.add_argument("--off-first", action="store_true", help="shared: run without prefix caching first")
     args = p.parse_args()
     model, tok = loading.load(dtype=args.dtype)
     print(f"{args.dtype}, default model, {torch.get_num_threads()} torch threads")
     if "ttft" in args.parts:
         second_turns(model, tok, args.conversations, args.answer_tokens)
     if "shared" in args.parts:
-        shared_prompt(model, tok, args.clients, args.system_tokens, args.output_tokens)
+        shared_prompt(model, tok, args.clients, args.system_tokens, args.output_tokens,
+                      (False, True) if args.off_first else (True, False))
     if "admission" in args.parts:
         admission(model, args.memory, [256, 512, 1024, 4096], VerifierSettings().kv_block_size)
 
