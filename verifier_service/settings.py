@@ -64,7 +64,8 @@ class VerifierSettings(BaseModel):
     max_count: int | None = Field(None, ge=1, description="most verifier replicas the autoscaler starts "
                                                           "(default: count, no autoscaling)")
     target_occupancy: float = Field(0.75, gt=0, le=1, description="autoscaling aims each verifier at this share "
-                                                                  "of its rows held or queued")
+                                                                  "of its occupancy: KV cache blocks held, or requests held "
+                                                                  "and queued over max_batch (8 when unset), the fuller")
 
     @field_validator("kv_cache_memory")
     @classmethod
