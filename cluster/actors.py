@@ -269,9 +269,9 @@ class VerifierHost(_ServiceHost):
         store = connect_store(redis_url)
         self.engine = VerifierEngine(model, max_batch=v.max_batch, max_len=verifier_slots(cfg),
                                      max_batch_tokens=v.max_batch_tokens, checkpoints=store, threads=threads,
+                                     kv_cache_memory=v.kv_cache_memory, kv_block_size=v.kv_block_size,
                                      checkpoint_interval_s=v.checkpoint_interval_s,
-                                     grammars=target_grammars(cfg, model.config.vocab_size),
-                                     cuda_graphs=v.cuda_graphs)
+                                     grammars=target_grammars(cfg, model.config.vocab_size))
         host = internal_host(cfg)
         self.server, port = serve(self.engine, host=host, port=0, secret=cluster_secret(cfg, store),
                                   mutual_tls=cfg.security.internal_tls(check=True, address=host))

@@ -97,8 +97,8 @@ class _StartsInBackground:
 class Verifier(_DrainsWhenStopped, _StartsInBackground, VerifierHost):
     def record_autoscaling_stats(self) -> dict[str, float]:
         v = self.cfg.verifiers
-        load = self.engine.load() if self.started() else 0
-        return {autoscaling.VERIFIER_LOAD: load / (v.max_batch * v.target_occupancy)}
+        occupancy = self.engine.occupancy() if self.started() else 0.0  # [verifiers] max_batch may be unset
+        return {autoscaling.VERIFIER_LOAD: occupancy / v.target_occupancy}
 
 
 @serve.deployment(name="DrafterPool")

@@ -305,7 +305,7 @@ class Ack(_message.Message):
     def __init__(self) -> None: ...
 
 class VerifierPrefillRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "sampling", "max_len", "candidates", "resumed", "prompt_length")
+    __slots__ = ("request_id", "token_ids", "sampling", "max_len", "candidates", "resumed", "prompt_length", "namespace")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -313,6 +313,7 @@ class VerifierPrefillRequest(_message.Message):
     CANDIDATES_FIELD_NUMBER: _ClassVar[int]
     RESUMED_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
@@ -320,7 +321,8 @@ class VerifierPrefillRequest(_message.Message):
     candidates: int
     resumed: int
     prompt_length: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_len: _Optional[int] = ..., candidates: _Optional[int] = ..., resumed: _Optional[int] = ..., prompt_length: _Optional[int] = ...) -> None: ...
+    namespace: str
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_len: _Optional[int] = ..., candidates: _Optional[int] = ..., resumed: _Optional[int] = ..., prompt_length: _Optional[int] = ..., namespace: _Optional[str] = ...) -> None: ...
 
 class VerifierPrefillResponse(_message.Message):
     __slots__ = ("next_token", "active_requests", "candidate_ids", "candidate_probs", "logprobs")

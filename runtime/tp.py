@@ -307,6 +307,14 @@ class MirroredPagedCache:
         weakref.finalize(self, target._ops.append, ("free", self.cache_id))
 
     @property
+    def k(self) -> torch.Tensor:
+        return self.local.k
+
+    @property
+    def v(self) -> torch.Tensor:
+        return self.local.v
+
+    @property
     def device(self) -> torch.device:
         return self.local.device
 

@@ -120,3 +120,39 @@ def keyed_near_tie_or_equal(hf_oracle, i: int, params, got: list[int], label: st
         f"{label}, prompt {i}: token {pos} is {got[pos]}, HF's keyed choice is {want[pos]} "
         f"and its top-two choice scores differ by {gap:.2e} (not a near-tie)")
     return f"prompt {i} token {pos}: HF top-two choice gap {gap:.1e}"
+
+
+FOLLOW_UP = "Now say the most important point of your answer again, in one sentence."
+
+
+def hf_greedy_turns(i: int, follow_up: str = FOLLOW_UP) -> tuple[list[int], torch.Tensor, str, list[int], torch.Tensor]:
+    """A two-turn chat on PROMPTS[i] (in a worker): HF's greedy answer to the first turn (ids,
+    logits), its text, then HF's greedy answer to `follow_up` after it (ids, logits)."""
+    model, tok = hf_model()
+    first, first_logits = hf_greedy(i)
+    answer = tok.decode(first, skip_special_tokens=True)
+    messages = [{"role": "user", "content": PROMPTS[i][1]}, {"role": "assistant", "content": answer},
+                {"role": "user", "content": follow_up}]
+    enc = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    with torch.inference_mode():
+        out = model.generate(**enc, max_new_tokens=MAX_TOKENS, do_sample=False,
+                             return_dict_in_generate=True, output_logits=True)
+    second = out.sequences[0, enc["input_ids"].shape[1]:].tolist()
+    return first, first_logits, answer, second, torch.stack(out.logits)[:, 0]
+
+
+def turns_oracle(hf_oracle, i: int) -> tuple[list[int], torch.Tensor, str, list[int], torch.Tensor]:
+    return hf_oracle.submit_once(hf_greedy_turns, i).result()
+
+
+def ids_near_tie_or_equal(want: list[int], logits: torch.Tensor, got: list[int], label: str) -> str | None:
+    """near_tie_or_equal's check of `got` against HF's `want` and its step logits."""
+    if got == want:
+        return None
+    pos = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    assert pos < len(want) and pos < len(got), f"{label}: lengths differ with equal prefixes ({len(got)} vs {len(want)})"
+    top2 = torch.topk(logits[pos], 2).values
+    gap = float(top2[0] - top2[1])
+    assert gap <= NEAR_TIE, (f"{label}: token {pos} is {got[pos]}, HF says {want[pos]} and its top-two logits "
+                             f"differ by {gap:.2e} (not a near-tie)")
+    return f"{label} token {pos}: HF top-two gap {gap:.1e}"

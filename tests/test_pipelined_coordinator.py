@@ -67,9 +67,9 @@ class SlowEngine(VerifierEngine):
     time the verifier reports includes it), and a prefill `prefill_delay` more."""
     delay = prefill_delay = 0.0
 
-    def _pass(self, items):
+    def _pass(self, view, items):
         time.sleep(self.delay)
-        return super()._pass(items)
+        return super()._pass(view, items)
 
     def _prefill(self, work):
         time.sleep(self.prefill_delay)

@@ -221,49 +221,6 @@ def test_gpu_check_dry_run(tmp_path):
     assert not report["buckets"]["float32"]["differ"]
 
 
-def test_the_verifier_engine_verifies_through_static_passes_when_asked():
-    """`cuda_graphs` on (on the CPU: the static passes run eagerly): the same outcomes, round
-    after round, as the engine's eager passes; off by default on the CPU."""
-    from verifier_service.engine import VerifierEngine
-
-    model = model_in("int8")
-    assert VerifierEngine(model, max_batch=2, max_len=64)._static is None
-    outcomes = {}
-    for on in (False, True):
-        engine = VerifierEngine(model, max_batch=2, max_len=64, cuda_graphs=on)
-        try:
-            got = [engine.prefill(r, p, SamplingParams()).next_token for r, p in (("a", [1, 2, 3]), ("b", [4, 5]))]
-            for _ in range(3):
-                for r in ("a", "b"):
-                    o = engine.verify(r, DraftTree([3, 4, 1], [-1, 0, -1]))
-                    got.append((o.accepted, o.bonus))
-            outcomes[on] = got
-            assert (engine._static is not None) == on
-            if on:
-                assert sum(engine._static.passes.values()) == 6
-        finally:
-            engine.close()
-    assert outcomes[True] == outcomes[False]
-
-
-class _FakeGraph:
-    """A CUDA graph's contract on the CPU: capture records the pass (its input buffers, its output
-    tensor), replay runs it again over the same buffers into the same output, in place."""
-
-    capturing = None
-
-    def __init__(self):
-        self.recorded = None
-
-    def pool(self):
-        return "pool"
-
-    def replay(self):
-        fn, args, out = self.recorded
-        with torch.inference_mode():
-            out.copy_(fn(*args))
-
-
 def test_the_capture_path_replays_each_buckets_graph_with_new_inputs(monkeypatch):
     """The CUDA-only calls stubbed with _FakeGraph: a bucket is captured once (after the warm-up
     passes), every later pass of it replays with the request's inputs copied into the same

@@ -1,6 +1,16 @@
-"""The target engine: one KV cache row per request, and one worker thread that
-verifies the draft trees of many requests in each forward pass (continuous
-batching).
+"""The target engine: a paged KV cache whose blocks its requests share out, and one
+worker thread that verifies the draft trees of many requests in each forward pass
+(continuous batching).
+
+The cache (runtime/paged_kv.py) is `kv_cache_memory` bytes of blocks of `kv_block_size`
+slots. A request holds the blocks its tokens fill; a new request (a conversation's next
+turn, a prompt sharing a system prompt, a request resumed after a failover) first takes
+the longest prefix of its tokens cached in whole blocks in its memory namespace, and
+computes only the rest. Requests are admitted while blocks last (`max_batch` caps them
+if set); when a pass needs blocks that are not there, the newest request is preempted:
+its blocks go back (its full ones stay cached), its verified tokens and random stream
+stay, and its next round waits until there is room, when its cache is computed again
+from its tokens (the prefix cache serving what is left of it). Nothing it answers changes.
 
 Callers (gRPC threads) only check their arguments, queue work with a Future
 and wait; the worker alone touches the model, the cache and the requests'
@@ -20,6 +30,7 @@ import dataclasses
 import itertools
 import logging
 import math
+import os
 import queue
 import threading
 import time
@@ -34,19 +45,36 @@ from speculative.batching import Verdict, VerifyItem, first_verdict, verify_batc
 from speculative.grammar import Grammars
 from speculative.logprobs import TokenLogprob
 from speculative.processing import MAX_FORCED, Processor
-from runtime.cpu_tuning import PAD_ROWS_TO, own_torch_threads
-from runtime.graphs import static_passes
+from runtime.cpu_tuning import own_torch_threads
 from runtime.model import Transformer, attention_mask, causal_ancestors
+from runtime.paged_kv import BlockPool, PagedRows, SequenceBlocks
+from speculative.namespaces import DEFAULT_NAMESPACE, check_namespace
 from speculative.recycling import PROMPT_SEED, top_candidates
 from speculative.sampling import InvalidArgument, SamplingParams, make_generator
 from speculative.tree import DraftTree
 
 from .metrics import VerifierMetrics
-from .settings import VerifierSettings
+from .settings import VerifierSettings, memory_bytes
 
 log = logging.getLogger(__name__)
 
 _SETTINGS = VerifierSettings()  # the engine's defaults are the served verifier's
+
+
+def device_memory(device: torch.device) -> int:
+    """Bytes of memory a share of `kv_cache_memory` is a share of: the GPU's on CUDA, else the
+    machine's (or its container's, where a cgroup limits it lower)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for limit in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = open(limit).read().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            total = min(total, int(text))
+    return total
 
 
 class _CheckpointWriter:
@@ -133,11 +161,11 @@ def check_token_ids(token_ids: Sequence[int], vocab_size: int, name: str = "toke
 
 
 class UnknownRequest(KeyError):
-    """Neither a cache row nor a checkpoint holds this request: it must be prefilled again."""
+    """Neither this engine nor a checkpoint holds this request: it must be prefilled again."""
 
 
 class ResourceExhausted(RuntimeError):
-    """Every cache row is taken."""
+    """No room for another request: the KV cache's blocks are taken (or `max_batch` requests held)."""
 
 
 class CheckpointStore(Protocol):
@@ -150,6 +178,9 @@ class CheckpointStore(Protocol):
     def delete_checkpoint(self, request_id: str) -> None: ...
 
 MAX_CANDIDATES = 64  # most next tokens a verify call may ask for per scored position
+# requests held and queued a verifier without max_batch counts as full for autoscaling (`occupancy`):
+# the fixed row count it had before its cache was paged
+BATCH_TARGET = 8
 IDLE_CHECK_S = 5.0  # longest an idle worker sleeps before looking for idle requests to drop
 # how far a draw's q may sum from 1: a float32 distribution, renormalised by its drafter,
 # sums to 1 only up to rounding
@@ -172,7 +203,7 @@ class VerifyOutcome:
     bonus: int           # the target's own next token
     batch_size: int      # requests that shared the forward pass
     queued: int = 0      # verify items still waiting when the pass began
-    active: int = 0      # requests holding a row: the load a caller adapts to (some may be between rounds)
+    active: int = 0      # requests held: the load a caller adapts to (some may be between rounds)
     # with candidates asked: the target's likeliest next tokens [1+N, k] and their probabilities
     # at the root and at each tree node (Token Recycling)
     candidate_ids: torch.Tensor | None = None
@@ -195,13 +226,20 @@ class PassShape:
 
 @dataclass
 class _Request:
-    row: int
+    blocks: SequenceBlocks      # its block table (empty while preempted)
     params: SamplingParams
     generator: torch.Generator  # the verifier stream (stream 0), as in the single-process loop
     tokens: list[int]           # every verified token; the last one is not in the cache yet
     last_used: float = 0.0      # engine clock at the last prefill or verify
     prompt_length: int = 0      # tokens before the output (penalties count the output's)
     processor: Processor | None = None  # penalties, bias, grammar, in step with `tokens`
+    seq: int = 0                # admission order: the highest is preempted first
+    resident: bool = True       # its cache holds its verified tokens (False: preempted)
+
+    @property
+    def context(self) -> int:
+        """KV slots its verified tokens take (all but the pending last one)."""
+        return len(self.tokens) - 1
 
 
 # Work items for the worker. eq=False: they are taken off the queue by identity.
@@ -213,6 +251,7 @@ class _Prefill:
     candidates: int = 0
     resumed: int = 0  # earlier prefills of the request: its random stream must be fresh
     prompt_length: int | None = None  # tokens before the output (None: all of them)
+    namespace: str = DEFAULT_NAMESPACE  # whose cached prefixes it may take
     future: Future = field(default_factory=Future)
 
 
@@ -243,20 +282,27 @@ _Work = _Prefill | _Verify | _Release
 
 
 class VerifierEngine:
-    def __init__(self, model: Transformer, max_batch: int = _SETTINGS.max_batch, max_len: int = _SETTINGS.max_len,
+    def __init__(self, model: Transformer, max_batch: int | None = _SETTINGS.max_batch,
+                 max_len: int = _SETTINGS.max_len,
                  max_batch_tokens: int = _SETTINGS.max_batch_tokens, batch_wait_s: float = 0.002,
                  checkpoints: CheckpointStore | None = None, checkpoint_ttl_s: float = 600.0,
                  checkpoint_interval_s: float = _SETTINGS.checkpoint_interval_s,
                  idle_timeout_s: float = 300.0, clock: Callable[[], float] = time.monotonic,
                  threads: int | None = None, metrics: VerifierMetrics | None = None,
-                 grammars: Grammars | None = None, cuda_graphs: bool | None = _SETTINGS.cuda_graphs):
+                 grammars: Grammars | None = None, kv_cache_memory: str | float = _SETTINGS.kv_cache_memory,
+                 kv_block_size: int = _SETTINGS.kv_block_size, kv_blocks: int | None = None,
+                 prefix_caching: bool = True):
         """`threads`: torch threads of the worker thread, which runs every forward pass
         (None: torch's setting). A process that serves should run nothing multi-threaded
         on any other thread (`runtime.cpu_tuning.own_torch_threads`). `metrics`: where
         the engine records its Prometheus metrics (default: a fresh registry of its own).
         `grammars`: the target tokenizer's, for requests with a grammar (None: refused).
-        `cuda_graphs`: passes at static shapes from captured CUDA graphs (None: on CUDA)."""
-        if max_batch < 1 or max_batch_tokens < 1:
+        `kv_cache_memory`: the paged KV cache's memory, a share of the machine's (the GPU's
+        on CUDA) or bytes (`settings.memory_bytes`), in blocks of `kv_block_size` slots;
+        `kv_blocks` gives the number of blocks instead. It must hold one request of
+        `max_len` and a round's tree. `max_batch`: most requests held (None: as the blocks allow).
+        `prefix_caching` False: every request computes all its tokens (for measurements)."""
+        if (max_batch is not None and max_batch < 1) or max_batch_tokens < 1:
             raise ValueError("max_batch and max_batch_tokens must be positive")
         self.model, self.threads, self.grammars = model, threads, grammars
         self.max_batch, self.max_batch_tokens, self.batch_wait_s = max_batch, max_batch_tokens, batch_wait_s
@@ -266,12 +312,25 @@ class VerifierEngine:
         self.idle_timeout_s, self.clock = idle_timeout_s, clock
         self._writer = (None if checkpoints is None
                         else _CheckpointWriter(checkpoints, checkpoint_ttl_s, checkpoint_interval_s))
-        # A pass pads every row up to the highest one in the batch to the batch's width (at most
-        # max_batch_tokens; a tuned CPU model may pad one row's 2-3 tokens to PAD_ROWS_TO), so rows
-        # get spare slots for it.
-        self._cache = model.new_cache(self.max_len + max(max_batch_tokens, PAD_ROWS_TO), batch=max_batch)
-        self._static = static_passes(model, self._cache, cuda_graphs)
+        # One request may take max_len slots and a round's tree past them (a pass pads a row to
+        # the batch's width, but the padding past a row's blocks is not written).
+        self.block_size = kv_block_size
+        given = f"kv_blocks {kv_blocks}" if kv_blocks is not None else f"kv_cache_memory {kv_cache_memory!r}"
+        if kv_blocks is None:
+            kv_blocks = memory_bytes(kv_cache_memory, device_memory(model.device)) // model.kv_block_bytes(kv_block_size)
+        needed = -(-(self.max_len + max_batch_tokens) // kv_block_size)
+        if kv_blocks < needed:
+            raise ValueError(f"{given} holds {kv_blocks} blocks of {kv_block_size} "
+                             f"tokens, fewer than one request of max_len {self.max_len} and a round's "
+                             f"{max_batch_tokens} tokens need ({needed})")
+        self._pool = BlockPool(kv_blocks, kv_block_size)
+        self.prefix_caching = prefix_caching
+        self._kv = model.new_paged_cache(kv_blocks, kv_block_size)
         self._requests: dict[str, _Request] = {}
+        self._seqs = itertools.count(1)
+        self._parked: list[_Verify] = []  # rounds of preempted requests, waiting for blocks
+        self._parked_at = -1  # the pool's `freed` when they were parked: they try again once it moves
+        self._preemptions = self._prefix_queries = self._prefix_hits = 0
         self._queue: deque[_Work] = deque()
         self._cond = threading.Condition()
         self._closed = False
@@ -281,7 +340,7 @@ class VerifierEngine:
         self._waiting = 0  # verify items left queued by the last batch taken
         self._busy_s, self._started = 0.0, time.monotonic()  # time in forward passes: 1 - busy/uptime is idle
         self.metrics = metrics or VerifierMetrics()
-        self.metrics.watch(lambda: len(self._queue), self.active_requests)
+        self.metrics.watch(lambda: len(self._queue), self.active_requests, self._pool.usage)
         self._worker = threading.Thread(target=self._run, name="verifier-engine", daemon=True)
         self._worker.start()
 
@@ -292,16 +351,20 @@ class VerifierEngine:
     # ---- called from any thread ---------------------------------------------
 
     def prefill(self, request_id: str, token_ids: Sequence[int], params: SamplingParams, reserve: int = 0,
-                candidates: int = 0, resumed: int = 0, prompt_length: int | None = None) -> PrefillOutcome:
-        """Fill the lowest free row with `token_ids`; returns the target's next token, and with
+                candidates: int = 0, resumed: int = 0, prompt_length: int | None = None,
+                namespace: str = DEFAULT_NAMESPACE) -> PrefillOutcome:
+        """Take in `token_ids`, computing what the KV cache does not hold of them in `namespace`;
+        returns the target's next token, and with
         `candidates` k its k likeliest next tokens after each of the last (up to
         PROMPT_SEED) tokens. `resumed`: how many times the request was prefilled before
         (anywhere); a resumed request samples from a fresh random stream. `prompt_length`:
         how many of `token_ids` are the prompt, the rest the output verified so far (None:
         all are the prompt); penalties and a grammar go on from that output.
 
-        `reserve` more KV slots must fit after the tokens. Prefilling a request
-        this engine holds starts it over. Raises ResourceExhausted when no row is free.
+        `reserve` more KV slots must fit after the tokens (within max_len: they are not set
+        aside). Prefilling a request this engine holds starts it over. Raises
+        ResourceExhausted when the cache has no room for the tokens (or max_batch requests
+        are held).
         """
         if not 0 <= candidates <= MAX_CANDIDATES:
             raise InvalidArgument("candidates", f"must be in [0, {MAX_CANDIDATES}], got {candidates}")
@@ -319,7 +382,8 @@ class VerifierEngine:
         if len(tokens) + reserve > self.max_len:
             raise InvalidArgument("max_len", f"{len(tokens)} tokens + {reserve} reserved slots exceed the "
                                   f"verifier's {self.max_len} KV slots per request")
-        return self._submit(_Prefill(request_id, tokens, params, candidates, resumed, prompt_length))
+        check_namespace(namespace)
+        return self._submit(_Prefill(request_id, tokens, params, candidates, resumed, prompt_length, namespace))
 
     def verify(self, request_id: str, tree: DraftTree, context_length: int | None = None,
                deadline: float | None = None, candidates: int = 0) -> VerifyOutcome:
@@ -390,23 +454,30 @@ class VerifierEngine:
         return _Verify(request_id, tree, context_length, math.inf if deadline is None else deadline, candidates)
 
     def release(self, request_id: str) -> bool:
-        """Free the request's row and delete its checkpoint; False if no row held it."""
+        """Free the request's blocks (its full ones stay cached) and delete its checkpoint;
+        False if this engine did not hold it."""
         return self._submit(_Release(request_id))
 
     def sampling(self, request_id: str) -> SamplingParams | None:
-        """The sampling parameters of a request holding a row here (None: none holds one)."""
+        """The sampling parameters of a request held here (None: none is)."""
         state = self._requests.get(request_id)
         return None if state is None else state.params
 
     def active_requests(self) -> int:
-        """Requests holding a row now."""
+        """Requests held now (preempted ones included)."""
         return len(self._requests)
 
     def load(self) -> int:
-        """Rows held plus work queued: how full this verifier is (autoscaling reads it)."""
+        """Requests held plus work queued: how full this verifier is (autoscaling reads it)."""
         with self._cond:
             queued = len(self._queue)
         return self.active_requests() + queued
+
+    def occupancy(self) -> float:
+        """How full this verifier is, for autoscaling (which aims it at `target_occupancy`): the
+        share of its KV cache's blocks held, or its requests held and queued over `max_batch`
+        (over BATCH_TARGET without one: what a verifier's passes batch well), the fuller."""
+        return max(self._pool.usage(), self.load() / (self.max_batch or BATCH_TARGET))
 
     def stats(self) -> dict[str, Any]:
         """forward_passes counts prefills too; the histogram counts verification passes by batch size."""
@@ -415,6 +486,17 @@ class VerifierEngine:
                     "max_batch_size": max(self._batch_sizes, default=0),
                     "batch_size_histogram": dict(self._batch_sizes), "active_requests": len(self._requests),
                     "busy_seconds": self._busy_s, "uptime_seconds": time.monotonic() - self._started}
+
+    def kv_stats(self) -> dict[str, Any]:
+        """The paged KV cache: its blocks (held by requests, cached in the prefix index), prefix
+        cache queries and hits in tokens, preemptions, and the requests held, preempted."""
+        pool = self._pool
+        with self._stats_lock:
+            return {"blocks": pool.num_blocks, "block_size": pool.block_size, "held_blocks": pool.held(),
+                    "cached_blocks": pool.cached(), "usage": pool.usage(), "evictions": pool.evictions,
+                    "prefix_cache_queries": self._prefix_queries, "prefix_cache_hits": self._prefix_hits,
+                    "preemptions": self._preemptions, "requests": len(self._requests),
+                    "preempted": sum(not r.resident for r in list(self._requests.values()))}
 
     def close(self) -> None:
         """Stop the worker; work still queued fails; checkpoints on their way are written."""
@@ -426,6 +508,9 @@ class VerifierEngine:
             self._writer.flush()
         while self._queue:
             self._queue.popleft().future.set_exception(RuntimeError("the verifier engine is closed"))
+        for work in self._parked:
+            work.future.set_exception(RuntimeError("the verifier engine is closed"))
+        self._parked = []
 
     def _submit(self, work: _Work) -> Any:
         with self._cond:
@@ -440,7 +525,11 @@ class VerifierEngine:
     def _run(self) -> None:
         if self.threads:
             own_torch_threads(self.threads)
-        while (batch := self._take()) is not None:
+        while True:
+            self._unpark()  # before waiting for work: a pass or a release may have freed blocks
+            batch = self._take()
+            if batch is None:
+                break
             self._evict_idle()
             if not batch:
                 continue
@@ -469,7 +558,7 @@ class VerifierEngine:
                 return [self._queue.popleft()]
             # Wait a moment for other requests' rounds, but not for more requests than there are.
             until = time.monotonic() + self.batch_wait_s
-            while (len(batch := self._batchable()) < min(self.max_batch, len(self._requests))
+            while (len(batch := self._batchable()) < min(self.max_batch or math.inf, self._resident())
                    and (left := until - time.monotonic()) > 0):
                 self._cond.wait(left)
             for work in batch:
@@ -487,7 +576,7 @@ class VerifierEngine:
             firsts.setdefault(work.request_id, work)
         batch, tokens = [], 0
         for work in sorted(firsts.values(), key=lambda w: w.deadline):  # stable: queue order among equals
-            if len(batch) == self.max_batch:
+            if self.max_batch is not None and len(batch) == self.max_batch:
                 break
             if not batch or tokens + 1 + len(work.tree) <= self.max_batch_tokens:
                 batch.append(work)
@@ -496,16 +585,23 @@ class VerifierEngine:
 
     def _prefill(self, work: _Prefill) -> PrefillOutcome:
         self._drop(work.request_id)
+        if self.max_batch is not None and len(self._requests) >= self.max_batch:
+            raise ResourceExhausted(f"all {self.max_batch} requests this verifier holds at once are here")
+        if self._parked:  # preempted requests wait for blocks: they come first
+            raise ResourceExhausted(f"the KV cache is full: {len(self._parked)} preempted requests wait for room")
         params = work.params
         generator = make_generator(params.seed, self.model.device, stream=0, resumed=work.resumed)
         started = time.monotonic()
         seed = min(len(work.tokens), PROMPT_SEED) if work.candidates else 1
-        row, logits = self._fill_free_row(work.tokens, seed)
+        blocks = SequenceBlocks(self._pool, work.namespace)
+        # room for the prompt, and a block for each request held to grow by (fewer preemptions)
+        logits = self._compute(blocks, work.tokens, len(work.tokens) - seed, headroom=self._resident(), last=seed)
         self._busy_s += time.monotonic() - started
         prompt_length = len(work.tokens) if work.prompt_length is None else work.prompt_length
         processor = self._processor(params, work.tokens, prompt_length)
         first = first_verdict(logits[-1], params, generator, len(work.tokens), processor)
-        state = _Request(row, params, generator, work.tokens + [first.bonus], self.clock(), prompt_length, processor)
+        state = _Request(blocks, params, generator, work.tokens + [first.bonus], self.clock(), prompt_length,
+                         processor, next(self._seqs))
         self._requests[work.request_id] = state
         self._checkpoint(work.request_id, state)
         top = top_candidates(logits, work.candidates) if work.candidates else (None, None)
@@ -530,15 +626,18 @@ class VerifierEngine:
                 work.future.set_exception(exc)
             else:
                 ready.append((work, state))
+        ready = self._make_room(ready)
         if not ready:
             return
-        items = [VerifyItem(state.row, state.tokens[-1], work.tree, state.params, state.generator,
+        extra = [self._room(state, work.tree) for work, state in ready]
+        items = [VerifyItem(row, state.tokens[-1], work.tree, state.params, state.generator,
                             on_scores=work.keep_top if work.candidates else None, processor=state.processor,
-                            extra_nodes=self._room(state, work.tree))
-                 for work, state in ready]
+                            extra_nodes=more)
+                 for row, ((work, state), more) in enumerate(zip(ready, extra))]
+        view = self._kv.rows([state.blocks.blocks for _, state in ready], [state.context for _, state in ready])
         try:
             started = time.monotonic()
-            results = self._pass(items)
+            results = self._pass(view, items)
             seconds = time.monotonic() - started
             self._busy_s += seconds
         except Exception as exc:
@@ -553,10 +652,13 @@ class VerifierEngine:
         sizes = [1 + len(verdict.tree) for verdict in results]
         shape = PassShape(self._count_pass(len(ready)), seconds, sum(sizes), max(sizes))
         self.metrics.observe_pass(len(ready), seconds)
-        for (work, state), verdict in zip(ready, results):
+        for row, ((work, state), verdict) in enumerate(zip(ready, results)):
             accepted, bonus, tree = verdict.accepted, verdict.bonus, verdict.tree
             state.tokens += accepted + [bonus]
             state.last_used = self.clock()
+            assert view.lengths[row] == state.context, (view.lengths[row], state.context)
+            state.blocks.trim(state.context)  # the rejected nodes' blocks go back
+            state.blocks.commit(state.tokens, state.context)
             self._checkpoint(work.request_id, state)
             ids, probs = work.top or (None, None)
             outcome = VerifyOutcome(accepted, bonus, len(ready), self._waiting, len(self._requests), ids, probs,
@@ -572,15 +674,15 @@ class VerifierEngine:
         """Nodes a pass may add to a request's tree (the tokens a grammar forces)."""
         if state.processor is None or not state.params.grammar:
             return 0
-        return max(0, min(MAX_FORCED, self.max_len - self._cache.lengths[state.row] - 1 - len(tree)))
+        return max(0, min(MAX_FORCED, self.max_len - state.context - 1 - len(tree)))
 
-    def _pass(self, items: list[VerifyItem]) -> list[Verdict]:
+    def _pass(self, view: PagedRows, items: list[VerifyItem]) -> list[Verdict]:
         """One verification pass over a batch's rows: what `PassShape.seconds` times."""
-        return verify_batch(self.model, self._cache, items, static=self._static)
+        return verify_batch(self.model, view, items)
 
     def _check_tree(self, tree: DraftTree, state: _Request) -> None:
-        """What a well-formed tree still needs: room in the row, and when sampling, its draws' q."""
-        used = self._cache.lengths[state.row] + 1  # the root goes in with the tree
+        """What a well-formed tree still needs: room in the context, and when sampling, its draws' q."""
+        used = state.context + 1  # the root goes in with the tree
         if used + len(tree) > self.max_len:
             raise InvalidArgument("tree", f"{len(tree)} nodes do not fit: the request already uses "
                                   f"{used} of {self.max_len} KV slots")
@@ -596,23 +698,105 @@ class VerifierEngine:
             raise InvalidArgument("tree.draw_q", "each draw's q must be a distribution giving its token a "
                                   "positive probability")
 
-    def _fill_free_row(self, tokens: list[int], last: int = 1) -> tuple[int, torch.Tensor]:
-        """Prefill `tokens` into the lowest free row (keeping batches narrow); returns it and the
-        logits [last, V] after each of the `last` last tokens."""
-        taken = {state.row for state in self._requests.values()}
-        row = next((r for r in range(self.max_batch) if r not in taken), None)
-        if row is None:
-            raise ResourceExhausted(f"all {self.max_batch} KV cache rows are in use")
-        device, n = self.model.device, len(tokens)
+    def _compute(self, blocks: SequenceBlocks, tokens: list[int], cached_limit: int, headroom: int = 0,
+                 last: int = 1) -> torch.Tensor | None:
+        """Put `tokens` into an empty block table: the longest prefix cached in its namespace
+        (whole blocks, at most `cached_limit` tokens), then the rest computed in one pass.
+        Returns the logits [last, V] after each of the `last` last tokens (None when the cache
+        held them all: `cached_limit` may be all of them when no logits are wanted). Raises
+        ResourceExhausted, holding nothing, unless `headroom` blocks stay available after."""
+        n = len(tokens)
+        cached = blocks.reuse(tokens, cached_limit if self.prefix_caching else 0)
+        if blocks.needed(n) + headroom > self._pool.available():
+            blocks.free()
+            raise ResourceExhausted(f"the KV cache has no room for {n - cached} more tokens: "
+                                    f"{self._pool.available()} of {self._pool.num_blocks} blocks available")
+        with self._stats_lock:  # counted once room was found: a round waiting for it asks again and again
+            self._prefix_queries += n
+            self._prefix_hits += cached
+        self.metrics.prefix_cache_queries.inc(n)
+        self.metrics.prefix_cache_hits.inc(cached)
+        blocks.reserve(n)
+        if cached == n:
+            blocks.commit(tokens, n)
+            return None
+        device, t = self.model.device, n - cached
         try:
-            logits = self.model(torch.tensor([tokens], device=device), torch.arange(n, device=device)[None],
-                                self._cache.row_view(row), attention_mask(0, causal_ancestors(n, device)),
-                                logits_from=n - last)
+            logits = self.model(torch.tensor([tokens[cached:]], device=device),
+                                torch.arange(cached, n, device=device)[None], self._kv.rows([blocks.blocks], [cached]),
+                                attention_mask(cached, causal_ancestors(t, device)), logits_from=max(0, t - last))
         except Exception:
-            self._cache.rollback(0, row=row)  # free rows hold nothing
+            blocks.free()
             raise
+        blocks.commit(tokens, n)
         self._count_pass(0)
-        return row, logits[0]
+        return logits[0]
+
+    def _resident(self) -> int:
+        return sum(state.resident for state in self._requests.values())
+
+    def _make_room(self, ready: list[tuple[_Verify, _Request]]) -> list[tuple[_Verify, _Request]]:
+        """The batch's requests that go into the pass, each with blocks for its round. Oldest
+        first: a preempted one is computed again where there is room (else its round is
+        parked), and while a request lacks blocks the newest request held is preempted (which
+        may be itself: its round is parked until there is room)."""
+        going = set()
+        for work, state in sorted(ready, key=lambda pair: pair[1].seq):
+            slots = state.context + 1 + len(work.tree) + self._room(state, work.tree)
+            try:
+                resumed = state.resident or self._resume(state, slots)
+            except Exception as exc:  # its pass failed: it resumes from its checkpoint, or is prefilled again
+                self._drop(work.request_id)
+                work.future.set_exception(exc)
+                continue
+            if not resumed:
+                self._park(work)
+                continue
+            # the newest is never one already given blocks: they are older than this one
+            while state.resident and state.blocks.needed(slots) > self._pool.available():
+                victim_id, victim = max(((rid, r) for rid, r in self._requests.items() if r.resident),
+                                        key=lambda pair: pair[1].seq)
+                self._preempt(victim_id, victim)
+            if not state.resident:
+                self._park(work)
+                continue
+            state.blocks.reserve(slots)
+            going.add(id(work))
+        return [(work, state) for work, state in ready if id(work) in going]
+
+    def _resume(self, state: _Request, slots: int) -> bool:
+        """Compute a preempted request's cache again from its verified tokens, if the blocks for
+        them and `slots` in all leave a block for each request held to grow by; whether it did."""
+        try:
+            self._compute(state.blocks, state.tokens[:-1], state.context, headroom=self._resident())
+        except ResourceExhausted:
+            return False
+        if state.blocks.needed(slots) > self._pool.available():
+            state.blocks.free()
+            return False
+        state.resident = True
+        log.debug("resumed a preempted request (%d tokens)", state.context)
+        return True
+
+    def _preempt(self, request_id: str, state: _Request) -> None:
+        """Free a request's blocks (its full ones stay cached); it keeps its verified tokens."""
+        state.blocks.free()
+        state.resident = False
+        with self._stats_lock:
+            self._preemptions += 1
+        self.metrics.num_preemptions.inc()
+        log.info("preempted request %s (%d tokens): the KV cache is full", request_id, state.context)
+
+    def _park(self, work: _Verify) -> None:
+        self._parked.append(work)
+        self._parked_at = self._pool.freed
+
+    def _unpark(self) -> None:
+        """Queue the parked rounds again (first) once blocks were freed since they were parked."""
+        if self._parked and self._pool.freed != self._parked_at:
+            with self._cond:
+                self._queue.extendleft(reversed(self._parked))
+            self._parked = []
 
     def _restore(self, request_id: str) -> _Request:
         """A request this engine does not hold, rebuilt from its checkpoint (a restarted verifier)."""
@@ -626,9 +810,10 @@ class VerifierEngine:
         generator.set_state(torch.frombuffer(state_bytes, dtype=torch.uint8))
         tokens, params = saved["tokens"], SamplingParams.from_dict(saved["params"])
         prompt_length = saved.get("prompt_length", len(tokens) - 1)
-        row, _ = self._fill_free_row(tokens[:-1])
-        state = _Request(row, params, generator, tokens, self.clock(), prompt_length,
-                         self._processor(params, tokens, prompt_length))
+        # held as preempted: its round computes its cache when there is room (`_make_room`)
+        blocks = SequenceBlocks(self._pool, saved.get("namespace", DEFAULT_NAMESPACE))
+        state = _Request(blocks, params, generator, tokens, self.clock(), prompt_length,
+                         self._processor(params, tokens, prompt_length), next(self._seqs), resident=False)
         self._requests[request_id] = state
         log.info("resumed request %s from its checkpoint (%d tokens)", request_id, len(tokens))
         return state
@@ -638,6 +823,7 @@ class VerifierEngine:
             return
         self._writer.save(request_id, {
             "tokens": list(state.tokens), "params": state.params.to_dict(), "prompt_length": state.prompt_length,
+            "namespace": state.blocks.namespace,
             "generator": base64.b64encode(state.generator.get_state().numpy().tobytes()).decode()})
 
     def _release(self, request_id: str) -> bool:
@@ -648,7 +834,12 @@ class VerifierEngine:
 
     def _evict_idle(self) -> None:
         cutoff = self.clock() - self.idle_timeout_s
-        for request_id in [r for r, state in self._requests.items() if state.last_used < cutoff]:
+        idle = [r for r, state in self._requests.items() if state.last_used < cutoff]
+        if not idle:
+            return
+        with self._cond:  # a request with a round queued or parked (waiting for blocks) is not idle
+            waiting = {work.request_id for work in itertools.chain(self._queue, self._parked)}
+        for request_id in [r for r in idle if r not in waiting]:
             log.info("dropping idle request %s (its checkpoint stays for a resume)", request_id)
             self._drop(request_id)
 
@@ -656,14 +847,17 @@ class VerifierEngine:
         state = self._requests.pop(request_id, None)
         if state is None:
             return False
-        self._cache.rollback(0, row=state.row)
+        state.blocks.free()
+        for work in [w for w in self._parked if w.request_id == request_id]:
+            self._parked.remove(work)
+            work.future.set_exception(UnknownRequest(request_id))
         return True
 
     def _resync_rows(self) -> None:
-        """Cut every row back to its request's verified tokens, and free rows to nothing."""
-        committed = {state.row: len(state.tokens) - 1 for state in self._requests.values()}
-        for row in range(self.max_batch):
-            self._cache.rollback(committed.get(row, 0), row=row)
+        """Give back every request's blocks past its verified tokens (a failed pass's)."""
+        for state in self._requests.values():
+            if state.resident:
+                state.blocks.trim(state.context)
 
     def _count_pass(self, batch_size: int) -> int:
         """One target forward; batch_size > 0 for a verification pass. Returns its number."""

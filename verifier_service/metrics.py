@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from prometheus_client import CollectorRegistry, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 PASS_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -24,12 +24,27 @@ class VerifierMetrics:
                                       buckets=PASS_SECONDS_BUCKETS, registry=r)
         self.queue_depth = Gauge("specserve_verifier_queue_depth", "Work items (prefills, verifications, "
                                  "releases) queued for the engine", registry=r)
-        self.rows_held = Gauge("specserve_verifier_rows_held", "KV cache rows held by requests", registry=r)
+        self.rows_held = Gauge("specserve_verifier_rows_held", "Requests the verifier holds (each its KV cache "
+                               "blocks; preempted ones included)", registry=r)
+        # the paged KV cache, named as vLLM names its metrics (vllm:kv_cache_usage_perc, ...)
+        self.kv_cache_usage = Gauge("specserve_verifier_kv_cache_usage_perc", "Share of the KV cache's blocks "
+                                    "held by requests (0-1; cached blocks no request holds count as free)",
+                                    registry=r)
+        self.prefix_cache_queries = Counter("specserve_verifier_prefix_cache_queries", "Tokens looked up in the "
+                                            "prefix cache (every prompt, resumed and preempted request's)",
+                                            registry=r)
+        self.prefix_cache_hits = Counter("specserve_verifier_prefix_cache_hits", "Tokens the prefix cache held "
+                                         "of those looked up (not computed again)", registry=r)
+        self.num_preemptions = Counter("specserve_verifier_num_preemptions", "Requests preempted for lack of "
+                                       "KV cache blocks (computed again when there was room)", registry=r)
 
-    def watch(self, queue_depth: Callable[[], float], rows_held: Callable[[], float]) -> None:
+    def watch(self, queue_depth: Callable[[], float], rows_held: Callable[[], float],
+              kv_cache_usage: Callable[[], float] | None = None) -> None:
         """Read the gauges from the engine when scraped."""
         self.queue_depth.set_function(queue_depth)
         self.rows_held.set_function(rows_held)
+        if kv_cache_usage is not None:
+            self.kv_cache_usage.set_function(kv_cache_usage)
 
     def observe_pass(self, batch_size: int, seconds: float) -> None:
         self.batch_size.observe(batch_size)

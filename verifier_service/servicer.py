@@ -23,6 +23,7 @@ from .engine import (PrefillOutcome, ResourceExhausted, UnknownRequest, Verifier
                      check_token_ids)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Verifier"].full_name
+MIN_WORKERS, MAX_WORKERS = 16, 512  # the gRPC server's threads (`serve`), made as calls need them
 
 T = TypeVar("T")
 
@@ -61,7 +62,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             reserve = request.max_len - len(tokens) if request.HasField("max_len") else 0  # unset: reserve nothing
             prompt_length = request.prompt_length if request.HasField("prompt_length") else None
             return self.engine.prefill(request.request_id, tokens, params_from_pb(request.sampling), reserve,
-                                       request.candidates, request.resumed, prompt_length)
+                                       request.candidates, request.resumed, prompt_length, request.namespace)
 
         out = _checked(context, prefill)
         resp = pb.VerifierPrefillResponse(next_token=out.next_token, active_requests=self.engine.active_requests(),
@@ -167,11 +168,19 @@ def _verdict(out: VerifyOutcome) -> pb.VerifyResponse:
 
 
 def serve(engine: VerifierEngine, host: str = "127.0.0.1", port: int = 0,
-          max_workers: int = 16, secret: str | None = None, mutual_tls=None) -> tuple[grpc.Server, int]:
+          max_workers: int | None = None, secret: str | None = None,
+          mutual_tls=None) -> tuple[grpc.Server, int]:
     """Start serving `engine` on host:port (0 picks a free port); returns the server and its port.
     The engine's worker runs the model; the server's threads only convert, on one torch thread.
-    With a `secret` (the cluster's), calls without it are refused (protos.server.ClusterSecretCheck); with
-    `mutual_tls` (protos.server.MutualTls), callers without a certificate of the cluster's CA too."""
+    `max_workers`: the server's threads (None: MIN_WORKERS, or a thread for each request the
+    engine may hold and then some, up to MAX_WORKERS): every request held may have a call
+    waiting in the engine at once (a preempted one's round waits there for room), and a call
+    that finds no thread waits for one. With a `secret` (the cluster's), calls without it are
+    refused (protos.server.ClusterSecretCheck); with `mutual_tls` (protos.server.MutualTls),
+    callers without a certificate of the cluster's CA too."""
+    if max_workers is None:
+        held = engine.max_batch or engine.kv_stats()["blocks"]  # each request holds a block at least
+        max_workers = max(MIN_WORKERS, min(MAX_WORKERS, 2 * held))
     return start_server(pb_grpc.add_VerifierServicer_to_server, VerifierServicer(engine), SERVICE_NAME,
                         host, port, max_workers, thread_init=lambda: own_torch_threads(1),
                         secret=secret, mutual_tls=mutual_tls)

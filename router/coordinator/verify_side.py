@@ -54,7 +54,7 @@ class VerifySide(Side):
             req = pb.VerifierPrefillRequest(request_id=self.request_id, token_ids=tokens,
                                             sampling=params_to_pb(self.job.params), max_len=reserve,
                                             candidates=candidates, resumed=self.prefills,
-                                            prompt_length=len(self.job.prompt_ids))
+                                            prompt_length=len(self.job.prompt_ids), namespace=self.job.namespace)
             self.prefills += 1
             try:
                 resp = stub.Prefill(req, timeout=self.job.timeout())
