@@ -221,6 +221,24 @@ def test_gpu_check_dry_run(tmp_path):
     assert not report["buckets"]["float32"]["differ"]
 
 
+class _FakeGraph:
+    """A CUDA graph's contract on the CPU: capture records the pass (its input buffers, its output
+    tensor), replay runs it again over the same buffers into the same output, in place."""
+
+    capturing = None
+
+    def __init__(self):
+        self.recorded = None
+
+    def pool(self):
+        return "pool"
+
+    def replay(self):
+        fn, args, out = self.recorded
+        with torch.inference_mode():
+            out.copy_(fn(*args))
+
+
 def test_the_capture_path_replays_each_buckets_graph_with_new_inputs(monkeypatch):
     """The CUDA-only calls stubbed with _FakeGraph: a bucket is captured once (after the warm-up
     passes), every later pass of it replays with the request's inputs copied into the same
