@@ -170,19 +170,10 @@ def precision_runs(dtype: str) -> list[tuple]:
 
 def _near_tie_or_prefix(hf_oracle, i: int, got: list[int], label: str) -> str | None:
     """`got` is the first tokens of HF's answer, or departs from them only at a near-tie."""
-    from oracle import NEAR_TIE
+    from oracle import ids_near_tie_or_equal
 
     want, logits = oracle(hf_oracle, i)
-    want = want[:len(got)]
-    if got == want:
-        return None
-    pos = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
-    assert pos < len(want) and pos < len(got), f"{label}, prompt {i}: lengths differ ({len(got)} vs {len(want)})"
-    top2 = torch.topk(logits[pos], 2).values
-    gap = float(top2[0] - top2[1])
-    assert gap <= NEAR_TIE, (f"{label}, prompt {i} ({PROMPTS[i][0]}): token {pos} is {got[pos]}, HF says "
-                             f"{want[pos]}, top-two logits {gap:.2e} apart (not a near-tie)")
-    return f"prompt {i} token {pos}: HF top-two gap {gap:.1e}"
+    return ids_near_tie_or_equal(want[:len(got)], logits, got, f"{label}, prompt {i} ({PROMPTS[i][0]})")
 
 
 def background_jobs(item) -> list[tuple]:

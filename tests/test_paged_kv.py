@@ -333,6 +333,21 @@ def run_request(engine: VerifierEngine, model, request_id: str, prompt_ids: list
     return tokens
 
 
+def burst_equals_one_process(engine: VerifierEngine, model, shared: list[int], params: list[SamplingParams]) -> dict:
+    """Every request at once on `engine` (closed after): each one's tokens must be the
+    single-process loop's on `model`; the engine's cache statistics after."""
+    try:
+        with ThreadPoolExecutor(len(params)) as pool:
+            outputs = list(pool.map(lambda i: run_request(engine, model, f"r{i}", prompt(i, shared), params[i]),
+                                    range(len(params))))
+        stats = engine.kv_stats()
+    finally:
+        engine.close()
+    for i, tokens in enumerate(outputs):
+        assert tokens == single_run(model, prompt(i, shared), params[i]), f"request {i}"
+    return stats
+
+
 def test_a_burst_of_four_times_the_old_rows_completes_on_a_cache_too_small_for_it():
     """32 requests at once (today's default was 8 rows) sharing a prompt's first block, greedy
     and seeded sampling, on a cache that holds fewer than half of them at full length: every
@@ -345,15 +360,7 @@ def test_a_burst_of_four_times_the_old_rows_completes_on_a_cache_too_small_for_i
               for i in range(n)]
     engine = VerifierEngine(model, max_len=64, max_batch_tokens=64, kv_blocks=24, kv_block_size=16,
                             batch_wait_s=0.01, threads=1)
-    try:
-        with ThreadPoolExecutor(n) as pool:
-            outputs = list(pool.map(lambda i: run_request(engine, model, f"b{i}", prompt(i, shared), params[i]),
-                                    range(n)))
-        stats = engine.kv_stats()
-    finally:
-        engine.close()
-    for i, tokens in enumerate(outputs):
-        assert tokens == single_run(model, prompt(i, shared), params[i]), f"request {i}"
+    stats = burst_equals_one_process(engine, model, shared, params)
     assert stats["preemptions"] > 0 and stats["requests"] == 0 and stats["held_blocks"] == 0, stats
     assert stats["prefix_cache_hits"] >= 16 * (n - 1), stats  # every request after the first: the shared block
     metrics = {m.name: m for m in engine.metrics.registry.collect()}
@@ -562,15 +569,7 @@ def test_a_tensor_parallel_verifier_shares_prefixes_and_preempts_with_each_rank_
     with tp_group.LocalGroup(2, TinyLoader(0), TINY, tuning=None, threads=1) as group:
         engine = VerifierEngine(group.target, max_len=48, max_batch_tokens=16, kv_blocks=10, kv_block_size=8,
                                 batch_wait_s=0.01, threads=1)
-        try:
-            with ThreadPoolExecutor(n) as pool:
-                outputs = list(pool.map(lambda i: run_request(engine, plain, f"t{i}", prompt(i, shared), params[i]),
-                                        range(n)))
-            stats = engine.kv_stats()
-        finally:
-            engine.close()
-    for i, tokens in enumerate(outputs):
-        assert tokens == single_run(plain, prompt(i, shared), params[i]), f"request {i}"
+        stats = burst_equals_one_process(engine, plain, shared, params)
     assert stats["preemptions"] > 0 and stats["prefix_cache_hits"] >= 8 * (n - 1), stats
 
 
