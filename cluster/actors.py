@@ -271,7 +271,8 @@ class VerifierHost(_ServiceHost):
                                      max_batch_tokens=v.max_batch_tokens, checkpoints=store, threads=threads,
                                      kv_cache_memory=v.kv_cache_memory, kv_block_size=v.kv_block_size,
                                      checkpoint_interval_s=v.checkpoint_interval_s,
-                                     grammars=target_grammars(cfg, model.config.vocab_size))
+                                     grammars=target_grammars(cfg, model.config.vocab_size),
+                                     cuda_graphs=v.cuda_graphs)
         host = internal_host(cfg)
         self.server, port = serve(self.engine, host=host, port=0, secret=cluster_secret(cfg, store),
                                   mutual_tls=cfg.security.internal_tls(check=True, address=host))

@@ -21,7 +21,8 @@ from typing import Sequence
 import torch
 
 from .model import KVCache, Transformer
-from .static_pass import Bucket, Buckets, StaticInputs, pad, static_forward
+from .paged_kv import PagedKVCache, PagedRows
+from .static_pass import Bucket, Buckets, StaticInputs, pad, pad_paged, static_forward
 
 WARMUP_PASSES = 2  # eager passes on a side stream before a capture (lazy inits, cuBLAS workspaces)
 
@@ -29,26 +30,30 @@ WARMUP_PASSES = 2  # eager passes on a side stream before a capture (lazy inits,
 def static_passes(model: Transformer, cache, cuda_graphs: bool | None = None) -> "StaticPasses | None":
     """A server's static passes over its cache, as its `cuda_graphs` setting asks (None: where the
     model is on CUDA); None when off, or when the static pass cannot run over them (the passes
-    then run eagerly): a cache that is not a KVCache's rows, a tensor-parallel target."""
+    then run eagerly): a cache that is neither a KVCache's rows nor a paged cache's pool, a
+    tensor-parallel target."""
     on = model.device.type == "cuda" if cuda_graphs is None else cuda_graphs
     return StaticPasses(model, cache) if on and runs_static(model, cache) else None
 
 
 def runs_static(model, cache) -> bool:
-    """Whether static passes can run `model` over `cache`: a plain Transformer over a KVCache."""
-    return isinstance(model, Transformer) and type(cache) is KVCache
+    """Whether static passes can run `model` over `cache`: a plain Transformer over a KVCache,
+    or over a paged cache's pool (whose rows a pass names by their block tables)."""
+    return isinstance(model, Transformer) and (type(cache) is KVCache or type(cache) is PagedKVCache)
 
 
 class StaticPasses:
-    """Static-shape passes of `model` over `cache` (its rows; `layers`: a layer-skip
-    drafter's subset). `graphs`: capture each bucket as a CUDA graph (None: when the model
-    is on CUDA)."""
+    """Static-shape passes of `model` over `cache` (a KVCache's rows, or a paged cache's pool:
+    each pass then gives its rows' `PagedRows` view, whose block tables become index inputs;
+    `layers`: a layer-skip drafter's subset). `graphs`: capture each bucket as a CUDA graph
+    (None: when the model is on CUDA)."""
 
-    def __init__(self, model: Transformer, cache: KVCache, buckets: Buckets | None = None,
+    def __init__(self, model: Transformer, cache: "KVCache | PagedKVCache", buckets: Buckets | None = None,
                  graphs: bool | None = None, layers: Sequence[int] | None = None):
         if not runs_static(model, cache):
-            raise TypeError("static passes run a plain Transformer over a KVCache's rows")
+            raise TypeError("static passes run a plain Transformer over a KVCache's rows or a paged cache")
         self.model, self.cache, self.buckets = model, cache, buckets or Buckets()
+        self.paged = isinstance(cache, PagedKVCache)
         self.layers = None if layers is None else list(layers)
         self.graphs = model.device.type == "cuda" if graphs is None else graphs
         if self.graphs and model.device.type != "cuda":
@@ -73,25 +78,38 @@ class StaticPasses:
     def fits(self, rows: int, tokens: int, span: int) -> bool:
         return self.bucket(rows, tokens, span) is not None
 
+    def serves(self, cache) -> bool:
+        """Whether a pass over `cache` (a KVCache, or a paged cache's rows) runs over this one's storage."""
+        return cache is self.cache or (self.paged and isinstance(cache, PagedRows) and cache.cache is self.cache)
+
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, rows: Sequence[int],
-                 real: Sequence[int] | None = None, logits_from: int = 0) -> torch.Tensor:
+                 real: Sequence[int] | None = None, logits_from: int = 0, view: PagedRows | None = None
+                 ) -> torch.Tensor:
         """Score `tokens` [b, t] at `positions` [b, t] with `mask` [b, t, span] over cache rows
         `rows` (pass row i is cache row rows[i]), as `Transformer.forward` does: each row's
         keys and values appended after its committed slots, whose count grows by t. `real`:
         only the first real[i] tokens of row i matter; the logits then come back packed,
-        [sum(real), V], row after row, as the eager pass gives them; else [b, t - logits_from, V]."""
+        [sum(real), V], row after row, as the eager pass gives them; else [b, t - logits_from, V].
+        Over a paged cache, `rows` are rows of `view` (the pass's block tables and lengths)."""
         b, t = tokens.shape
         if real is not None and logits_from:
             raise ValueError("packed rows give logits for every real token")
-        starts = [self.cache.lengths[r] for r in rows]
+        if self.paged and (view is None or view.cache is not self.cache):
+            raise ValueError("a static pass over a paged cache needs its rows' view of that cache")
+        lengths = view.lengths if self.paged else self.cache.lengths
+        starts = [lengths[r] for r in rows]
         bucket = self.bucket(b, t, mask.shape[-1])
         if bucket is None or max(starts) + t > self.cache.max_len - 1:
             raise ValueError(f"a pass of {b} x {t} tokens over {mask.shape[-1]} slots fits no bucket")
         counts = list(real) if real is not None else [t] * b
-        padded = pad(bucket, tokens.cpu(), positions.cpu(), mask.cpu(), rows, starts, counts, self.cache.max_len - 1)
+        if self.paged:
+            padded = pad_paged(bucket, tokens.cpu(), positions.cpu(), mask.cpu(), view, rows, counts)
+        else:
+            padded = pad(bucket, tokens.cpu(), positions.cpu(), mask.cpu(), rows, starts, counts,
+                         self.cache.max_len - 1)
         logits = self._run(bucket, padded)
         for r in rows:
-            self.cache.lengths[r] += t
+            lengths[r] += t
         if real is None:
             return logits[:b, logits_from:t].clone()
         return torch.cat([logits[i, :n] for i, n in enumerate(counts)])
@@ -101,7 +119,7 @@ class StaticPasses:
         self.passes[bucket] = self.passes.get(bucket, 0) + 1
         inputs = self._inputs.get(bucket)
         if inputs is None:
-            inputs = self._inputs[bucket] = StaticInputs(bucket, self.model.device)
+            inputs = self._inputs[bucket] = StaticInputs(bucket, self.model.device, self.paged)
         inputs.fill(padded)
         if not self.graphs:
             with torch.inference_mode():

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from .model import FUSED_ATTENTION_MAX_TOKENS, KVCache, Transformer, additive_mask
+from .paged_kv import PagedKVCache, PagedRows
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -64,7 +65,7 @@ class StaticInputs:
     """One bucket's input buffers: what a captured pass reads, and a request's inputs are
     copied into."""
 
-    def __init__(self, bucket: Bucket, device: torch.device | str):
+    def __init__(self, bucket: Bucket, device: torch.device | str, paged: bool = False):
         b, t, s = bucket.rows, bucket.tokens, bucket.span
         self.bucket = bucket
         self.tokens = torch.zeros(b, t, dtype=torch.long, device=device)
@@ -73,11 +74,15 @@ class StaticInputs:
         self.read_rows = torch.zeros(b, dtype=torch.long, device=device)  # the cache row each pass row reads
         self.write_rows = torch.zeros(b, t, dtype=torch.long, device=device)  # and writes each token's entry to
         self.write_slots = torch.zeros(b, t, dtype=torch.long, device=device)  # at this slot
+        # a paged cache's: the pool slot each row's span slot is read from (`write_slots` then
+        # name pool slots too)
+        self.read_slots = torch.zeros(b, s, dtype=torch.long, device=device) if paged else None
 
     def fill(self, padded: "PaddedInputs") -> None:
         """Copy a request's padded inputs (host tensors of this bucket's shapes) in."""
-        for name in ("tokens", "positions", "mask", "read_rows", "write_rows", "write_slots"):
-            getattr(self, name).copy_(getattr(padded, name), non_blocking=True)
+        for name in ("tokens", "positions", "mask", "read_rows", "write_rows", "write_slots", "read_slots"):
+            if getattr(self, name) is not None:
+                getattr(self, name).copy_(getattr(padded, name), non_blocking=True)
 
 
 @dataclass
@@ -89,6 +94,7 @@ class PaddedInputs:
     read_rows: torch.Tensor
     write_rows: torch.Tensor
     write_slots: torch.Tensor
+    read_slots: torch.Tensor | None = None
 
 
 def pad(bucket: Bucket, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, rows: Sequence[int],
@@ -116,6 +122,30 @@ def pad(bucket: Bucket, tokens: torch.Tensor, positions: torch.Tensor, mask: tor
                         write_slots)
 
 
+def pad_paged(bucket: Bucket, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
+              view: PagedRows, rows: Sequence[int], real: Sequence[int]) -> PaddedInputs:
+    """As `pad`, over a paged cache's rows (`view`, its rows `rows`): each token's keys and values
+    go to its pool slot, and row i reads its span's slot j from pool slot
+    view.slot_ids(rows[i], [j]) where it holds it (committed, or written by this pass), else
+    from the zero slot; padding (and a token past its row's blocks) writes to the trash slot,
+    and a padding row reads the zero slot."""
+    cache = view.cache
+    padded = pad(bucket, tokens, positions, mask, [0] * len(rows), [0] * len(rows), real, cache.trash_slot)
+    B, S = bucket.rows, bucket.span
+    read_slots = torch.full((B, S), cache.zero_slot, dtype=torch.long)
+    for i, (r, n) in enumerate(zip(rows, real)):
+        start, capacity = view.lengths[r], view.capacity(r)
+        held = min(start + n, S, capacity)
+        read_slots[i, :held] = torch.tensor(view.slot_ids(r, range(held)), dtype=torch.long)
+        inside = max(0, min(start + n, capacity) - start)  # past its blocks: the trash slot, as eagerly
+        padded.write_slots[i, :inside] = torch.tensor(view.slot_ids(r, range(start, start + inside)),
+                                                      dtype=torch.long)
+    padded.read_slots = read_slots
+    padded.read_rows.zero_()
+    padded.write_rows.zero_()
+    return padded
+
+
 def _attention(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                v_cache: torch.Tensor, inputs: StaticInputs, scores_mask: torch.Tensor) -> torch.Tensor:
     """One layer's attention (runtime.model.Attention's operations, the cache by index)."""
@@ -129,10 +159,19 @@ def _attention(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_ca
     q, k, v = qk[:, :attn.n_heads], qk[:, attn.n_heads:], heads[:, roped:]
     dtype = attn.attention_dtype or k_cache.dtype
     q = q.to(dtype)
-    k_cache[inputs.write_rows, :, inputs.write_slots] = k.transpose(1, 2).to(k_cache.dtype)  # [b, t, n_kv, d]
-    v_cache[inputs.write_rows, :, inputs.write_slots] = v.transpose(1, 2).to(v_cache.dtype)
-    keys = k_cache[:, :, :span].index_select(0, inputs.read_rows)  # [b, n_kv, span, d]
-    values = v_cache[:, :, :span].index_select(0, inputs.read_rows)
+    if inputs.read_slots is None:  # a KVCache's rows [rows, n_kv, slots, d]
+        k_cache[inputs.write_rows, :, inputs.write_slots] = k.transpose(1, 2).to(k_cache.dtype)  # [b, t, n_kv, d]
+        v_cache[inputs.write_rows, :, inputs.write_slots] = v.transpose(1, 2).to(v_cache.dtype)
+        keys = k_cache[:, :, :span].index_select(0, inputs.read_rows)  # [b, n_kv, span, d]
+        values = v_cache[:, :, :span].index_select(0, inputs.read_rows)
+    else:  # a paged cache's pool [n_kv, slots, d]: every slot by its index
+        n_kv, d = k_cache.shape[0], k_cache.shape[-1]
+        written = inputs.write_slots.flatten()
+        k_cache[:, written] = k.transpose(0, 1).reshape(n_kv, b * t, d).to(k_cache.dtype)
+        v_cache[:, written] = v.transpose(0, 1).reshape(n_kv, b * t, d).to(v_cache.dtype)
+        read = inputs.read_slots.flatten()
+        keys = k_cache[:, read].view(n_kv, b, span, d).transpose(0, 1)
+        values = v_cache[:, read].view(n_kv, b, span, d).transpose(0, 1)
     if attn.rows_attention is not None and x.dtype == torch.float32 and t <= FUSED_ATTENTION_MAX_TOKENS:
         # specserve's CPU attention (as the eager pass attends there): each query over its slots in order
         out = attn.rows_attention(q, keys, values, scores_mask, [span] * b)
@@ -155,7 +194,7 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torc
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=additive, enable_gqa=gqa)
 
 
-def static_forward(model: Transformer, cache: KVCache, inputs: StaticInputs,
+def static_forward(model: Transformer, cache: "KVCache | PagedKVCache", inputs: StaticInputs,
                    layers: Sequence[int] | None = None) -> torch.Tensor:
     """The logits [B, T, V] (float32) of a bucket's pass over `inputs`, appending each real
     token's keys and values at its slot (the cache's lengths do not move: the caller's

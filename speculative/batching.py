@@ -79,14 +79,14 @@ def verify_batch(model: Transformer, cache: KVCache, items: list[VerifyItem],
     device = model.device
     capture = _capture(items)
     width = max(1 + len(it.tree) for it in items)
-    if static is not None and capture is None and static.cache is cache:
+    if static is not None and capture is None and static.serves(cache):
         # only the items' rows take part, in row order: a static pass reads its rows by index
         ordered = sorted(items, key=lambda it: it.row)
         rows_of = [it.row for it in ordered]
         starts = [cache.lengths[r] for r in rows_of]
         if static.fits(len(ordered), width, max(starts) + width):
             tokens, positions, mask, starts, real = _inputs(dict(enumerate(ordered)), len(ordered), width, starts)
-            logits = static(tokens, positions, mask, rows_of, real=real)
+            logits = static(tokens, positions, mask, rows_of, real=real, view=cache if static.paged else None)
             return _verdicts(cache, items, {row: i for i, row in enumerate(rows_of)}, rows_of, starts, real, logits,
                              None, forced_of)
     first = min(it.row for it in items)

@@ -165,6 +165,75 @@ def test_a_batch_of_trees_verifies_alike_static_and_eager(precision):
         same(c_static.k[:, row, :, :n].float(), c_eager.k[:, row, :, :n].float(), precision)
 
 
+def paged_prefilled(model, prompts, blocks_a_row=4, block_size=8):
+    """A paged cache whose row r holds blocks r * blocks_a_row.., each prompt prefilled eagerly."""
+    cache = model.new_paged_cache(blocks_a_row * len(prompts), block_size)
+    tables = [list(range(r * blocks_a_row, (r + 1) * blocks_a_row)) for r in range(len(prompts))]
+    view = cache.rows(tables, [0] * len(prompts))
+    for row, p in enumerate(prompts):
+        model(torch.tensor([p]), torch.arange(len(p))[None], view.row_view(row),
+              attention_mask(0, causal_ancestors(len(p))))
+    return cache, view
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_a_batch_of_trees_over_a_paged_cache_verifies_alike_static_and_eager(precision):
+    """As above over a paged cache (the verifier's): the rows' block tables become the static
+    pass's slot indices; the same scores, verdicts, lengths and kept keys as the eager pass."""
+    model = model_in(precision)
+    prompts = [[1, 2, 3, 4], [5, 5, 5], [6, 1, 6, 1, 6, 1], [2, 7, 3]]
+    trees = [(3, [4, 5, 6], [-1, 0, 1]), (2, [1, 3, 0, 2, 4], [-1, -1, 0, 1, 3]), (0, [], [])]
+    runs = {}
+    for kind in ("eager", "static"):
+        cache, view = paged_prefilled(model, prompts)
+        static = StaticPasses(model, cache) if kind == "static" else None
+        scores, verdicts = [], []
+        for _ in range(2):
+            items = _items(trees, [0, 2, 3])
+            for it in items:
+                it.on_scores = lambda tokens, s: scores.append(s.clone())
+            verdicts += [(v.path, v.bonus) for v in verify_batch(model, view, items, static=static)]
+        if static is not None:
+            assert static.serves(view) and sum(static.passes.values()) == 2
+        runs[kind] = scores, verdicts, cache, view
+    (s_eager, v_eager, c_eager, w_eager), (s_static, v_static, c_static, w_static) = runs["eager"], runs["static"]
+    assert v_static == v_eager
+    for a, b in zip(s_static, s_eager):
+        same(a, b, precision)
+    assert list(w_static.lengths) == list(w_eager.lengths)
+    for row, n in enumerate(w_eager.lengths):
+        slots = torch.tensor(w_eager.slot_ids(row, range(n)))
+        same(c_static.k[:, :, slots].float(), c_eager.k[:, :, slots].float(), precision)
+
+
+def test_the_verifier_engine_verifies_through_static_passes_when_asked():
+    """`cuda_graphs` on (on the CPU: the static passes run eagerly, over the paged cache's
+    blocks): the same outcomes, round after round, as the engine's eager passes; off by
+    default on the CPU."""
+    from verifier_service.engine import VerifierEngine
+
+    model = model_in("int8")
+    engine = VerifierEngine(model, max_len=64, kv_blocks=80, kv_block_size=8)
+    assert engine._static is None
+    engine.close()
+    outcomes = {}
+    for on in (False, True):
+        engine = VerifierEngine(model, max_len=64, kv_blocks=80, kv_block_size=8, cuda_graphs=on)
+        try:
+            got = [engine.prefill(r, p, SamplingParams()).next_token for r, p in (("a", [1, 2, 3]), ("b", [4, 5]))]
+            for _ in range(3):
+                for r in ("a", "b"):
+                    o = engine.verify(r, DraftTree([3, 4, 1], [-1, 0, -1]))
+                    got.append((o.accepted, o.bonus))
+            outcomes[on] = got
+            assert (engine._static is not None) == on
+            if on:
+                assert sum(engine._static.passes.values()) >= 3  # rounds batched or not
+        finally:
+            engine.close()
+    assert outcomes[True] == outcomes[False]
+
+
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_padding_rows_and_slots_never_change_a_real_rows_logits(precision):
     """The same pass in its own bucket and in a much larger one (8 rows, 16 tokens, 256 slots):

@@ -46,6 +46,7 @@ from speculative.grammar import Grammars
 from speculative.logprobs import TokenLogprob
 from speculative.processing import MAX_FORCED, Processor
 from runtime.cpu_tuning import own_torch_threads
+from runtime.graphs import static_passes
 from runtime.model import Transformer, attention_mask, causal_ancestors
 from runtime.paged_kv import BlockPool, PagedRows, SequenceBlocks
 from speculative.namespaces import DEFAULT_NAMESPACE, check_namespace
@@ -291,7 +292,7 @@ class VerifierEngine:
                  threads: int | None = None, metrics: VerifierMetrics | None = None,
                  grammars: Grammars | None = None, kv_cache_memory: str | float = _SETTINGS.kv_cache_memory,
                  kv_block_size: int = _SETTINGS.kv_block_size, kv_blocks: int | None = None,
-                 prefix_caching: bool = True):
+                 prefix_caching: bool = True, cuda_graphs: bool | None = _SETTINGS.cuda_graphs):
         """`threads`: torch threads of the worker thread, which runs every forward pass
         (None: torch's setting). A process that serves should run nothing multi-threaded
         on any other thread (`runtime.cpu_tuning.own_torch_threads`). `metrics`: where
@@ -301,7 +302,9 @@ class VerifierEngine:
         on CUDA) or bytes (`settings.memory_bytes`), in blocks of `kv_block_size` slots;
         `kv_blocks` gives the number of blocks instead. It must hold one request of
         `max_len` and a round's tree. `max_batch`: most requests held (None: as the blocks allow).
-        `prefix_caching` False: every request computes all its tokens (for measurements)."""
+        `prefix_caching` False: every request computes all its tokens (for measurements).
+        `cuda_graphs`: verification passes at static shapes over the cache's blocks, each
+        bucket's pass a captured CUDA graph (runtime/graphs.py; None: on CUDA)."""
         if (max_batch is not None and max_batch < 1) or max_batch_tokens < 1:
             raise ValueError("max_batch and max_batch_tokens must be positive")
         self.model, self.threads, self.grammars = model, threads, grammars
@@ -326,6 +329,7 @@ class VerifierEngine:
         self._pool = BlockPool(kv_blocks, kv_block_size)
         self.prefix_caching = prefix_caching
         self._kv = model.new_paged_cache(kv_blocks, kv_block_size)
+        self._static = static_passes(model, self._kv, cuda_graphs)
         self._requests: dict[str, _Request] = {}
         self._seqs = itertools.count(1)
         self._parked: list[_Verify] = []  # rounds of preempted requests, waiting for blocks
@@ -678,7 +682,7 @@ class VerifierEngine:
 
     def _pass(self, view: PagedRows, items: list[VerifyItem]) -> list[Verdict]:
         """One verification pass over a batch's rows: what `PassShape.seconds` times."""
-        return verify_batch(self.model, view, items)
+        return verify_batch(self.model, view, items, static=self._static)
 
     def _check_tree(self, tree: DraftTree, state: _Request) -> None:
         """What a well-formed tree still needs: room in the context, and when sampling, its draws' q."""

@@ -60,6 +60,9 @@ class VerifierSettings(BaseModel):
                                      "cores, each side computes on cores of its own")
     tensor_parallel: int = Field(1, ge=1, description="processes each verifier's target is split across, on "
                                                       "one node (tensor parallelism, docs/SERVING.md)")
+    cuda_graphs: bool | None = Field(None, description="verification passes at static shapes over the KV cache's "
+                                     "blocks, each bucket's pass a captured CUDA graph (runtime/graphs.py); "
+                                     "default: on where the target is on CUDA, off on a CPU")
     resources: dict[str, float] = Field({"verifier": 1}, description="Ray resources each verifier needs")
     max_count: int | None = Field(None, ge=1, description="most verifier replicas the autoscaler starts "
                                                           "(default: count, no autoscaling)")
