@@ -148,15 +148,34 @@ def random_pass(b: int, t: int, starts: list[int], vocab: int, gen: torch.Genera
     return tokens, positions, mask, real
 
 
-def check_buckets(model, device: str, buckets: list[Bucket], graphs: bool, seed: int = 3) -> dict:
+PAGED_BLOCK = 16  # slots a block of the paged caches the bucket check also runs over
+
+
+def paged_views(model, rows: int, slots: int, gen: torch.Generator):
+    """Two equal paged caches' views of `rows` rows of `slots` slots each, every row's blocks
+    scattered over the pool in one random order (as a verifier's are after a while)."""
+    per_row = -(-slots // PAGED_BLOCK)
+    order = torch.randperm(rows * per_row, generator=gen).tolist()
+    tables = [order[r * per_row:(r + 1) * per_row] for r in range(rows)]
+    caches = [model.new_paged_cache(rows * per_row, PAGED_BLOCK) for _ in range(2)]
+    return caches, [c.rows(tables, [0] * rows) for c in caches]
+
+
+def check_buckets(model, device: str, buckets: list[Bucket], graphs: bool, seed: int = 3, paged: bool = False
+                  ) -> dict:
     """Each bucket's static pass (captured and replayed where `graphs`) against the eager pass, on
-    two requests' inputs each (the second replays the first's graph), over equal caches."""
+    two requests' inputs each (the second replays the first's graph), over equal caches: a
+    KVCache's rows, or (`paged`) a paged cache's scattered blocks, as the verifier holds them."""
     rows = max(b.rows for b in buckets)
     slots = max(b.span for b in buckets) + 1
     gen = torch.Generator().manual_seed(seed)
     vocab = model.config.vocab_size
-    eager, ours = model.new_cache(slots, batch=rows), model.new_cache(slots, batch=rows)
-    static = StaticPasses(model, ours, graphs=graphs)
+    if paged:
+        (_, pool), (eager, ours) = paged_views(model, rows, slots, gen)
+        static = StaticPasses(model, pool, graphs=graphs)
+    else:
+        eager, ours = model.new_cache(slots, batch=rows), model.new_cache(slots, batch=rows)
+        static = StaticPasses(model, ours, graphs=graphs)
     out = {"checked": 0, "exact": 0, "max_diff": 0.0, "differ": [], "capture_s": 0.0, "errors": {}}
     for bucket in buckets:
         b, t, s = bucket.rows, bucket.tokens, bucket.span
@@ -179,7 +198,7 @@ def check_buckets(model, device: str, buckets: list[Bucket], graphs: bool, seed:
                 want = model(tokens.to(device), positions.to(device), eager.rows_view(0, b), mask.to(device),
                              real=real)
                 started = time.perf_counter()
-                got = static(tokens, positions, mask, list(range(b)), real=real)
+                got = static(tokens, positions, mask, list(range(b)), real=real, view=ours if paged else None)
                 if trial == 0:
                     out["capture_s"] += time.perf_counter() - started
                 diff = float((got - want).abs().max())
@@ -204,10 +223,12 @@ def buckets_section(args, source: Path, report: dict) -> None:
     for precision in args.bucket_dtypes or args.dtypes:
         try:
             model = precision_model(source, args.device, precision)
-            out[precision] = check_buckets(model, args.device, buckets, graphs=args.device.startswith("cuda"))
+            for paged in (False, True):  # the drafters' contiguous caches, the verifier's paged one
+                out[precision + ("-paged" if paged else "")] = check_buckets(
+                    model, args.device, buckets, graphs=args.device.startswith("cuda"), paged=paged)
         except Exception:
             out[precision] = {"error": traceback.format_exc(limit=6)}
-        r = out[precision]
+    for precision, r in out.items():
         print(f"buckets {precision}: " + (r["error"].strip().splitlines()[-1] if "error" in r else
               f"{r['exact']}/{r['checked']} bit-exact, largest difference {r['max_diff']:.1e}, "
               f"argmax differs in {len(r['differ'])}, {r['captured']} graphs captured in {r['capture_s']} s, "
