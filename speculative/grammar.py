@@ -6,8 +6,8 @@ the verifier keeps a `Matcher` per request: the grammar's state after the verifi
 tokens, the set of tokens it allows next (`mask`), the tokens it forces (`forced`,
 jump-forward), and `consume` / `rollback` to walk a draft tree's paths and come back.
 
-llguidance was chosen for its mask time on a CPU (docs/BENCHMARKS.md, structured
-outputs) and because its matcher rolls back, which walking a tree needs.
+llguidance was chosen for its compile and mask time on a CPU (docs/lab/structured-outputs.md)
+and because its matcher rolls back, which walking a tree needs.
 """
 
 from __future__ import annotations
