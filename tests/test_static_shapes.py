@@ -136,26 +136,32 @@ def _items(trees, rows, seed=0):
             for row, (root, tokens, parents) in zip(rows, trees)]
 
 
+BATCH_PROMPTS = [[1, 2, 3, 4], [5, 5, 5], [6, 1, 6, 1, 6, 1], [2, 7, 3]]
+BATCH_TREES = [(3, [4, 5, 6], [-1, 0, 1]), (2, [1, 3, 0, 2, 4], [-1, -1, 0, 1, 3]), (0, [], [])]
+
+
+def two_rounds(model, cache, static) -> tuple[list, list]:
+    """Three requests in rows 0, 2 and 3 (row 1 idle), a chain, a tree and an empty tree, two
+    rounds over `cache` (a KVCache, or a paged cache's rows): every node's scores, the verdicts."""
+    scores, verdicts = [], []
+    for _ in range(2):
+        items = _items(BATCH_TREES, [0, 2, 3])
+        for it in items:
+            it.on_scores = lambda tokens, s: scores.append(s.clone())
+        verdicts += [(v.path, v.bonus) for v in verify_batch(model, cache, items, static=static)]
+    if static is not None:
+        assert static.serves(cache) and sum(static.passes.values()) == 2
+    return scores, verdicts
+
+
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_a_batch_of_trees_verifies_alike_static_and_eager(precision):
-    """Three requests in rows 0, 2 and 3 (row 1 idle), a chain, a tree and an empty tree, two
-    rounds: the same scores for every node, the same verdicts, the same kept cache entries."""
+    """The same scores for every node, the same verdicts, the same kept cache entries."""
     model = model_in(precision)
-    prompts = [[1, 2, 3, 4], [5, 5, 5], [6, 1, 6, 1, 6, 1], [2, 7, 3]]
-    trees = [(3, [4, 5, 6], [-1, 0, 1]), (2, [1, 3, 0, 2, 4], [-1, -1, 0, 1, 3]), (0, [], [])]
     runs = {}
     for kind in ("eager", "static"):
-        cache = prefilled(model, prompts)
-        static = StaticPasses(model, cache) if kind == "static" else None
-        scores, verdicts = [], []
-        for _ in range(2):
-            items = _items(trees, [0, 2, 3])
-            for it in items:
-                it.on_scores = lambda tokens, s: scores.append(s.clone())
-            verdicts += [(v.path, v.bonus) for v in verify_batch(model, cache, items, static=static)]
-        if static is not None:
-            assert sum(static.passes.values()) == 2
-        runs[kind] = scores, verdicts, cache
+        cache = prefilled(model, BATCH_PROMPTS)
+        runs[kind] = *two_rounds(model, cache, StaticPasses(model, cache) if kind == "static" else None), cache
     (s_eager, v_eager, c_eager), (s_static, v_static, c_static) = runs["eager"], runs["static"]
     assert v_static == v_eager
     for a, b in zip(s_static, s_eager):
@@ -181,21 +187,10 @@ def test_a_batch_of_trees_over_a_paged_cache_verifies_alike_static_and_eager(pre
     """As above over a paged cache (the verifier's): the rows' block tables become the static
     pass's slot indices; the same scores, verdicts, lengths and kept keys as the eager pass."""
     model = model_in(precision)
-    prompts = [[1, 2, 3, 4], [5, 5, 5], [6, 1, 6, 1, 6, 1], [2, 7, 3]]
-    trees = [(3, [4, 5, 6], [-1, 0, 1]), (2, [1, 3, 0, 2, 4], [-1, -1, 0, 1, 3]), (0, [], [])]
     runs = {}
     for kind in ("eager", "static"):
-        cache, view = paged_prefilled(model, prompts)
-        static = StaticPasses(model, cache) if kind == "static" else None
-        scores, verdicts = [], []
-        for _ in range(2):
-            items = _items(trees, [0, 2, 3])
-            for it in items:
-                it.on_scores = lambda tokens, s: scores.append(s.clone())
-            verdicts += [(v.path, v.bonus) for v in verify_batch(model, view, items, static=static)]
-        if static is not None:
-            assert static.serves(view) and sum(static.passes.values()) == 2
-        runs[kind] = scores, verdicts, cache, view
+        cache, view = paged_prefilled(model, BATCH_PROMPTS)
+        runs[kind] = *two_rounds(model, view, StaticPasses(model, cache) if kind == "static" else None), cache, view
     (s_eager, v_eager, c_eager, w_eager), (s_static, v_static, c_static, w_static) = runs["eager"], runs["static"]
     assert v_static == v_eager
     for a, b in zip(s_static, s_eager):
