@@ -158,6 +158,27 @@ def admission(model, memory: str, lengths: list[int], block_size: int) -> None:
         print(f"| {n} | {admitted(blocks, block_size, n)} | {admitted(old_blocks, block_size, n)} | 8 |")
 
 
+def admission_check(model, blocks: int, block_size: int, n: int) -> None:
+    """The engine itself: distinct requests of `n` tokens prefilled one after another into a
+    cache of `blocks` blocks until it refuses one; the count beside the rule's (`admitted`)."""
+    from verifier_service.engine import ResourceExhausted
+
+    engine = VerifierEngine(model, max_len=n + 64, max_batch_tokens=64, kv_blocks=blocks, kv_block_size=block_size)
+    held = 0
+    try:
+        while True:
+            ids = [(held * 7919 + j * 104729) % model.config.vocab_size for j in range(n)]  # no shared prefix
+            try:
+                engine.prefill(f"a{held}", ids, SamplingParams(max_tokens=1))
+            except ResourceExhausted:
+                break
+            held += 1
+    finally:
+        engine.close()
+    print(f"\n{blocks} blocks of {block_size}: the engine held {held} requests of {n} tokens before refusing "
+          f"one; the rule says {admitted(blocks, block_size, n)}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("parts", nargs="*", default=["ttft", "shared", "admission"])
@@ -169,6 +190,8 @@ def main() -> None:
     p.add_argument("--output-tokens", type=int, default=8)
     p.add_argument("--memory", default=VerifierSettings().kv_cache_memory)
     p.add_argument("--off-first", action="store_true", help="shared: run without prefix caching first")
+    p.add_argument("--check-blocks", type=int, default=344,
+                   help="admission-check: the cache's blocks (a tenth of what 0.1 of the machine gave here)")
     args = p.parse_args()
     model, tok = loading.load(dtype=args.dtype)
     print(f"{args.dtype}, default model, {torch.get_num_threads()} torch threads")
@@ -177,6 +200,8 @@ def main() -> None:
     if "shared" in args.parts:
         shared_prompt(model, tok, args.clients, args.system_tokens, args.output_tokens,
                       (False, True) if args.off_first else (True, False))
+    if "admission-check" in args.parts:
+        admission_check(model, args.check_blocks, VerifierSettings().kv_block_size, 256)
     if "admission" in args.parts:
         admission(model, args.memory, [256, 512, 1024, 4096], VerifierSettings().kv_block_size)
 
