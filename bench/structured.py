@@ -164,11 +164,12 @@ def run_structured(args) -> dict:
     llama = _llama(args, engine, cases) if LLAMACPP_AR in modes else None
     eos = list(engine.tokenizer.eos_token_ids or engine.model.config.eos_token_ids)
     for case in cases:
+        llama_grammar = gbnf(args.workload, case.schema) if llama is not None else None
         for mode in modes:
             seconds = []
             for _ in range(args.repeats):
                 if mode == LLAMACPP_AR:  # llama.cpp's own grammar sampler, on the GGUF as it is
-                    tokens, took, passes, _ = llama.run(case.ids, params, mode, gbnf(args.workload, case.schema))
+                    tokens, took, passes, _ = llama.run(case.ids, params, mode, llama_grammar)
                     tokens, forced = [t for t in tokens if t not in eos], 0
                 else:
                     req = Request("", True, dataclasses.replace(params, grammar=case.grammar), mode,

@@ -138,6 +138,7 @@ def pad_paged(bucket: Bucket, tokens: torch.Tensor, positions: torch.Tensor, mas
         held = min(start + n, S, capacity)
         read_slots[i, :held] = torch.tensor(view.slot_ids(r, range(held)), dtype=torch.long)
         inside = max(0, min(start + n, capacity) - start)  # past its blocks: the trash slot, as eagerly
+        padded.write_slots[i, inside:] = cache.trash_slot
         padded.write_slots[i, :inside] = torch.tensor(view.slot_ids(r, range(start, start + inside)),
                                                       dtype=torch.long)
     padded.read_slots = read_slots

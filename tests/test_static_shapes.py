@@ -375,3 +375,19 @@ def test_the_in_process_engine_and_bench_time_passes_through_static_passes():
     assert static is engine.static_passes() and engine.drafter_passes() is not None
     times = forward_ms(engine, sizes=(1, 4), repeats=2, static=static)
     assert set(times) == {"1", "4"} and static.passes == {Bucket(1, 1, 256): 3, Bucket(1, 4, 256): 3}
+
+
+def test_a_paged_rows_tokens_past_its_blocks_write_to_the_trash_slot_alone():
+    """As the eager paged pass drops them: a row of one 8-slot block holding 6, given 4 tokens,
+    writes its first 2 to its block and the rest (and padding) to the trash slot."""
+    from runtime.static_pass import pad_paged
+
+    cache = model_in("float32").new_paged_cache(4, 8)
+    view = cache.rows([[2]], [6])
+    t = 4
+    padded = pad_paged(Bucket(2, 4, 128), torch.zeros(1, t, dtype=torch.long), torch.arange(6, 10)[None],
+                       torch.ones(1, t, 10, dtype=torch.bool), view, [0], [t])
+    assert padded.write_slots[0].tolist() == [2 * 8 + 6, 2 * 8 + 7, cache.trash_slot, cache.trash_slot]
+    assert padded.write_slots[1].tolist() == [cache.trash_slot] * 4  # a padding row
+    assert padded.read_slots[0, :8].tolist() == list(range(16, 24)) and set(padded.read_slots[0, 8:].tolist()) == {
+        cache.zero_slot}
