@@ -13,7 +13,7 @@ of `speculative/` take their values as parameters.
   the others take BLAS.
 - SPECSERVE_CPU_KERNELS: who multiplies on the CPU, int8/int4 weights and float32
   models' linear layers (with their norms), `auto` (the default: specserve's own on an
-  x86 CPU with AVX2 or AVX-512, torch's on one with AMX), `native` (specserve's own on
+  x86 CPU with AVX2 or AVX-512, torch's where they cannot be built), `native` (specserve's own on
   any AVX2 CPU) or `torch` (torch's, and oneDNN's prepacked float32 layers).
 - SPECSERVE_INT_ACTIVATIONS: what specserve's int8/int4 products multiply the weights by,
   `int8` (the default: the activations quantised to 8 bits per block of 32, integer dot

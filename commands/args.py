@@ -42,7 +42,6 @@ def prepare_once(source: str | None, device: str = "cpu") -> None:
     if path.suffix == ".gguf":
         converted_gguf_dir(path, cache_dir, show_progress=True)
     tuning = cpu_tuning_from_env()
-    takes_torchs = tuning.kernels == "torch" or (tuning.kernels == "auto" and cpu_kernels.has_amx())
-    if device == "cpu" and not takes_torchs and not cpu_kernels.library_path(cache_dir).exists():
+    if device == "cpu" and tuning.kernels != "torch" and not cpu_kernels.library_path(cache_dir).exists():
         tqdm.write("specserve: compiling specserve's CPU products once (runtime/cpu_kernels.cpp)", file=sys.stderr)
         cpu_kernels.preferred(tuning.kernels, cache_dir, tuning.compiler)

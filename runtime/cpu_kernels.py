@@ -8,8 +8,8 @@ bits per block of 32, with integer dot products (q8_kernels.cpp, the default, `A
 "int8": AVX2's maddubs, VNNI's dot product where the CPU has it), so that a pass of many rows
 costs little more than one row; or by the float32 activations as they are ("float32",
 cpu_kernels.cpp: weights decoded to float32, compute-bound with many rows). torch's CPU
-kernels for int weights take bfloat16 activations, and on the AMD EPYCs measured (AVX2, and
-AVX-512 without AMX) they are slower than these (docs/BENCHMARKS.md); for float32, oneDNN's
+kernels for int weights take bfloat16 activations, and on the CPUs measured (AMD EPYCs with
+AVX2 or AVX-512, an Intel Xeon with AMX) they are slower than these (docs/DESIGN-NOTES.md); for float32, oneDNN's
 prepacked product is slower than these for passes of a few rows. Every one gives each row the
 same result whatever the rows beside it (the lossless contract). The sources are compiled with
 the system's C++ compiler on first use, a few seconds, for AVX-512 where torch finds it and
@@ -17,9 +17,9 @@ AVX2 otherwise, with VNNI where /proc/cpuinfo shows it, and kept in the cache di
 (`runtime.cache.cache_root`).
 
 Who multiplies (`preferred`, `CpuTuning.kernels`, SPECSERVE_CPU_KERNELS at the edge):
-`auto` these, except on a CPU with AMX (there torch's were measured fast and these were not
-measured) or where these cannot be built (no compiler, no AVX2, not x86: a warning says so);
-`native` these on any AVX2 CPU, an error if they cannot be built; `torch` torch's.
+`auto` these wherever they can be built (on a CPU with AMX too: there they measured faster
+than torch's, docs/DESIGN-NOTES.md), else torch's (no compiler, no AVX2, not x86: a warning
+says so); `native` these on any AVX2 CPU, an error if they cannot be built; `torch` torch's.
 """
 
 from __future__ import annotations
@@ -69,21 +69,13 @@ def preferred(choice: str = "auto", cache_dir: str | os.PathLike | None = None, 
     """Whether linear layers on the CPU take the native products, by `choice` (module doc)."""
     if choice not in CHOICES:
         raise ValueError(f"CPU kernels: choice must be one of {', '.join(CHOICES)}, got {choice!r}")
-    if choice == "torch" or (choice == "auto" and has_amx()):
+    if choice == "torch":
         return False
     if available(cache_dir, compiler):
         return True
     if choice == "native":
         raise RuntimeError(f"specserve's CPU kernels were asked for (native), but they cannot load: {_error}")
     return False
-
-
-def has_amx() -> bool:
-    """Whether this CPU has AMX tiles (Linux's /proc/cpuinfo; False where it cannot tell)."""
-    try:
-        return " amx_tile" in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
 
 
 def fits(in_features: int) -> bool:

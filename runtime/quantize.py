@@ -15,7 +15,7 @@ product, unless `CpuTuning.int_activations` is "float32"). The weights:
 which is how a tensor-parallel rank takes its slice of the very weights one process would
 use (runtime/tp.py, `shard_weights`).
 
-On an x86 CPU with AVX2 or AVX-512 but not AMX the products are specserve's own
+On an x86 CPU with AVX2 or AVX-512 the products are specserve's own
 (runtime/cpu_kernels.py; `quantize`'s `tuning.kernels` picks): by default each row's input
 quantised to 8 bits per block of 32 (a Q8_0 block, a scale of its own) and multiplied by the
 weight codes with integer dot products (q8_kernels.cpp), or with `tuning.int_activations`

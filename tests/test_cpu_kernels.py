@@ -348,11 +348,9 @@ def test_torch_kernels_where_asked():
     assert all(m.native for m in native.modules() if isinstance(m, (Int4Linear, Int8Linear)))
 
 
-def test_auto_takes_ours_except_on_a_cpu_with_amx(monkeypatch):
-    monkeypatch.setattr(cpu_kernels, "has_amx", lambda: False)
-    assert cpu_kernels.preferred("auto")
-    monkeypatch.setattr(cpu_kernels, "has_amx", lambda: True)
-    assert not cpu_kernels.preferred("auto") and cpu_kernels.preferred("native")
+def test_auto_takes_ours_wherever_they_build():
+    assert cpu_kernels.preferred("auto") and cpu_kernels.preferred("native")
+    assert not cpu_kernels.preferred("torch")
 
 
 @pytest.fixture
@@ -360,7 +358,6 @@ def unbuildable(monkeypatch):
     """The kernels loaded anew on first use; the compiler to give them, one that fails."""
     monkeypatch.setattr(cpu_kernels, "_library", None)
     monkeypatch.setattr(cpu_kernels, "_error", None)
-    monkeypatch.setattr(cpu_kernels, "has_amx", lambda: False)
     return "/bin/false"
 
 
