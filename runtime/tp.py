@@ -210,6 +210,24 @@ class TensorParallelTarget:
     def dtype(self) -> torch.dtype:
         return self.model.dtype
 
+    # What rank 0 holds whole (the embedding is replicated, the LM head is rank 0's alone, the
+    # RoPE tables every rank's): a feature-level drafter reads them (EagleHead.attach).
+    @property
+    def embed(self) -> torch.nn.Module:
+        return self.model.embed
+
+    @property
+    def lm_head(self) -> torch.nn.Module:
+        return self.model.lm_head
+
+    @property
+    def rope_cos(self) -> torch.Tensor:
+        return self.model.rope_cos
+
+    @property
+    def rope_sin(self) -> torch.Tensor:
+        return self.model.rope_sin
+
     def new_cache(self, max_len: int, batch: int = 1, num_layers: int | None = None) -> "MirroredCache":
         cache = MirroredCache(self, self.model.new_cache(max_len, batch, num_layers))
         self._ops.append(("new", cache.cache_id, max_len, batch, num_layers))

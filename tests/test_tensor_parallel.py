@@ -315,7 +315,8 @@ GENERATED = 24  # tokens: short generations, the oracle's first ones
 
 def test_generate_tensor_parallel_3_matches_hf(hf_oracle, default_group):
     """`specserve generate --tensor-parallel 3` (CPU-tuned ranks, a drafter's trees) and a
-    3-rank engine driving the layer-skip drafter on the target's own sharded layers."""
+    3-rank engine driving the layer-skip drafter on the target's own sharded layers, and the
+    feature-level head (`eagle`) on the 3-rank target's features."""
     import json
     import subprocess
     import sys
@@ -340,6 +341,12 @@ def test_generate_tensor_parallel_3_matches_hf(hf_oracle, default_group):
         PROMPTS[1][1], chat=True, params=SamplingParams(max_tokens=GENERATED), drafter="layerskip", draft_length=3))
     assert result.draft_tokens > 0
     check(1, result.token_ids, "layerskip on 3 ranks")
+    # the feature-level head, its features captured on rank 0 (the residual stream is whole there)
+    result = LocalEngine(group.target, tokenizer).run(Request(
+        PROMPTS[2][1], chat=True, params=SamplingParams(max_tokens=GENERATED), drafter="eagle", draft_length=4,
+        tree_budget=8))
+    assert result.accepted_draft_tokens > 0
+    check(2, result.token_ids, "eagle on 3 ranks")
 
 
 def test_served_tensor_parallel_verifier_matches_hf(hf_oracle, default_group):
