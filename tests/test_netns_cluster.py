@@ -126,11 +126,14 @@ def test_the_delay_wire_delays_each_way_and_keeps_order(tmp_path):
 
     with NetnsCluster(tmp_path) as c:
         near, far = c.add_host("near"), c.add_host("far", delay_ms=5.0)
-        fast, _ = measure_rtt(near, rounds=20)
+        # 5 ms each way: no round trip beats 10 ms, and the quickest is not much slower (the
+        # bounds are on the quickest round trips: on loaded cores the wire's process, and so the
+        # median, waits for the CPU)
+        _, fast_min = measure_rtt(near, rounds=20)
         slow, slow_min = measure_rtt(far, rounds=20)
-        assert fast < 5 and 10 <= slow_min and slow < 10 + 5, (fast, slow)  # 5 ms each way
+        assert fast_min < 5 and 10 <= slow_min < 10 + 5, (fast_min, slow_min, slow)
         c.set_delay(far, 0.0)
-        assert measure_rtt(far, rounds=20)[0] < 5
+        assert measure_rtt(far, rounds=20)[1] < 5
         # a stream across it comes back whole and in order (4 MB: many frames on the wire at once)
         c.set_delay(far, 1.0)
         data = bytes(range(256)) * (4 << 12)
