@@ -20,6 +20,7 @@ import json
 import multiprocessing
 import os
 import threading
+import time
 from concurrent.futures import Future, ProcessPoolExecutor
 
 CORES = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
@@ -43,10 +44,25 @@ def _start_worker(started) -> None:
     with started.get_lock():
         core = CORES[started.value % len(CORES)]
         started.value += 1
+    _exit_with_parent()
     _lowest_priority()
     pin_threads([core])
     torch.set_num_threads(1)
     LocalEngine.load = classmethod(_load_once(LocalEngine.load.__func__))
+
+
+def _exit_with_parent() -> None:
+    """End this worker once the test session's process is gone: killed (a timeout's SIGKILL),
+    it runs no `stop()`, and a worker in a session of its own (`_lowest_priority`) gets no
+    signal from its terminal either, so it would live on, busy with queued oracle runs."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=watch, daemon=True, name="exit-with-parent").start()
 
 
 def _lowest_priority() -> None:
