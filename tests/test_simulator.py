@@ -95,6 +95,30 @@ def test_pipelining_is_never_slower_with_the_same_costs(clients, pools):
     assert never.drafter_idle < seq.drafter_idle  # the ahead drafts still cost the pool
 
 
+def test_a_pool_link_delay_costs_each_sequential_round_its_round_trip():
+    # 31 tokens of (4 drafted, 4 accepted) rounds: 6 rounds after the prefill, each asking the pool once
+    near = simulate(costs(rounds=((4, 4),)), config())
+    far = simulate(costs(rounds=((4, 4),)), config(pool_link_ms=1.0))
+    assert near.passes == far.passes == 5 * 6
+    assert far.p50_s - near.p50_s == pytest.approx(6 * 2 * 1.0 / 1000)  # there and back, every round
+    assert far.pass_ms == pytest.approx(near.pass_ms)  # the verifier's side does not cross that link
+    with pytest.raises(ValueError, match="pool_link_ms"):
+        simulate(costs(), config(pool_link_ms=-1.0))
+
+
+def test_pipelining_hides_the_pool_link_when_the_ahead_draft_is_kept():
+    # every draft wholly accepted and kept: only the first round waits for the pool; the ahead
+    # drafts (a call, 2 x 1 ms of link, 8 ms of drafting) finish within a verify (a call, an 17 ms pass)
+    c = costs(rounds=((4, 4),), reuse=1.0)
+    near = simulate(c, config(pipelined=True))
+    far = simulate(c, config(pipelined=True, pool_link_ms=1.0))
+    assert far.p50_s - near.p50_s == pytest.approx(2 * 1.0 / 1000)
+    # none kept: every round pays the round trip again, as in sequence
+    never = dataclasses.replace(c, profiles={"d": {DOMAIN: DrafterProfile(((4, 4),), 0.0)}})
+    gap = simulate(never, config(pipelined=True, pool_link_ms=1.0)).p50_s - simulate(never, config(pipelined=True)).p50_s
+    assert gap == pytest.approx(6 * 2 * 1.0 / 1000)
+
+
 def test_poisson_arrivals_at_the_rate_asked_for():
     # light load (a request takes ~0.3 s, 4 clients at 0.5/s each): served as they arrive
     r = simulate(costs(), config(clients=4, rate=0.5, requests=2000))
@@ -168,6 +192,9 @@ def test_simulate_command(tmp_path, capsys):
     assert cli_main(["simulate", "--costs", str(path), "--drafter", "pld", "--grid", "--verifiers", "1", "2",
                      "--pools", "1", "2", "--requests-per-client", "1", "--out", str(out)]) == 0
     assert len(json.loads(out.read_text())["grid"]) == 4
+    assert cli_main(["simulate", "--costs", str(path), "--drafter", "pld", "--clients", "1", "--requests", "2",
+                     "--repeats", "1", "--pool-link-ms", "5", "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["results"][0]["config"]["pool_link_ms"] == 5.0
 
 
 def test_simulate_command_errors(tmp_path, capsys):
@@ -179,6 +206,8 @@ def test_simulate_command_errors(tmp_path, capsys):
     assert "no measured acceptance" in capsys.readouterr().err
     assert cli_main(["simulate", "--costs", str(path), "--pools", "0"]) == 2
     assert "--pools" in capsys.readouterr().err
+    assert cli_main(["simulate", "--costs", str(path), "--drafter", "pld", "--pool-link-ms", "-1"]) == 2
+    assert "--pool-link-ms" in capsys.readouterr().err
 
 
 def test_validation_reads_what_the_served_sides_did_between_two_scrapes():
