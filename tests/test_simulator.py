@@ -258,3 +258,30 @@ def test_validation_fits_the_costs_the_served_sides_showed_in_an_earlier_run():
     assert fitted["fitted_to_served"]["call_ms_in_process"] == 1.0
     with pytest.raises(SystemExit, match="two load levels"):
         fitted_to_served(in_process, {"command": "x", "rows": [level(1, 1.0)]}, "d", cfg, 3)
+
+
+def test_netns_validation_simulates_each_level_behind_its_own_delay():
+    """scripts/netns_validate.py: the served configuration drafts every round on the pool, and each
+    delay's measured levels are set beside a simulation whose pool link is that delay."""
+    import sys
+    from argparse import Namespace
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from netns_validate import rows_at_delays, sections
+
+    tree = sections(2, "small-general", [0, 1])
+    assert tree["router"]["verifier_drafting"] is False and tree["router"]["adaptive"] is False
+    assert tree["drafter_pools"] == {"count": 2, "kinds": ["small-general"], "threads": 1, "cores": [1]}
+
+    args = Namespace(drafter="d", rate=None, requests=4, max_tokens=64, sim_repeats=2)
+    level = {"clients": 1, "tokens_per_s": 10.0, "errors": 0, "p50_s": 1.0, "p99_s": 1.0, "tokens_per_pass": 3.0,
+             "served": {"passes": 1, "mean_batch_rows": 1.0, "pass_ms": 20.0, "propose_ms": 8.0}}
+    loads = {0.0: {1: {"results": [level]}}, 5.0: {1: {"results": [level]}}}
+    rows = rows_at_delays(args, costs(rounds=((4, 2),), output=64), loads, {0.0: (0.1, 0.1), 5.0: (10.2, 10.1)})
+    assert [(r["delay_ms"], r["rtt_ms"]) for r in rows] == [(0.0, 0.1), (5.0, 10.2)]
+    near, far = rows
+    # one client, closed loop, rounds in sequence: each round (one pool call) 2 x 5 ms longer
+    rounds_a_request = near["simulated_passes"] / args.requests
+    assert far["simulated_p50_s"] - near["simulated_p50_s"] == pytest.approx(rounds_a_request * 0.010, abs=1e-3)
+    assert far["simulated_tokens_per_s"] < near["simulated_tokens_per_s"] and far["error"] < near["error"]
