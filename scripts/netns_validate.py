@@ -10,9 +10,10 @@ drafter link, so it holds at every delay). Then, at each one-way delay (the wire
 in place, the cluster kept: a start costs minutes on two cores), `bench --load` at each client
 count, and the same simulated with `pool_link_ms` = the delay.
 
-Two comparisons are printed: with the in-process costs, and with the costs fitted to what the
-served verifier and pool showed at the first delay (validate_simulator's --fit-served, on this
-run's own first-delay levels: in sample there, a check of the link model at the others).
+Two comparisons are printed: with the costs measured in process (or as --costs / --fit-served
+give them, as in validate_simulator), and with the costs fitted to what the served verifier and
+pool showed at the first delay (validate_simulator's fitted_to_served on this run's own
+first-delay levels: in sample there, a check of the link model at the others).
 """
 
 from __future__ import annotations
@@ -80,7 +81,10 @@ def validate(args, build) -> int:
                   "shared cores" if args.cores is None else
                   f"verifier on core {args.cores[0]}, pools on core {args.cores[1]}"),
               "rows": rows_at_delays(args, costs, loads, rtts)}
-    text = "With the costs measured in process:\n\n" + to_markdown(report)
+    given = (f"fitted to the served sides in {args.fit_served} (--fit-served)" if args.fit_served else
+             "measured in process" if args.costs is None else f"in {args.costs}")
+    report["costs_are"] = given
+    text = f"With the costs {given}:\n\n" + to_markdown(report)
     fitted = fitted_at_first_delay(args, costs_path, report["rows"], delays[0])
     if fitted is not None:
         fitted_path = out.with_suffix(".fitted.costs.json")
