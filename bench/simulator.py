@@ -22,7 +22,9 @@ What is modelled, after the real services:
   the requests it holds. A pass costs base + row x rows + token x tokens.
 - A drafter pool is `pool_workers` cores drafting first come first served;
   a round's draft costs its depth x the drafter's measured time per token.
-- Every call from the router to a service adds `call` seconds of latency.
+- Every call from the router to a service adds `call` seconds of latency; a call
+  to a drafter pool also crosses the router<->pool link twice (`pool_link_ms` one
+  way: pools on nodes of their own, behind a slower network than the verifiers').
 - Pipelined: while a round is verified the pool drafts the next one ahead;
   with the measured reuse rate the verdict keeps it and the next round goes
   to the verifier at once, else the round drafts again (after the ahead draft,
@@ -31,7 +33,7 @@ What is modelled, after the real services:
 Not modelled: prefilling the drafters, adaptive draft lengths, fused drafters,
 rounds the verifier runs itself (`Decode`: every round here goes through the
 router), CPU shared between services on one machine, network beyond a fixed
-call cost.
+call cost and a fixed pool-link delay (no bandwidth, no jitter).
 
 Times are seconds throughout; the costs file gives milliseconds.
 """
@@ -334,6 +336,7 @@ class SimConfig:
     requests: int = 16  # in all, shared out evenly over the clients
     max_tokens: int = 128
     seed: int = 0
+    pool_link_ms: float = 0.0  # one-way delay of the router<->pool link: each draft call pays it twice
 
     def check(self, costs: Costs) -> None:
         """ValueError naming the setting that cannot be simulated."""
@@ -343,6 +346,8 @@ class SimConfig:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.rate is not None and not self.rate > 0:
             raise ValueError(f"rate must be positive, got {self.rate}")
+        if self.pool_link_ms < 0:
+            raise ValueError(f"pool_link_ms must not be negative, got {self.pool_link_ms}")
         if self.drafter != NO_DRAFTER and self.drafter not in costs.profiles:
             raise ValueError(f"drafter {self.drafter!r} has no measured acceptance in the costs file "
                              f"(it has {', '.join(costs.drafters) or 'none'})")
@@ -411,12 +416,13 @@ def simulate(costs: Costs, cfg: SimConfig) -> SimResult:
     verifiers = [Verifier(sim, costs, cfg.max_batch, cfg.max_batch_tokens) for _ in range(cfg.verifiers)]
     pools = [DrafterPool(sim, cfg.pool_workers) for _ in range(cfg.pools)]
     call = costs.call_ms / 1000
+    pool_call = call + 2 * cfg.pool_link_ms / 1000  # there and back over the pool's link
     latencies: list[float] = []
     tokens_out = [0, 0]  # generated tokens, verification rounds
     drafting = cfg.drafter != NO_DRAFTER
 
     def draft_ahead(pool: DrafterPool, depth: int) -> Generator:
-        yield call
+        yield pool_call
         yield from pool.draft(costs.draft_s(cfg.drafter, depth))
 
     def request(question: Question, rounds: _Round) -> Generator:
@@ -431,7 +437,7 @@ def simulate(costs: Costs, cfg: SimConfig) -> SimResult:
         while made < out:
             budget, drafted, accepted = rounds.draw(out - made, cfg.draft_length if drafting else 0)
             if budget > 0 and not drafted_ahead:  # the pool is asked even when it finds nothing to draft
-                yield call
+                yield pool_call
                 yield from pool.draft(costs.draft_s(cfg.drafter, drafted))
             ahead = None
             room = min(cfg.draft_length, out - made - drafted - 2)  # past a wholly accepted draft and its bonus
@@ -570,7 +576,8 @@ def run_simulation(args) -> dict:
     costs = load_costs(args.costs)
     base = SimConfig(pool_workers=args.pool_workers, max_batch=args.max_batch, max_batch_tokens=args.max_batch_tokens,
                      drafter=args.drafter, draft_length=args.draft_length, pipelined=args.pipelined,
-                     rate=args.rate, requests=args.requests, max_tokens=args.max_tokens, seed=args.seed)
+                     rate=args.rate, requests=args.requests, max_tokens=args.max_tokens, seed=args.seed,
+                     pool_link_ms=getattr(args, "pool_link_ms", 0.0))
     report = {"command": "specserve " + " ".join(getattr(args, "argv", []) or []), "costs": str(args.costs),
               "percentiles": PERCENTILES}
     if args.grid:

@@ -95,6 +95,9 @@ def add_simulate_parser(sub) -> None:
     m.add_argument("--drafter", default="small-general", help="every request's drafter; none: plain decoding")
     m.add_argument("--pipelined", action="store_true", help="draft each next round while this one is verified")
     m.add_argument("--draft-length", type=int, default=5, help="most tokens a round drafts")
+    m.add_argument("--pool-link-ms", type=float, default=0.0,
+                   help="one-way delay of the router<->drafter-pool link, ms: each draft call pays it twice "
+                        "(default 0: the pools as near as the verifiers)")
     m.add_argument("--max-tokens", type=int, default=128)
     m.add_argument("--max-batch", type=int, default=8, help="rows of each verifier ([verifiers] max_batch)")
     m.add_argument("--max-batch-tokens", type=int, default=256, help="[verifiers] max_batch_tokens")
@@ -224,6 +227,8 @@ def run_simulate(args) -> int:
             raise InvalidArgument(name, f"must be positive, got {getattr(args, name)}")
     if args.rate is not None and not args.rate > 0:
         raise InvalidArgument("rate", f"must be positive, got {args.rate}")
+    if args.pool_link_ms < 0:
+        raise InvalidArgument("pool_link_ms", f"must not be negative, got {args.pool_link_ms}")
     if args.measure_costs:
         for d in args.drafters:
             check_drafter(d)

@@ -8,6 +8,10 @@ use). Needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN) and iproute2's `ip`.
     python scripts/netns_cluster.py bench [--delays 0,1,5] [--prompts 6] [--max-tokens 64]
         the drafter link through a userspace delay wire: served speed, sequential against
         pipelined, at each one-way delay (a markdown table, and --json FILE)
+    python scripts/netns_cluster.py validate [--delays 0,1,5] [--pools 1] [--clients 1 2 4]
+                                             [--requests 12] [--max-tokens 64] [--cores 0 1] [--json FILE]
+        the cluster simulator against this cluster (scripts/netns_validate.py): measured
+        against simulated throughput at each delay, the simulator's pool link set to it
     python scripts/netns_cluster.py cleanup
         remove namespaces and links a killed run left (every name starting with "ssn")
 """
@@ -30,9 +34,11 @@ sys.path[:0] = [str(ROOT / "tests"), str(ROOT)]
 from netns import PREFIX, NetnsCluster, cleanup, missing_rights, serve_config, toml  # noqa: E402
 
 
-def build(workdir: Path, verifiers: int, drafters: int, delay_ms: float | None, tls: bool,
+def build(workdir: Path, verifier_nodes: int, drafter_nodes: int, delay_ms: float | None, tls: bool,
           **sections) -> tuple[NetnsCluster, object, object, str]:
-    """The cluster (started), `specserve serve` on its head, its Redis and the secret."""
+    """The cluster (started), `specserve serve` on its head, its Redis and the secret; `sections`
+    (config tables, [verifiers] and [drafter_pools] among them) merged over serve_config's."""
+    verifiers, drafters = verifier_nodes, drafter_nodes
     c = NetnsCluster(workdir)
     try:
         head = c.add_host("head")
@@ -179,7 +185,8 @@ def main() -> int:
     sub = p.add_subparsers(dest="command", required=True)
     u = sub.add_parser("up", help="start a cluster and serve until Ctrl-C")
     b = sub.add_parser("bench", help="sequential against pipelined across a delayed drafter link")
-    for s in (u, b):
+    v = sub.add_parser("validate", help="the cluster simulator against this cluster, at each drafter-link delay")
+    for s in (u, b, v):
         s.add_argument("--workdir", help="logs, configs, certificates, Redis's files (default: a new temp dir)")
         s.add_argument("--tls", action="store_true", help="internal calls over mutual TLS (certificates made here)")
     u.add_argument("--verifiers", type=int, default=1)
@@ -193,6 +200,9 @@ def main() -> int:
     b.add_argument("--kinds", default="pld,suffix", help="the drafters the pool hosts")
     b.add_argument("--fixed-draft-length", action="store_true", help="[router] adaptive = false")
     b.add_argument("--json", help="write the rows here")
+    import netns_validate
+
+    netns_validate.add_arguments(v)
     sub.add_parser("cleanup", help=f"remove leftover namespaces and links (names starting {PREFIX!r})")
     args = p.parse_args()
     if args.command == "cleanup":
@@ -203,6 +213,10 @@ def main() -> int:
     if missing:
         print(f"netns_cluster: cannot make the cluster: {missing}", file=sys.stderr)
         return 1
+    if args.command == "validate":
+        if args.cores is not None and args.cores[0] == args.cores[1]:
+            p.error("--cores: two different cores")
+        return netns_validate.validate(args, build)
     return up(args) if args.command == "up" else bench(args)
 
 

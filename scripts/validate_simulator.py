@@ -81,28 +81,11 @@ kinds = ["{drafter}"]
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--questions", default=str(ROOT.parent / "shared/data/spec_bench/dev.jsonl"))
-    parser.add_argument("--limit-per-category", type=int, default=2)
-    parser.add_argument("--drafter", default="small-general")
-    parser.add_argument("--clients", type=int, nargs="+", default=[1, 2, 4, 8])
+    add_validation_args(parser)
     parser.add_argument("--pools", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--rate", type=float, default=0.5, help="Poisson requests/s per client")
-    parser.add_argument("--requests", type=int, default=16, help="requests per load level")
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--timing-repeats", type=int, default=7)
-    parser.add_argument("--sim-repeats", type=int, default=50)
-    parser.add_argument("--costs", default=None,
-                        help="use this costs file (--measure-costs) instead of measuring one; only the call "
-                             "overhead is measured, through the first server")
-    parser.add_argument("--fit-served", default=None, metavar="EARLIER_JSON",
-                        help="take the pass and draft costs from the served services' counters in an earlier "
-                             "run's report (at least two load levels) instead of the in-process timings")
     parser.add_argument("--out", default="validation.json")
     parser.add_argument("--start-timeout", type=float, default=serve_process.START_TIMEOUT_S,
                         help="seconds a server may take to start (a busy machine starts Ray slowly)")
-    parser.add_argument("--cores", type=int, nargs=2, metavar=("VERIFIER", "POOL"), default=None,
-                        help="pin the verifier to one core and the drafter pools to the other (one torch thread each); "
-                             "the costs are measured on one thread on the pool's core")
     args = parser.parse_args()
     if args.cores is not None and args.cores[0] == args.cores[1]:
         parser.error("--cores: two different cores")
@@ -114,47 +97,105 @@ def main() -> None:
         for i, pools in enumerate(args.pools):
             config = served_config(pools, args.drafter, args.cores)
             with specserve_serve(Path(tmp) / f"pools{pools}.toml", config) as server:
-                if i == 0 and args.costs is not None:
-                    from bench.costs import served_plain_requests
+                if i == 0:
+                    served = measure_against(args, server, costs_path)
+                loads[pools] = run_levels(args, server, seed=pools,
+                                          out_stem=Path(args.out).with_suffix(f".load{pools}"))
+    costs = finish_costs(args, costs_path, served)
+    rows = compared_rows(args, costs, loads)
+    report = {"command": "python scripts/validate_simulator.py " + " ".join(sys.argv[1:]), "costs": str(costs_path),
+              "placement": "shared cores" if args.cores is None else f"verifier on core {args.cores[0]}, "
+                                                                      f"pools on core {args.cores[1]}",
+              "goal": f"|error| <= {GOAL:.0%}", "rows": rows}
+    Path(args.out).write_text(json.dumps(report, indent=2))
+    text = to_markdown(report)
+    Path(args.out).with_suffix(".md").write_text(text)
+    print(text)
 
-                    served = served_plain_requests(server.grpc, first_prompts(args), args.max_tokens)
-                elif i == 0:
-                    from bench.costs import measure_costs
 
-                    with on_core(args.cores):
-                        measure_costs(Namespace(
-                            model=None, device="cpu", dtype="float32", questions=args.questions,
-                            limit_per_category=args.limit_per_category, drafters=[args.drafter], server=server.grpc,
-                            call_requests=4, timing_repeats=args.timing_repeats, max_tokens=args.max_tokens,
-                            draft_length=DRAFT_LENGTH, measure_costs=str(costs_path),
-                            argv=["simulate", "--measure-costs", str(costs_path), "--drafters", args.drafter,
-                                  "--server", server.grpc, "--limit-per-category", str(args.limit_per_category),
-                                  "--max-tokens", str(args.max_tokens)]))
-                from bench.load import run_load
+def add_validation_args(parser) -> None:
+    """What a validation run takes, here and in scripts/netns_cluster.py validate."""
+    parser.add_argument("--questions", default=str(ROOT.parent / "shared/data/spec_bench/dev.jsonl"))
+    parser.add_argument("--limit-per-category", type=int, default=2)
+    parser.add_argument("--drafter", default="small-general")
+    parser.add_argument("--clients", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--rate", type=float, default=0.5, help="Poisson requests/s per client")
+    parser.add_argument("--requests", type=int, default=16, help="requests per load level")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--timing-repeats", type=int, default=7)
+    parser.add_argument("--sim-repeats", type=int, default=50)
+    parser.add_argument("--costs", default=None,
+                        help="use this costs file (--measure-costs) instead of measuring one; only the call "
+                             "overhead is measured, through the first server")
+    parser.add_argument("--fit-served", default=None, metavar="EARLIER_JSON",
+                        help="take the pass and draft costs from the served services' counters in an earlier "
+                             "run's report (at least two load levels) instead of the in-process timings")
+    parser.add_argument("--cores", type=int, nargs=2, metavar=("VERIFIER", "POOL"), default=None,
+                        help="pin the verifier to one core and the drafter pools to the other (one torch thread each); "
+                             "the costs are measured on one thread on the pool's core")
 
-                results = []
-                for clients in args.clients:  # one level at a time, the services' counters read around each
-                    before = served_counters(server.http)
-                    load = run_load(Namespace(
-                        questions=args.questions, limit_per_category=args.limit_per_category, seed=pools,
-                        server=server.grpc, http=None, clients=[clients], rate=args.rate, requests=args.requests,
-                        load_modes=[args.drafter], max_tokens=args.max_tokens, repeats=1,
-                        out=str(Path(args.out).with_suffix(f".load{pools}-{clients}.json")), argv=[]))
-                    sides = served_sides(before, served_counters(server.http))
-                    results += [{**r, "served": sides} for r in load["results"]]
-                loads[pools] = {"results": results}
-    if args.costs is not None:  # read only now: it may still have been measured while the servers ran
+
+def measure_against(args, server, costs_path: Path) -> list[dict]:
+    """With a server up (`.grpc`): the costs measured into `costs_path` (in process, the call
+    overhead through that server); or, with `args.costs`, only the plain-decoding requests the
+    call overhead comes from (returned, for finish_costs)."""
+    if args.costs is not None:
+        from bench.costs import served_plain_requests
+
+        return served_plain_requests(server.grpc, first_prompts(args), args.max_tokens)
+    from bench.costs import measure_costs
+
+    with on_core(args.cores):
+        measure_costs(Namespace(
+            model=None, device="cpu", dtype="float32", questions=args.questions,
+            limit_per_category=args.limit_per_category, drafters=[args.drafter], server=server.grpc,
+            call_requests=4, timing_repeats=args.timing_repeats, max_tokens=args.max_tokens,
+            draft_length=DRAFT_LENGTH, measure_costs=str(costs_path),
+            argv=["simulate", "--measure-costs", str(costs_path), "--drafters", args.drafter,
+                  "--server", server.grpc, "--limit-per-category", str(args.limit_per_category),
+                  "--max-tokens", str(args.max_tokens)]))
+    return []
+
+
+def run_levels(args, server, seed: int, out_stem: Path) -> dict:
+    """`bench --load` against `server` (`.grpc`, `.http`) at each of `args.clients`, one level at
+    a time, the services' counters read around each: {"results": [...]}."""
+    from bench.load import run_load
+
+    results = []
+    for clients in args.clients:
+        before = served_counters(server.http)
+        load = run_load(Namespace(
+            questions=args.questions, limit_per_category=args.limit_per_category, seed=seed,
+            server=server.grpc, http=None, clients=[clients], rate=args.rate, requests=args.requests,
+            load_modes=[args.drafter], max_tokens=args.max_tokens, repeats=1,
+            out=f"{out_stem}-{clients}.json", argv=[]))
+        sides = served_sides(before, served_counters(server.http))
+        results += [{**r, "served": sides} for r in load["results"]]
+    return {"results": results}
+
+
+def finish_costs(args, costs_path: Path, served: list[dict]):
+    """The costs to simulate with: `args.costs` with the call overhead `served` implies (read only
+    now: it may still have been measured while the servers ran), else what measure_against wrote;
+    with `args.fit_served`, refitted to that earlier report."""
+    if args.costs is not None:
         with_call_overhead(Path(args.costs), costs_path, served)
     if args.fit_served is not None:
         fitted = fitted_to_served(json.loads(costs_path.read_text()), json.loads(Path(args.fit_served).read_text()),
                                   args.drafter, lambda pools, clients: sim_config(args, pools, clients),
                                   args.sim_repeats)
         costs_path.write_text(json.dumps(fitted, indent=1))
-    costs = load_costs(costs_path)
+    return load_costs(costs_path)
+
+
+def compared_rows(args, costs, loads: dict, pool_link_ms: float = 0.0) -> list[dict]:
+    """Each measured level (`loads`: pools -> run_levels' result) beside its simulation (the mean
+    of `args.sim_repeats` seeded runs, the pools' link `pool_link_ms` one way)."""
     rows = []
     for pools, load in loads.items():
         for measured in load["results"]:
-            sim = replicate(costs, sim_config(args, pools, measured["clients"]), args.sim_repeats)
+            sim = replicate(costs, sim_config(args, pools, measured["clients"], pool_link_ms), args.sim_repeats)
             # a level whose requests all failed has no throughput to compare with
             error = sim["tokens_per_s"] / measured["tokens_per_s"] - 1 if measured["tokens_per_s"] else None
             rows.append({"pools": pools, "clients": measured["clients"],
@@ -174,19 +215,12 @@ def main() -> None:
                          "measured_pass_ms": measured["served"]["pass_ms"],
                          "simulated_pass_ms": round(sim["pass_ms"], 1),
                          "measured_propose_ms": measured["served"]["propose_ms"]})
-    report = {"command": "python scripts/validate_simulator.py " + " ".join(sys.argv[1:]), "costs": str(costs_path),
-              "placement": "shared cores" if args.cores is None else f"verifier on core {args.cores[0]}, "
-                                                                      f"pools on core {args.cores[1]}",
-              "goal": f"|error| <= {GOAL:.0%}", "rows": rows}
-    Path(args.out).write_text(json.dumps(report, indent=2))
-    text = to_markdown(report)
-    Path(args.out).with_suffix(".md").write_text(text)
-    print(text)
+    return rows
 
 
-def sim_config(args, pools: int, clients: int) -> SimConfig:
+def sim_config(args, pools: int, clients: int, pool_link_ms: float = 0.0) -> SimConfig:
     return SimConfig(verifiers=1, pools=pools, drafter=args.drafter, draft_length=DRAFT_LENGTH, clients=clients,
-                     rate=args.rate, requests=args.requests, max_tokens=args.max_tokens)
+                     rate=args.rate, requests=args.requests, max_tokens=args.max_tokens, pool_link_ms=pool_link_ms)
 
 
 @contextmanager
@@ -300,22 +334,25 @@ def to_markdown(report: dict) -> str:
     def num(v: float | None, fmt: str) -> str:
         return "-" if v is None else format(v, fmt)
 
+    # rows measured across a delayed pool link (scripts/netns_cluster.py validate) lead with its delay
+    delay = (lambda r: f"| {r['delay_ms']:g} ") if "delay_ms" in report["rows"][0] else (lambda r: "")
+    head = ("| one-way pool link delay ms ", "| ---: ") if "delay_ms" in report["rows"][0] else ("", "")
     lines = [f"Command: `{report['command']}`", "",
-             "| pools | clients | failed requests | measured tokens/s | simulated tokens/s | error | "
+             head[0] + "| pools | clients | failed requests | measured tokens/s | simulated tokens/s | error | "
              "measured p50 / p99 s | simulated p50 / p99 s | tokens/pass measured / simulated |",
-             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             head[1] + "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in report["rows"]:
-        lines.append(f"| {r['pools']} | {r['clients']} | {r['errors']} | {r['measured_tokens_per_s']:.2f} | "
+        lines.append(delay(r) + f"| {r['pools']} | {r['clients']} | {r['errors']} | {r['measured_tokens_per_s']:.2f} | "
                      f"{r['simulated_tokens_per_s']:.2f} | {num(r['error'], '+.1%')} | "
                      f"{num(r['measured_p50_s'], '.2f')} / {num(r['measured_p99_s'], '.2f')} | "
                      f"{r['simulated_p50_s']:.2f} / {r['simulated_p99_s']:.2f} | "
                      f"{num(r['measured_tokens_per_pass'], '.2f')} / {r['simulated_tokens_per_pass']:.2f} |")
     lines += ["", "What the verifier and the pool did, measured (their /metrics, a level's warm-up request "
               "included) and simulated:", "",
-              "| pools | clients | verification passes | rows a pass | ms a pass | ms a proposal (measured) |",
-              "| ---: | ---: | ---: | ---: | ---: | ---: |"]
+              head[0] + "| pools | clients | verification passes | rows a pass | ms a pass | ms a proposal (measured) |",
+              head[1] + "| ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in report["rows"]:
-        lines.append(f"| {r['pools']} | {r['clients']} | {r['measured_passes']} / {r['simulated_passes']:.0f} | "
+        lines.append(delay(r) + f"| {r['pools']} | {r['clients']} | {r['measured_passes']} / {r['simulated_passes']:.0f} | "
                      f"{num(r['measured_mean_batch_rows'], '.2f')} / {r['simulated_mean_batch_rows']:.2f} | "
                      f"{num(r['measured_pass_ms'], '.1f')} / {r['simulated_pass_ms']:.1f} | "
                      f"{num(r['measured_propose_ms'], '.1f')} |")

@@ -95,6 +95,30 @@ def test_pipelining_is_never_slower_with_the_same_costs(clients, pools):
     assert never.drafter_idle < seq.drafter_idle  # the ahead drafts still cost the pool
 
 
+def test_a_pool_link_delay_costs_each_sequential_round_its_round_trip():
+    # 31 tokens of (4 drafted, 4 accepted) rounds: 6 rounds after the prefill, each asking the pool once
+    near = simulate(costs(rounds=((4, 4),)), config())
+    far = simulate(costs(rounds=((4, 4),)), config(pool_link_ms=1.0))
+    assert near.passes == far.passes == 5 * 6
+    assert far.p50_s - near.p50_s == pytest.approx(6 * 2 * 1.0 / 1000)  # there and back, every round
+    assert far.pass_ms == pytest.approx(near.pass_ms)  # the verifier's side does not cross that link
+    with pytest.raises(ValueError, match="pool_link_ms"):
+        simulate(costs(), config(pool_link_ms=-1.0))
+
+
+def test_pipelining_hides_the_pool_link_when_the_ahead_draft_is_kept():
+    # every draft wholly accepted and kept: only the first round waits for the pool; the ahead
+    # drafts (a call, 2 x 1 ms of link, 8 ms of drafting) finish within a verify (a call, an 17 ms pass)
+    c = costs(rounds=((4, 4),), reuse=1.0)
+    near = simulate(c, config(pipelined=True))
+    far = simulate(c, config(pipelined=True, pool_link_ms=1.0))
+    assert far.p50_s - near.p50_s == pytest.approx(2 * 1.0 / 1000)
+    # none kept: every round pays the round trip again, as in sequence
+    never = dataclasses.replace(c, profiles={"d": {DOMAIN: DrafterProfile(((4, 4),), 0.0)}})
+    gap = simulate(never, config(pipelined=True, pool_link_ms=1.0)).p50_s - simulate(never, config(pipelined=True)).p50_s
+    assert gap == pytest.approx(6 * 2 * 1.0 / 1000)
+
+
 def test_poisson_arrivals_at_the_rate_asked_for():
     # light load (a request takes ~0.3 s, 4 clients at 0.5/s each): served as they arrive
     r = simulate(costs(), config(clients=4, rate=0.5, requests=2000))
@@ -168,6 +192,9 @@ def test_simulate_command(tmp_path, capsys):
     assert cli_main(["simulate", "--costs", str(path), "--drafter", "pld", "--grid", "--verifiers", "1", "2",
                      "--pools", "1", "2", "--requests-per-client", "1", "--out", str(out)]) == 0
     assert len(json.loads(out.read_text())["grid"]) == 4
+    assert cli_main(["simulate", "--costs", str(path), "--drafter", "pld", "--clients", "1", "--requests", "2",
+                     "--repeats", "1", "--pool-link-ms", "5", "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["results"][0]["config"]["pool_link_ms"] == 5.0
 
 
 def test_simulate_command_errors(tmp_path, capsys):
@@ -179,6 +206,8 @@ def test_simulate_command_errors(tmp_path, capsys):
     assert "no measured acceptance" in capsys.readouterr().err
     assert cli_main(["simulate", "--costs", str(path), "--pools", "0"]) == 2
     assert "--pools" in capsys.readouterr().err
+    assert cli_main(["simulate", "--costs", str(path), "--drafter", "pld", "--pool-link-ms", "-1"]) == 2
+    assert "--pool-link-ms" in capsys.readouterr().err
 
 
 def test_validation_reads_what_the_served_sides_did_between_two_scrapes():
@@ -229,3 +258,30 @@ def test_validation_fits_the_costs_the_served_sides_showed_in_an_earlier_run():
     assert fitted["fitted_to_served"]["call_ms_in_process"] == 1.0
     with pytest.raises(SystemExit, match="two load levels"):
         fitted_to_served(in_process, {"command": "x", "rows": [level(1, 1.0)]}, "d", cfg, 3)
+
+
+def test_netns_validation_simulates_each_level_behind_its_own_delay():
+    """scripts/netns_validate.py: the served configuration drafts every round on the pool, and each
+    delay's measured levels are set beside a simulation whose pool link is that delay."""
+    import sys
+    from argparse import Namespace
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from netns_validate import rows_at_delays, sections
+
+    tree = sections(2, "small-general", [0, 1])
+    assert tree["router"]["verifier_drafting"] is False and tree["router"]["adaptive"] is False
+    assert tree["drafter_pools"] == {"count": 2, "kinds": ["small-general"], "threads": 1, "cores": [1]}
+
+    args = Namespace(drafter="d", rate=None, requests=4, max_tokens=64, sim_repeats=2)
+    level = {"clients": 1, "tokens_per_s": 10.0, "errors": 0, "p50_s": 1.0, "p99_s": 1.0, "tokens_per_pass": 3.0,
+             "served": {"passes": 1, "mean_batch_rows": 1.0, "pass_ms": 20.0, "propose_ms": 8.0}}
+    loads = {0.0: {1: {"results": [level]}}, 5.0: {1: {"results": [level]}}}
+    rows = rows_at_delays(args, costs(rounds=((4, 2),), output=64), loads, {0.0: (0.1, 0.1), 5.0: (10.2, 10.1)})
+    assert [(r["delay_ms"], r["rtt_ms"]) for r in rows] == [(0.0, 0.1), (5.0, 10.2)]
+    near, far = rows
+    # one client, closed loop, rounds in sequence: each round (one pool call) 2 x 5 ms longer
+    rounds_a_request = near["simulated_passes"] / args.requests
+    assert far["simulated_p50_s"] - near["simulated_p50_s"] == pytest.approx(rounds_a_request * 0.010, abs=1e-3)
+    assert far["simulated_tokens_per_s"] < near["simulated_tokens_per_s"] and far["error"] < near["error"]
