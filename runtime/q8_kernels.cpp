@@ -24,12 +24,15 @@
 // each product and sum rounded on its own (no fused multiply-add). Every term depends on row r
 // and channel n alone, and every lane computes it in the same order: a row's result is the
 // same whatever the rows beside it, however the pass is tiled, and in every build (AVX2,
-// AVX-VNNI, AVX-512).
+// AVX-VNNI, AVX-512, and AMX: q8_amx.cpp takes passes of several rows there, with the same
+// integer dot products and this epilogue).
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 
 #include <vector>
+
+#include "q8_amx.h"
 
 namespace {
 
@@ -192,7 +195,7 @@ void quantize_rows(const float* x, int64_t rows, int64_t k, Q8Rows& a) {
                  a.sum.data() + r * groups);
 }
 
-enum Kind { kInt4, kInt8Channel, kInt8Group };
+enum Kind { kInt4, kInt8Channel, kInt8Group };  // as q8_amx.h's
 
 // Whether V multiplies bytes by VNNI's dot product (else maddubs and madd).
 template <typename V>
@@ -328,6 +331,13 @@ void linear(const float* x, int64_t rows, int64_t k, const uint8_t* w, const flo
   Q8Rows a;
   quantize_rows(x, rows, k, a);
   const int64_t count = (out + kLanes - 1) / kLanes;
+#if defined(SPECSERVE_AMX)  // the tile pairs on AMX where it runs (q8_amx.cpp), the last odd tile here
+  if (amx::linear(static_cast<amx::Kind>(kKind), a.q.data(), a.d.data(), a.s.data(), rows, k, w, scales, out,
+                     count / 2, y)) {
+    if (count % 2) tiles<V256, kKind>(count - 1, a, rows, k, w, scales, out, y);
+    return;
+  }
+#endif
 #if defined(SPECSERVE_V512)
   const int64_t pairs = count / 2;  // two tiles at once, then the last odd one alone
 #pragma omp parallel for schedule(static)
@@ -351,6 +361,26 @@ int q8_vnni() {
   return 1;
 #else
   return 0;
+#endif
+}
+
+// Whether passes of at least `q8_amx_min_rows` rows take AMX's tile multiply (q8_amx.cpp):
+// built with it, and Linux lent this process the tile state.
+int q8_amx() {
+#if defined(SPECSERVE_AMX)
+  return amx::ready();
+#else
+  return 0;
+#endif
+}
+
+// Passes of at least `rows` rows take AMX where it runs (0: none, VNNI's products for all);
+// returns `q8_amx()`.
+int q8_amx_min_rows(int rows) {
+#if defined(SPECSERVE_AMX)
+  return amx::set_min_rows(rows);
+#else
+  return 0 * rows;
 #endif
 }
 
