@@ -100,3 +100,17 @@ def test_specserve_amx_sets_the_tuning(monkeypatch):
     monkeypatch.setenv("SPECSERVE_AMX", "off")
     with pytest.raises(ValueError, match="SPECSERVE_AMX must be 0 or 1"):
         cpu_tuning_from_env()
+
+
+def test_a_compiler_without_the_amx_flags_builds_without_them(monkeypatch, tmp_path, caplog):
+    """gcc before 11 has no -mamx-int8: the library builds without AMX, a warning says so, and
+    its products are VNNI's."""
+    monkeypatch.setattr(cpu_kernels, "AMX_FLAGS", (cpu_kernels.AMX_FLAGS[0], ["-mamx-no-such-flag"]))
+    with caplog.at_level("WARNING", logger="runtime.cpu_kernels"):
+        lib = cpu_kernels._load(tmp_path, None)
+    assert "build without -mamx-no-such-flag" in caplog.text
+    assert not cpu_kernels.amx(lib) and cpu_kernels.vnni(lib)
+    _, reference = product("int4", 100, 576)  # the same weights (seeded by the shape) packed again
+    packed = cpu_kernels.int4_pack(*gguf_like_int4(100, 576, seed=100))
+    x = q8_input(17, 576)
+    assert torch.equal(cpu_kernels.int4_linear_q8(x, packed, 100, lib), reference(x))
