@@ -5,8 +5,9 @@ short passes' float64 attention with RoPE, and the attention of short passes ove
 
 The int products multiply the weight codes either by each row's activations quantised to 8
 bits per block of 32, with integer dot products (q8_kernels.cpp, the default, `ACTIVATIONS`
-"int8": AVX2's maddubs, VNNI's dot product where the CPU has it), so that a pass of many rows
-costs little more than one row; or by the float32 activations as they are ("float32",
+"int8": AVX2's maddubs, VNNI's dot product where the CPU has it, AMX's tile multiply for
+passes of AMX_MIN_ROWS rows or more where it has AMX-INT8, q8_amx.cpp and `use_amx`, with the
+same bits), so that a pass of many rows costs little more than one row; or by the float32 activations as they are ("float32",
 cpu_kernels.cpp: weights decoded to float32, compute-bound with many rows). torch's CPU
 kernels for int weights take bfloat16 activations, and on the CPUs measured (AMD EPYCs with
 AVX2 or AVX-512, an Intel Xeon with AMX) they are slower than these (docs/DESIGN-NOTES.md); for float32, oneDNN's
