@@ -18,6 +18,8 @@ of `speculative/` take their values as parameters.
 - SPECSERVE_INT_ACTIVATIONS: what specserve's int8/int4 products multiply the weights by,
   `int8` (the default: the activations quantised to 8 bits per block of 32, integer dot
   products) or `float32` (the activations as they are: slower for passes of many rows).
+- SPECSERVE_AMX: `0` keeps specserve's int8/int4 products of several rows off AMX's tile
+  multiply on CPUs that have it (the same results, slower; the default `1` takes it).
 - CXX: the C++ compiler that builds specserve's CPU products on first use (unset:
   g++ or c++ on the PATH).
 - SPECSERVE_CACHE_DIR: the cache of converted models and distillation data
@@ -37,7 +39,7 @@ from runtime.cpu_tuning import INT_ACTIVATIONS, KERNELS, LONG_ROWS_PATHS, ONE_RO
 def cpu_tuning_from_env() -> CpuTuning:
     """SPECSERVE_PACKED_LINEAR and the paths through packed layers, SPECSERVE_ONE_ROW_LINEAR,
     SPECSERVE_SHORT_ROWS_LINEAR and SPECSERVE_LONG_ROWS_LINEAR, SPECSERVE_CPU_KERNELS,
-    SPECSERVE_INT_ACTIVATIONS and CXX (see module doc); the paths are only read when packing is on."""
+    SPECSERVE_INT_ACTIVATIONS, SPECSERVE_AMX and CXX (see module doc); the paths are only read when packing is on."""
     kernels = os.environ.get("SPECSERVE_CPU_KERNELS", "auto")
     if kernels not in KERNELS:
         raise ValueError(f"SPECSERVE_CPU_KERNELS must be auto, native or torch, got {kernels!r}")
@@ -45,8 +47,12 @@ def cpu_tuning_from_env() -> CpuTuning:
     if activations not in INT_ACTIVATIONS:
         raise ValueError(f"SPECSERVE_INT_ACTIVATIONS must be int8 or float32, got {activations!r}")
     compiler = os.environ.get("CXX") or None
+    amx = os.environ.get("SPECSERVE_AMX", "1")
+    if amx not in ("0", "1"):
+        raise ValueError(f"SPECSERVE_AMX must be 0 or 1, got {amx!r}")
     if os.environ.get("SPECSERVE_PACKED_LINEAR", "1") == "0":
-        return CpuTuning(packed_linear=False, kernels=kernels, compiler=compiler, int_activations=activations)
+        return CpuTuning(packed_linear=False, kernels=kernels, compiler=compiler, int_activations=activations,
+                         amx=amx == "1")
     one_row = os.environ.get("SPECSERVE_ONE_ROW_LINEAR", "auto")
     if one_row not in ONE_ROW_PATHS:
         raise ValueError(f"SPECSERVE_ONE_ROW_LINEAR must be auto, blas or packed, got {one_row!r}")
@@ -57,7 +63,7 @@ def cpu_tuning_from_env() -> CpuTuning:
     if long_rows not in LONG_ROWS_PATHS:
         raise ValueError(f"SPECSERVE_LONG_ROWS_LINEAR must be auto, blas or packed, got {long_rows!r}")
     return CpuTuning(one_row=one_row, short_rows=short_rows, long_rows=long_rows, kernels=kernels, compiler=compiler,
-                     int_activations=activations)
+                     int_activations=activations, amx=amx == "1")
 
 
 def cache_dir_from_env() -> str | None:

@@ -5,8 +5,9 @@ short passes' float64 attention with RoPE, and the attention of short passes ove
 
 The int products multiply the weight codes either by each row's activations quantised to 8
 bits per block of 32, with integer dot products (q8_kernels.cpp, the default, `ACTIVATIONS`
-"int8": AVX2's maddubs, VNNI's dot product where the CPU has it), so that a pass of many rows
-costs little more than one row; or by the float32 activations as they are ("float32",
+"int8": AVX2's maddubs, VNNI's dot product where the CPU has it, AMX's tile multiply for
+passes of AMX_MIN_ROWS rows or more where it has AMX-INT8, q8_amx.cpp and `use_amx`, with the
+same bits), so that a pass of many rows costs little more than one row; or by the float32 activations as they are ("float32",
 cpu_kernels.cpp: weights decoded to float32, compute-bound with many rows). torch's CPU
 kernels for int weights take bfloat16 activations, and on the CPUs measured (AMD EPYCs with
 AVX2 or AVX-512, an Intel Xeon with AMX) they are slower than these (docs/DESIGN-NOTES.md); for float32, oneDNN's
@@ -42,13 +43,19 @@ from .cache import cache_root
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
-SOURCES = (SOURCE, Path(__file__).with_name("q8_kernels.cpp"))  # one library
+# one library; q8_amx.cpp is empty unless built with AMX_FLAGS
+SOURCES = (SOURCE, Path(__file__).with_name("q8_kernels.cpp"), Path(__file__).with_name("q8_amx.cpp"))
+HEADERS = (Path(__file__).with_name("q8_amx.h"),)  # what the sources include: in the library's key
 GROUP = 32  # inputs per int4 group and per step of every product
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC"]
 AVX512_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]  # what torch's AVX512 capability means
 # the integer dot product of the 8-bit-activation products, where the CPU has it (/proc/cpuinfo's
 # flag: the compiler's flag); a compiler that lacks it builds without
 VNNI_FLAGS = {"AVX512": ("avx512_vnni", "-mavx512vnni"), "AVX2": ("avx_vnni", "-mavxvnni")}
+# AMX's tile multiply for the 8-bit-activation products of several rows (q8_amx.cpp), on an
+# AVX-512 build where the CPU has AMX-INT8; a compiler that lacks the flags builds without
+AMX_FLAGS = ("amx_int8", ["-mamx-tile", "-mamx-int8"])
+AMX_MIN_ROWS = 8  # passes of fewer rows keep VNNI's products: faster there (docs/DESIGN-NOTES.md)
 CHOICES = ("auto", "native", "torch")  # who multiplies (module doc)
 # what an int8/int4 layer's native product multiplies its weights by: the activations quantised
 # to 8 bits per block of 32 (integer dot products, q8_kernels.cpp), or float32 as they are
@@ -117,26 +124,38 @@ def cpu_flags() -> set[str]:
     return set(line.partition(":")[2].split())
 
 
-def build_flags(vnni: bool = True) -> list[str]:
+def build_flags(vnni: bool = True, amx: bool | None = None) -> list[str]:
     """The compiler's flags for this CPU: AVX-512 where torch finds it, else AVX2; with `vnni`,
-    VNNI's dot product where the CPU has it (AVX512-VNNI, or AVX-VNNI beside AVX2)."""
+    VNNI's dot product where the CPU has it (AVX512-VNNI, or AVX-VNNI beside AVX2); with `amx`
+    (None: as `vnni`), AMX-INT8 on an AVX-512 build where the CPU has it."""
     capability = torch.backends.cpu.get_cpu_capability()
     flags = FLAGS + AVX512_FLAGS if capability == "AVX512" else list(FLAGS)
     cpu_flag, flag = VNNI_FLAGS.get(capability, VNNI_FLAGS["AVX2"])
-    return flags + [flag] if vnni and cpu_flag in cpu_flags() else flags
+    present = cpu_flags()
+    flags = flags + [flag] if vnni and cpu_flag in present else flags
+    amx = vnni if amx is None else amx
+    return flags + AMX_FLAGS[1] if amx and capability == "AVX512" and AMX_FLAGS[0] in present else flags
 
 
 def _load(cache_dir, compiler: str | None) -> ctypes.CDLL:
     if not _cpu_supported():
         raise RuntimeError(f"needs an x86-64 CPU with AVX2, this one is {platform.machine()} "
                            f"{torch.backends.cpu.get_cpu_capability()}")
-    try:
-        path = _built(cache_dir, compiler, build_flags())
-    except RuntimeError:  # a compiler without the CPU's VNNI flag (AVX-VNNI needs gcc 11)
-        if build_flags() == build_flags(vnni=False):
-            raise
-        path = _built(cache_dir, compiler, build_flags(vnni=False))
-    return _declared(ctypes.CDLL(str(path)))
+    # a compiler without the CPU's AMX flags (gcc 11) or VNNI flag (AVX-VNNI needs gcc 11)
+    # builds without them
+    tries = [build_flags(), build_flags(amx=False), build_flags(vnni=False)]
+    tries = [f for i, f in enumerate(tries) if f not in tries[:i]]
+    for i, flags in enumerate(tries):
+        try:
+            path = _built(cache_dir, compiler, flags)
+            break
+        except RuntimeError as e:
+            if i == len(tries) - 1:
+                raise
+            log.warning("specserve's CPU kernels build without %s: %s", " ".join(set(flags) - set(tries[i + 1])), e)
+    lib = _declared(ctypes.CDLL(str(path)))
+    lib.q8_amx_min_rows(AMX_MIN_ROWS)
+    return lib
 
 
 def variant(defines: Sequence[str], cache_dir: str | os.PathLike | None = None,
@@ -154,6 +173,8 @@ def _declared_q8(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.int4_linear_q8.argtypes = [ptr, i64, i64, ptr, i64, ptr]
     lib.int8_linear_q8.argtypes = [ptr, i64, i64, ptr, ptr, ctypes.c_int, i64, ptr]
     lib.q8_vnni.argtypes, lib.q8_vnni.restype = [], ctypes.c_int
+    lib.q8_amx.argtypes, lib.q8_amx.restype = [], ctypes.c_int
+    lib.q8_amx_min_rows.argtypes, lib.q8_amx_min_rows.restype = [ctypes.c_int], ctypes.c_int
     for fn in (lib.q8_quantize, lib.int4_linear_q8, lib.int8_linear_q8):
         fn.restype = None
     return lib
@@ -181,7 +202,8 @@ def library_path(cache_dir: str | os.PathLike | None = None, flags: Sequence[str
                  sources: Sequence[Path] = SOURCES) -> Path:
     """Where the library compiled from `sources` with these flags (None: `build_flags()`) is kept."""
     flags = build_flags() if flags is None else flags
-    key = hashlib.sha256(b"".join(p.read_bytes() for p in sources) + " ".join(flags).encode()).hexdigest()[:16]
+    text = b"".join(p.read_bytes() for p in (*sources, *HEADERS))
+    key = hashlib.sha256(text + " ".join(flags).encode()).hexdigest()[:16]
     return cache_root(cache_dir) / "kernels" / f"cpu_kernels-{key}.so"
 
 
@@ -361,6 +383,19 @@ def to_blocks(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor
 def vnni(lib: ctypes.CDLL | None = None) -> bool:
     """Whether the 8-bit-activation products take VNNI's dot product here (else AVX2's)."""
     return bool((lib or _library).q8_vnni())
+
+
+def amx(lib: ctypes.CDLL | None = None) -> bool:
+    """Whether the 8-bit-activation products of AMX_MIN_ROWS rows or more take AMX's tile
+    multiply here (q8_amx.cpp: built with it, Linux lent the tile state, not turned off)."""
+    return bool((lib or library()).q8_amx())
+
+
+def use_amx(on: bool, lib: ctypes.CDLL | None = None, min_rows: int = AMX_MIN_ROWS) -> bool:
+    """Turn the AMX products on (passes of `min_rows` rows or more) or off, for the whole
+    process (one library); returns `amx()`. Their results are the VNNI products' bit for bit:
+    the setting changes only the speed."""
+    return bool((lib or library()).q8_amx_min_rows(min_rows if on else 0))
 
 
 def _tiles(out: int) -> int:

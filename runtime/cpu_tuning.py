@@ -72,7 +72,9 @@ class CpuTuning:
     g++ or c++ on the PATH). `int_activations`: what specserve's int8/int4 products multiply
     the weights by: `int8`, each row's activations quantised per block of 32 and integer dot
     products (a pass of many rows costs little more than one), or `float32`, the activations as
-    they are (docs/DESIGN-NOTES.md, Precision)."""
+    they are (docs/DESIGN-NOTES.md, Precision). `amx`: the int8-activation products of several
+    rows take AMX's tile multiply where the CPU has it (`cpu_kernels.use_amx`: the same bits,
+    faster; process-wide, set by the last model quantised)."""
 
     packed_linear: bool = True
     one_row: str = "auto"
@@ -81,6 +83,7 @@ class CpuTuning:
     kernels: str = "auto"
     compiler: str | None = None
     int_activations: str = "int8"
+    amx: bool = True
 
     def __post_init__(self):
         if self.one_row not in ONE_ROW_PATHS:

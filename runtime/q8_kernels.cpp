@@ -24,12 +24,15 @@
 // each product and sum rounded on its own (no fused multiply-add). Every term depends on row r
 // and channel n alone, and every lane computes it in the same order: a row's result is the
 // same whatever the rows beside it, however the pass is tiled, and in every build (AVX2,
-// AVX-VNNI, AVX-512).
+// AVX-VNNI, AVX-512, and AMX: q8_amx.cpp takes passes of several rows there, with the same
+// integer dot products and this epilogue).
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 
 #include <vector>
+
+#include "q8_amx.h"
 
 namespace {
 
@@ -165,19 +168,43 @@ struct Q8Rows {
   std::vector<int32_t> sum;
 };
 
+// Eight floats at a time (AVX2; every build has it), each operation the scalar one's: the block's
+// max|x| (a NaN dropped, as fmaxf drops it: max_ps returns its second operand then), x / scale
+// (IEEE division), clamped to +-127 (a NaN to -127, as fmaxf gives), rounded half to even
+// (nearbyintf in the default rounding mode); the codes' sum is exact.
 void quantize_row(const float* x, int64_t k, int8_t* q, float* d, float* s, int32_t* sum) {
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   for (int64_t g = 0; g < k / kGroup; ++g) {
     const float* xg = x + g * kGroup;
-    float top = 0.0f;
-    for (int i = 0; i < kGroup; ++i) top = fmaxf(top, fabsf(xg[i]));
-    const float scale = top / 127.0f;
+    __m256 v[4], top = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+      v[i] = _mm256_loadu_ps(xg + 8 * i);
+      top = _mm256_max_ps(_mm256_and_ps(v[i], magnitude), top);
+    }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, top);
+    float most = 0.0f;
+    for (int i = 0; i < 8; ++i) most = fmaxf(most, lanes[i]);
+    const float scale = most / 127.0f;
     int32_t total = 0;
-    for (int i = 0; i < kGroup; ++i) {
-      // x / scale is within 127 (a NaN input gives the low end, not undefined behaviour)
-      const float v = scale != 0.0f ? fminf(fmaxf(xg[i] / scale, -127.0f), 127.0f) : 0.0f;
-      const int32_t code = static_cast<int32_t>(nearbyintf(v));  // half to even
-      q[g * kGroup + i] = static_cast<int8_t>(code);
-      total += code;
+    if (scale != 0.0f) {
+      const __m256 divisor = _mm256_set1_ps(scale), low = _mm256_set1_ps(-127.0f), high = _mm256_set1_ps(127.0f);
+      __m256i codes[4], sums = _mm256_setzero_si256();
+      for (int i = 0; i < 4; ++i) {
+        const __m256 ratio = _mm256_min_ps(_mm256_max_ps(_mm256_div_ps(v[i], divisor), low), high);
+        codes[i] = _mm256_cvtps_epi32(_mm256_round_ps(ratio, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        sums = _mm256_add_epi32(sums, codes[i]);
+      }
+      // int32 to int8 (within +-127: no saturation), back in order across the 128-bit lanes
+      const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(codes[0], codes[1]),
+                                               _mm256_packs_epi32(codes[2], codes[3]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + g * kGroup),
+                          _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+      alignas(32) int32_t parts[8];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(parts), sums);
+      for (int i = 0; i < 8; ++i) total += parts[i];
+    } else {
+      for (int i = 0; i < kGroup; ++i) q[g * kGroup + i] = 0;
     }
     d[g] = scale, sum[g] = total, s[g] = scale * static_cast<float>(total);
   }
@@ -192,7 +219,7 @@ void quantize_rows(const float* x, int64_t rows, int64_t k, Q8Rows& a) {
                  a.sum.data() + r * groups);
 }
 
-enum Kind { kInt4, kInt8Channel, kInt8Group };
+enum Kind { kInt4, kInt8Channel, kInt8Group };  // as q8_amx.h's
 
 // Whether V multiplies bytes by VNNI's dot product (else maddubs and madd).
 template <typename V>
@@ -328,6 +355,13 @@ void linear(const float* x, int64_t rows, int64_t k, const uint8_t* w, const flo
   Q8Rows a;
   quantize_rows(x, rows, k, a);
   const int64_t count = (out + kLanes - 1) / kLanes;
+#if defined(SPECSERVE_AMX)  // the tile pairs on AMX where it runs (q8_amx.cpp), the last odd tile here
+  if (amx::linear(static_cast<amx::Kind>(kKind), a.q.data(), a.d.data(), a.s.data(), rows, k, w, scales, out,
+                     count / 2, y)) {
+    if (count % 2) tiles<V256, kKind>(count - 1, a, rows, k, w, scales, out, y);
+    return;
+  }
+#endif
 #if defined(SPECSERVE_V512)
   const int64_t pairs = count / 2;  // two tiles at once, then the last odd one alone
 #pragma omp parallel for schedule(static)
@@ -351,6 +385,26 @@ int q8_vnni() {
   return 1;
 #else
   return 0;
+#endif
+}
+
+// Whether passes of at least `q8_amx_min_rows` rows take AMX's tile multiply (q8_amx.cpp):
+// built with it, and Linux lent this process the tile state.
+int q8_amx() {
+#if defined(SPECSERVE_AMX)
+  return amx::ready();
+#else
+  return 0;
+#endif
+}
+
+// Passes of at least `rows` rows take AMX where it runs (0: none, VNNI's products for all);
+// returns `q8_amx()`.
+int q8_amx_min_rows(int rows) {
+#if defined(SPECSERVE_AMX)
+  return amx::set_min_rows(rows);
+#else
+  return 0 * rows;
 #endif
 }
 

@@ -352,6 +352,8 @@ def quantize(model, mode: str, weights: dict[str, tuple] | None = None, tuning: 
     weights = weights or {}
     native = model.device.type == "cpu" and cpu_kernels.preferred(tuning.kernels, cache_dir, tuning.compiler)
     activations = tuning.int_activations
+    if native:
+        cpu_kernels.use_amx(tuning.amx)  # the library's, for the whole process
     for i, layer in enumerate(model.layers):
         for part in LINEAR_PARTS:
             owner_name, attr = part.split(".")

@@ -168,6 +168,17 @@ def test_q8_activations_are_the_reference():
     assert got[1][0, 0] == 0 and not got[0][0, :32].any()
 
 
+def test_q8_activations_drop_nans_from_the_scale_and_give_them_the_low_end():
+    """The vectorised quantisation keeps the scalar one's answer off the numbers too: max|x|
+    ignores a NaN (fmaxf), a NaN's code is -127, and an infinite block's scale is infinite."""
+    x = torch.zeros(1, 64)
+    x[0, :4] = torch.tensor([float("nan"), 127.0, -2.5, 3.5])
+    x[0, 32:34] = torch.tensor([float("inf"), 1.0])
+    q, d, s, total = cpu_kernels.q8_quantize(x)
+    assert q[0, :5].tolist() == [-127, 127, -2, 4, 0] and d[0, 0] == 1 and total[0, 0] == 2 and s[0, 0] == 2
+    assert q[0, 32:35].tolist() == [-127, 0, 0] and d[0, 1] == float("inf") and s[0, 1] == float("-inf")
+
+
 @pytest.mark.parametrize("shape", [(8, 32), (100, 576), (52, 1536), (13, 96), (104, 64)])
 @pytest.mark.parametrize("kind", ["int4", "int8 channel", "int8 block"])
 def test_q8_products_are_the_integer_reference_exactly(q8_libraries, kind, shape):
