@@ -245,7 +245,8 @@ class RouterServicer(pb_grpc.SpecserveServicer):
                                   verify_pad_cost=cfg.verify_pad_cost, pass_costs=self.coordinator.services.pass_costs)
 
     def _drafters(self, req: pb.GenerateRequest, expertise: ExpertiseRouter | None, pipelined: bool = False,
-                  length: int | None = None, placement: str = "pool") -> tuple[str | None, tuple[tuple[str, float], ...]]:
+                  length: int | None = None,
+                  placement: str = "pool") -> tuple[str | None, tuple[tuple[str, float], ...]]:
         """The request's domain (None without an expertise router) and its (drafter, reliability)
         pairs, from the expertise statistics of its namespace; plain decoding when the request
         drafts nothing (`length` 0)."""

@@ -65,7 +65,8 @@ class RecordingPool(DrafterPool):
 
 class Served:
     def __init__(self, model, tokenizer, pool, coordinator, router: str):
-        self.model, self.tokenizer, self.pool, self.coordinator, self.router = model, tokenizer, pool, coordinator, router
+        self.model, self.tokenizer, self.pool, self.coordinator = model, tokenizer, pool, coordinator
+        self.router = router
         self.client = Client(router, timeout=300)
         self.eos = list(tokenizer.eos_token_ids or model.config.eos_token_ids)
         self.verifier = coordinator.services.verifiers()[0]
@@ -193,8 +194,8 @@ def test_a_pool_failover_mid_request_keeps_the_head_drafting_and_the_output_the_
                               drafters=lambda: [f"127.0.0.1:{first_port}", f"127.0.0.1:{second_port}"])
     i = 2
     job = Job(request_id="failover", prompt_ids=_prompt_ids(served.tokenizer, i),
-              params=SamplingParams(max_tokens=MAX_TOKENS), drafters=(("eagle", 1.0),), draft_length=DRAFT_LENGTH, tree_budget=TREE_BUDGET,
-              vocab_size=model.config.vocab_size, eos_token_ids=served.eos,
+              params=SamplingParams(max_tokens=MAX_TOKENS), drafters=(("eagle", 1.0),), draft_length=DRAFT_LENGTH,
+              tree_budget=TREE_BUDGET, vocab_size=model.config.vocab_size, eos_token_ids=served.eos,
               eagle_placement="pool")
     try:
         stats = RoundStats()

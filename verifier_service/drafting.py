@@ -95,19 +95,16 @@ class VerifierDrafting:
             raise InvalidArgument("verifier_drafter", f"this verifier drafts with no {name!r}: an eagle head "
                                   "(eagle or a head directory) only")
         try:
-            return tuple(self._new_eagle(name).feature_layers)
+            return tuple(make_drafter(name, self.target).feature_layers)  # the head loads once a process
         except (FileNotFoundError, ValueError) as exc:
             raise InvalidArgument("verifier_drafter", str(exc)) from exc
-
-    def _new_eagle(self, name: str) -> EagleDrafter:
-        return make_drafter(name, self.target)
 
     def start_eagle(self, request_id: str, name: str, params: SamplingParams, resumed: int,
                     features: tuple[int, torch.Tensor]) -> None:
         """A request prefilled with eagle head `name` drafting here: a fresh drafter fed the
         prompt's features (its stream: the drafter's, stream 1, fresh when `resumed`)."""
-        state = _EagleState(self._new_eagle(name), make_generator(params.seed, self.target.device, stream=1,
-                                                                  resumed=resumed))
+        state = _EagleState(make_drafter(name, self.target),
+                            make_generator(params.seed, self.target.device, stream=1, resumed=resumed))
         state.drafter.take_features(*features)
         with self._lock:
             self._eagles.pop(request_id, None)
