@@ -46,6 +46,9 @@ PIPELINED = "pipelined-"  # pipelined-<mode>: served, drafting each next round w
 HTTP = "http-"  # http-<mode>: served through the OpenAI-compatible HTTP API (--http); the server's `pipelined`
 GRPC = (SERVED, PIPELINED)
 REMOTE = GRPC + (HTTP,)
+# served-<drafter>@<placement>: where the request's eagle drafter runs (GenerateRequest.eagle_placement:
+# verifier or pool); without it, the server's `[router] eagle_placement`
+PLACEMENT = "@"
 
 
 def served_drafter(mode: str) -> str | None:
@@ -53,16 +56,22 @@ def served_drafter(mode: str) -> str | None:
     `auto`: "", the server routes), or None for a mode run in process."""
     for prefix in REMOTE:
         if mode.startswith(prefix):
-            drafter = mode.removeprefix(prefix)
+            drafter = mode.removeprefix(prefix).partition(PLACEMENT)[0]
             return {"ar": "none", "auto": ""}.get(drafter, drafter)
     return None
 
 
+def eagle_placement(mode: str) -> str:
+    """A served mode's eagle placement (`served-eagle@pool`: "pool"; "": the server's)."""
+    return mode.partition(PLACEMENT)[2] if served_drafter(mode) is not None else ""
+
+
 def local_mode(mode: str) -> str:
-    """The in-process mode a served one runs remotely (`served-none` and `http-none`: `ar`)."""
+    """The in-process mode a served one runs remotely (`served-none` and `http-none`: `ar`;
+    `served-eagle@pool`: `eagle`)."""
     for prefix in REMOTE:
         if mode.startswith(prefix):
-            local = mode.removeprefix(prefix)
+            local = mode.removeprefix(prefix).partition(PLACEMENT)[0]
             return "ar" if local == "none" else local
     return mode
 
@@ -88,7 +97,7 @@ class ServedRunner:
             ) -> tuple[list[int], float, int, tuple[int, int]]:
         """Tokens, seconds, target passes, (draft tokens, accepted draft tokens)."""
         # over HTTP there is no per-request `pipelined`: the server's setting holds
-        extra = {} if self.http else {"pipelined": mode.startswith(PIPELINED)}
+        extra = {} if self.http else {"pipelined": mode.startswith(PIPELINED), "eagle_placement": eagle_placement(mode)}
         start = time.perf_counter()
         out = self.client.generate(messages=[{"role": "user", "content": prompt}], max_tokens=params.max_tokens,
                                    temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,

@@ -21,7 +21,8 @@ def add_parser(sub) -> None:
                    help="what to run side by side: hf-ar and hf-pld (Hugging Face generate, plain and prompt "
                         "lookup), llamacpp-ar and llamacpp-pld (llama.cpp on the GGUF, the [llamacpp] extra), ar "
                         "(our plain decoding), any drafter or a+b fusion (in process), served-<drafter>, "
-                        "served-auto and pipelined-<drafter> (gRPC, --server), http-<drafter> and http-auto (the "
+                        "served-auto and pipelined-<drafter> (gRPC, --server; served-<drafter>@verifier or @pool: "
+                        "where its eagle drafter runs), http-<drafter> and http-auto (the "
                         "OpenAI API, --http) (default: hf-ar hf-pld ar pld layerskip; with --workload extraction or tools: "
                         "ar pld suffix pld+suffix)")
     b.add_argument("--draft-length", type=int, default=5)
@@ -117,13 +118,18 @@ def run(args) -> int:
     if args.workload != "text":
         return _bench_structured(args)
     args.modes = args.modes or TEXT_MODES
-    from bench.harness import GRPC, HF_MODES, HTTP, REMOTE, run_bench
+    from bench.harness import GRPC, HF_MODES, HTTP, PLACEMENT, REMOTE, run_bench
     from bench.llamacpp import LLAMACPP_MODES
+    from speculative.drafter_kinds import EAGLE_PLACEMENTS
 
     in_process_only = HF_MODES | set(LLAMACPP_MODES)
 
     def known(mode: str) -> bool:  # hf-*, llamacpp-*, ar, or a drafter (also served-, pipelined-, http-<drafter>)
         local = next((mode.removeprefix(p) for p in REMOTE if mode.startswith(p)), mode)
+        if PLACEMENT in local:  # served-eagle@verifier, served-eagle+pld@pool: over gRPC only
+            local, _, placement = local.partition(PLACEMENT)
+            if placement not in EAGLE_PLACEMENTS or not mode.startswith(GRPC):
+                return False
         if local in ("auto", "none"):  # served-auto, http-auto: the server routes; served-none: served-ar
             return mode != local
         return mode in in_process_only | {"ar"} or local == "ar" or (local not in in_process_only and local != "none"

@@ -111,13 +111,16 @@ class DrafterPool:
 
     def propose(self, request_id: str, context_length: int, new_tokens: Sequence[int],
                 max_tokens: int, speculative: Sequence[int] = (), min_confidence: float = 0.0,
-                max_nodes: int | None = None, observed: Observed | None = None) -> DraftTree | None:
+                max_nodes: int | None = None, observed: Observed | None = None,
+                features: tuple[int, torch.Tensor] | None = None) -> DraftTree | None:
         """Append the newly verified tokens and draft up to `max_tokens` deep (a tree of at most
         `max_nodes` nodes, default `max_tokens`) past them, or past
         `speculative` tokens after them (drafting ahead of a verdict; they stay unverified).
         A model drafter stops after a token it drew with less than `min_confidence`.
         `observed` (tokens, ids [N, k], probs [N, k]): what the target predicted at the
         positions it scored since the last call, for a drafter that learns from it.
+        `features` (start, [m, F]): the target's features at context positions start..,
+        for a drafter that drafts from them (eagle; speculative.decoding.DraftRequest.features).
 
         None means the state is lost (unknown or evicted request, or a context
         that is not `context_length` tokens long): the caller prefills again."""
@@ -143,9 +146,11 @@ class DrafterPool:
             state.context.extend(new_tokens)
             if observed is not None and len(observed[0]) and state.drafter.abilities.learns_from_target:
                 state.drafter.observe(*observed)
+            if features is not None:
+                self._check_features(state, *features)
             started = time.monotonic()
             try:
-                return self._draft(state, max_tokens, list(speculative), min_confidence, max_nodes)
+                return self._draft(state, max_tokens, list(speculative), min_confidence, max_nodes, features)
             finally:
                 seconds = time.monotonic() - started
                 with self._lock:
@@ -179,8 +184,23 @@ class DrafterPool:
             del self._requests[rid]
         return len(idle)
 
+    def _check_features(self, state: _Request, start: int, features: torch.Tensor) -> None:
+        """Features fit the request's drafter: it drafts from them, they are its width, and
+        they lie within the verified context."""
+        drafter = state.drafter
+        if not drafter.abilities.drafts_from_features:
+            raise InvalidArgument("features", f"drafter {state.kind!r} does not draft from the target's features")
+        head = getattr(drafter, "head", None)
+        width = None if head is None else len(head.config.layers) * head.config.hidden_size
+        if width is not None and features.shape[-1] != width:
+            raise InvalidArgument("features", f"rows of {features.shape[-1]} values, the head reads {width}")
+        if start + len(features) > len(state.context):
+            raise InvalidArgument("features_start", f"positions {start}..{start + len(features) - 1} are past "
+                                  f"the {len(state.context)} verified tokens")
+
     def _draft(self, state: _Request, max_tokens: int, speculative: list[int] = (),
-               min_confidence: float = 0.0, max_nodes: int | None = None) -> DraftTree:
+               min_confidence: float = 0.0, max_nodes: int | None = None,
+               features: tuple[int, torch.Tensor] | None = None) -> DraftTree:
         # Nothing past the target's context can be verified, and a model
         # drafter's KV cache holds no more.
         context = state.context + list(speculative)
@@ -190,7 +210,8 @@ class DrafterPool:
         if state.drafter.abilities.stops_on_confidence:
             state.drafter.stop_below = min_confidence
         return state.drafter.propose(DraftRequest(context, min(max_tokens, room), state.params, state.generator,
-                                                  verified=len(state.context), max_nodes=max_nodes))
+                                                  verified=len(state.context), max_nodes=max_nodes,
+                                                  features=features))
 
     def _check_observed(self, tokens: Sequence[int], ids: torch.Tensor, probs: torch.Tensor) -> None:
         self._check_vocabulary("observed_tokens", tokens)

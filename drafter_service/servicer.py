@@ -12,7 +12,7 @@ import torch
 from protos import specserve_pb2 as pb
 from protos import specserve_pb2_grpc as pb_grpc
 from protos.server import start_server
-from protos.convert import params_from_pb, tree_to_pb
+from protos.convert import features_from_pb, params_from_pb, tree_to_pb
 from runtime.cpu_tuning import own_torch_threads
 from speculative.sampling import InvalidArgument
 
@@ -45,6 +45,15 @@ def _observed(request: pb.ProposeRequest) -> Observed | None:
     return list(request.observed_tokens), ids, torch.tensor(list(request.observed_probs)).view(n, -1)
 
 
+def _features(request: pb.ProposeRequest) -> tuple[int, torch.Tensor] | None:
+    """The request's target features as (start, [m, F]), or None."""
+    try:
+        return features_from_pb(request)
+    except ValueError as err:
+        field, _, problem = str(err).partition(": ")
+        raise InvalidArgument(field, problem) from err
+
+
 class DrafterServicer(pb_grpc.DrafterServicer):
     def __init__(self, pool: DrafterPool):
         self.pool = pool
@@ -61,7 +70,8 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         tree = _checked(context, lambda: self.pool.propose(
             request.request_id, request.context_length, list(request.new_tokens), request.max_tokens,
             speculative=list(request.speculative_tokens), min_confidence=request.min_confidence,
-            max_nodes=request.max_nodes if request.HasField("max_nodes") else None, observed=_observed(request)))
+            max_nodes=request.max_nodes if request.HasField("max_nodes") else None, observed=_observed(request),
+            features=_features(request)))
         if tree is None:
             return pb.ProposeResponse(state_lost=True)
         return pb.ProposeResponse(tree=tree_to_pb(tree), seconds=time.perf_counter() - started)

@@ -96,3 +96,29 @@ def tree_from_pb(msg: pb.DraftTree, vocab_size: int) -> DraftTree:
     if confidence is not None and len(confidence) != len(tokens):
         raise ValueError("tree.confidence: one value per node is needed")
     return DraftTree(tokens, parents, draws, q, confidence)
+
+
+# ---- the target's features (eagle) ----------------------------------------------------------
+# A message with `features` (bytes), `features_start` and `features_count` carries the
+# target's captured features [count, F] at positions start..start+count-1 as float16,
+# row-major: 3 layers x 576 hidden x 2 bytes = 3,456 bytes a position for SmolLM2-135M.
+
+def features_to_pb(msg, start: int, features: torch.Tensor) -> None:
+    """Put `features` [m, F] (positions start..) into `msg`'s feature fields."""
+    half = features.detach().to("cpu", torch.float16).contiguous()
+    msg.features, msg.features_start, msg.features_count = half.numpy().tobytes(), start, len(half)
+
+
+def features_from_pb(msg, width: int | None = None, field: str = "features") -> tuple[int, torch.Tensor] | None:
+    """`msg`'s features as (start, float32 [count, F]); None when it carries none. A size that
+    is not count rows (of `width` values each, when given) raises ValueError naming `field`."""
+    if not msg.features_count and not msg.features:
+        return None
+    count, size = msg.features_count, len(msg.features)
+    if count <= 0 or size % (2 * count) or (width is not None and size != 2 * count * width):
+        raise ValueError(f"{field}: {size} bytes are not {count} float16 rows"
+                         + (f" of {width} values" if width is not None else ""))
+    if msg.features_start < 0:
+        raise ValueError(f"{field}_start: must be >= 0, got {msg.features_start}")
+    rows = torch.frombuffer(bytearray(msg.features), dtype=torch.float16).view(count, -1)
+    return msg.features_start, rows.float()

@@ -141,7 +141,7 @@ class Constraint(_message.Message):
     def __init__(self, json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., choice: _Optional[_Union[Constraint.Choice, _Mapping]] = ..., grammar: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "messages", "sampling", "stop", "domain_hint", "request_id", "drafter", "pipelined", "namespace", "constraint", "tools", "tool_choice", "parallel_tool_calls", "draft_length")
+    __slots__ = ("prompt", "messages", "sampling", "stop", "domain_hint", "request_id", "drafter", "pipelined", "namespace", "constraint", "tools", "tool_choice", "parallel_tool_calls", "draft_length", "eagle_placement")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -156,6 +156,7 @@ class GenerateRequest(_message.Message):
     TOOL_CHOICE_FIELD_NUMBER: _ClassVar[int]
     PARALLEL_TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    EAGLE_PLACEMENT_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     sampling: SamplingParams
@@ -170,7 +171,8 @@ class GenerateRequest(_message.Message):
     tool_choice: str
     parallel_tool_calls: bool
     draft_length: int
-    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., domain_hint: _Optional[str] = ..., request_id: _Optional[str] = ..., drafter: _Optional[str] = ..., pipelined: _Optional[bool] = ..., namespace: _Optional[str] = ..., constraint: _Optional[_Union[Constraint, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[str] = ..., parallel_tool_calls: _Optional[bool] = ..., draft_length: _Optional[int] = ...) -> None: ...
+    eagle_placement: str
+    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., domain_hint: _Optional[str] = ..., request_id: _Optional[str] = ..., drafter: _Optional[str] = ..., pipelined: _Optional[bool] = ..., namespace: _Optional[str] = ..., constraint: _Optional[_Union[Constraint, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[str] = ..., parallel_tool_calls: _Optional[bool] = ..., draft_length: _Optional[int] = ..., eagle_placement: _Optional[str] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "target_forward_passes", "draft_tokens", "accepted_draft_tokens", "mean_accepted_tokens", "drafter", "reused_drafts", "forced_tokens")
@@ -251,7 +253,7 @@ class DrafterPrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., drafter: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stream: _Optional[int] = ..., resumed: _Optional[int] = ..., namespace: _Optional[str] = ..., domain: _Optional[str] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("request_id", "context_length", "new_tokens", "max_tokens", "speculative_tokens", "min_confidence", "max_nodes", "observed_tokens", "observed_ids", "observed_probs")
+    __slots__ = ("request_id", "context_length", "new_tokens", "max_tokens", "speculative_tokens", "min_confidence", "max_nodes", "observed_tokens", "observed_ids", "observed_probs", "features", "features_start", "features_count")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -262,6 +264,9 @@ class ProposeRequest(_message.Message):
     OBSERVED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     OBSERVED_IDS_FIELD_NUMBER: _ClassVar[int]
     OBSERVED_PROBS_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_START_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_COUNT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     context_length: int
     new_tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -272,7 +277,10 @@ class ProposeRequest(_message.Message):
     observed_tokens: _containers.RepeatedScalarFieldContainer[int]
     observed_ids: _containers.RepeatedScalarFieldContainer[int]
     observed_probs: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, request_id: _Optional[str] = ..., context_length: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., speculative_tokens: _Optional[_Iterable[int]] = ..., min_confidence: _Optional[float] = ..., max_nodes: _Optional[int] = ..., observed_tokens: _Optional[_Iterable[int]] = ..., observed_ids: _Optional[_Iterable[int]] = ..., observed_probs: _Optional[_Iterable[float]] = ...) -> None: ...
+    features: bytes
+    features_start: int
+    features_count: int
+    def __init__(self, request_id: _Optional[str] = ..., context_length: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., speculative_tokens: _Optional[_Iterable[int]] = ..., min_confidence: _Optional[float] = ..., max_nodes: _Optional[int] = ..., observed_tokens: _Optional[_Iterable[int]] = ..., observed_ids: _Optional[_Iterable[int]] = ..., observed_probs: _Optional[_Iterable[float]] = ..., features: _Optional[bytes] = ..., features_start: _Optional[int] = ..., features_count: _Optional[int] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
     __slots__ = ("tree", "state_lost", "seconds")
@@ -305,7 +313,7 @@ class Ack(_message.Message):
     def __init__(self) -> None: ...
 
 class VerifierPrefillRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "sampling", "max_len", "candidates", "resumed", "prompt_length", "namespace")
+    __slots__ = ("request_id", "token_ids", "sampling", "max_len", "candidates", "resumed", "prompt_length", "namespace", "feature_layers", "verifier_drafter")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -314,6 +322,8 @@ class VerifierPrefillRequest(_message.Message):
     RESUMED_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    VERIFIER_DRAFTER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
@@ -322,36 +332,46 @@ class VerifierPrefillRequest(_message.Message):
     resumed: int
     prompt_length: int
     namespace: str
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_len: _Optional[int] = ..., candidates: _Optional[int] = ..., resumed: _Optional[int] = ..., prompt_length: _Optional[int] = ..., namespace: _Optional[str] = ...) -> None: ...
+    feature_layers: _containers.RepeatedScalarFieldContainer[int]
+    verifier_drafter: str
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_len: _Optional[int] = ..., candidates: _Optional[int] = ..., resumed: _Optional[int] = ..., prompt_length: _Optional[int] = ..., namespace: _Optional[str] = ..., feature_layers: _Optional[_Iterable[int]] = ..., verifier_drafter: _Optional[str] = ...) -> None: ...
 
 class VerifierPrefillResponse(_message.Message):
-    __slots__ = ("next_token", "active_requests", "candidate_ids", "candidate_probs", "logprobs")
+    __slots__ = ("next_token", "active_requests", "candidate_ids", "candidate_probs", "logprobs", "features", "features_start", "features_count")
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     CANDIDATE_IDS_FIELD_NUMBER: _ClassVar[int]
     CANDIDATE_PROBS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_START_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_COUNT_FIELD_NUMBER: _ClassVar[int]
     next_token: int
     active_requests: int
     candidate_ids: _containers.RepeatedScalarFieldContainer[int]
     candidate_probs: _containers.RepeatedScalarFieldContainer[float]
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
-    def __init__(self, next_token: _Optional[int] = ..., active_requests: _Optional[int] = ..., candidate_ids: _Optional[_Iterable[int]] = ..., candidate_probs: _Optional[_Iterable[float]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+    features: bytes
+    features_start: int
+    features_count: int
+    def __init__(self, next_token: _Optional[int] = ..., active_requests: _Optional[int] = ..., candidate_ids: _Optional[_Iterable[int]] = ..., candidate_probs: _Optional[_Iterable[float]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., features: _Optional[bytes] = ..., features_start: _Optional[int] = ..., features_count: _Optional[int] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("request_id", "tree", "context_length", "candidates")
+    __slots__ = ("request_id", "tree", "context_length", "candidates", "feature_layers")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TREE_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     CANDIDATES_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_LAYERS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     tree: DraftTree
     context_length: int
     candidates: int
-    def __init__(self, request_id: _Optional[str] = ..., tree: _Optional[_Union[DraftTree, _Mapping]] = ..., context_length: _Optional[int] = ..., candidates: _Optional[int] = ...) -> None: ...
+    feature_layers: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., tree: _Optional[_Union[DraftTree, _Mapping]] = ..., context_length: _Optional[int] = ..., candidates: _Optional[int] = ..., feature_layers: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("accepted", "bonus", "state_lost", "batch_size", "queued", "active_requests", "candidate_ids", "candidate_probs", "pass_id", "pass_seconds", "pass_tokens", "pass_width", "drafted", "drafted_depth", "forced", "logprobs")
+    __slots__ = ("accepted", "bonus", "state_lost", "batch_size", "queued", "active_requests", "candidate_ids", "candidate_probs", "pass_id", "pass_seconds", "pass_tokens", "pass_width", "drafted", "drafted_depth", "forced", "logprobs", "features", "features_start", "features_count")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     BONUS_FIELD_NUMBER: _ClassVar[int]
     STATE_LOST_FIELD_NUMBER: _ClassVar[int]
@@ -368,6 +388,9 @@ class VerifyResponse(_message.Message):
     DRAFTED_DEPTH_FIELD_NUMBER: _ClassVar[int]
     FORCED_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_START_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_COUNT_FIELD_NUMBER: _ClassVar[int]
     accepted: _containers.RepeatedScalarFieldContainer[int]
     bonus: int
     state_lost: bool
@@ -384,10 +407,13 @@ class VerifyResponse(_message.Message):
     drafted_depth: int
     forced: int
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
-    def __init__(self, accepted: _Optional[_Iterable[int]] = ..., bonus: _Optional[int] = ..., state_lost: _Optional[bool] = ..., batch_size: _Optional[int] = ..., queued: _Optional[int] = ..., active_requests: _Optional[int] = ..., candidate_ids: _Optional[_Iterable[int]] = ..., candidate_probs: _Optional[_Iterable[float]] = ..., pass_id: _Optional[int] = ..., pass_seconds: _Optional[float] = ..., pass_tokens: _Optional[int] = ..., pass_width: _Optional[int] = ..., drafted: _Optional[int] = ..., drafted_depth: _Optional[int] = ..., forced: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+    features: bytes
+    features_start: int
+    features_count: int
+    def __init__(self, accepted: _Optional[_Iterable[int]] = ..., bonus: _Optional[int] = ..., state_lost: _Optional[bool] = ..., batch_size: _Optional[int] = ..., queued: _Optional[int] = ..., active_requests: _Optional[int] = ..., candidate_ids: _Optional[_Iterable[int]] = ..., candidate_probs: _Optional[_Iterable[float]] = ..., pass_id: _Optional[int] = ..., pass_seconds: _Optional[float] = ..., pass_tokens: _Optional[int] = ..., pass_width: _Optional[int] = ..., drafted: _Optional[int] = ..., drafted_depth: _Optional[int] = ..., forced: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., features: _Optional[bytes] = ..., features_start: _Optional[int] = ..., features_count: _Optional[int] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "drafter", "draft_length", "max_tokens", "eos_token_ids", "max_rounds", "candidates", "max_nodes", "namespace")
+    __slots__ = ("request_id", "token_ids", "drafter", "draft_length", "max_tokens", "eos_token_ids", "max_rounds", "candidates", "max_nodes", "namespace", "feature_layers")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
@@ -398,6 +424,7 @@ class DecodeRequest(_message.Message):
     CANDIDATES_FIELD_NUMBER: _ClassVar[int]
     MAX_NODES_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_LAYERS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     drafter: str
@@ -408,7 +435,8 @@ class DecodeRequest(_message.Message):
     candidates: int
     max_nodes: int
     namespace: str
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., drafter: _Optional[str] = ..., draft_length: _Optional[int] = ..., max_tokens: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_rounds: _Optional[int] = ..., candidates: _Optional[int] = ..., max_nodes: _Optional[int] = ..., namespace: _Optional[str] = ...) -> None: ...
+    feature_layers: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., drafter: _Optional[str] = ..., draft_length: _Optional[int] = ..., max_tokens: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_rounds: _Optional[int] = ..., candidates: _Optional[int] = ..., max_nodes: _Optional[int] = ..., namespace: _Optional[str] = ..., feature_layers: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class VerifierStatsRequest(_message.Message):
     __slots__ = ()

@@ -14,7 +14,7 @@ from protos import specserve_pb2 as pb
 from protos import specserve_pb2_grpc as pb_grpc
 from protos.convert import params_from_pb
 from protos.server import call_deadline, start_server
-from speculative.drafter_kinds import VERIFIER_DRAFTERS, check_drafter
+from speculative.drafter_kinds import VERIFIER_DRAFTERS, abilities, check_drafter, check_eagle_placement
 from runtime.errors import PromptTooLong
 from speculative.namespaces import DEFAULT_NAMESPACE, Namespaces, check_namespace
 from speculative.sampling import InvalidArgument
@@ -176,8 +176,11 @@ class RouterServicer(pb_grpc.SpecserveServicer):
             raise InvalidArgument("domain_hint", f"unknown domain {req.domain_hint!r}; known: {', '.join(DOMAINS)}")
         namespace = check_namespace(req.namespace)
         pipelined = req.pipelined if req.HasField("pipelined") else cfg.pipelined
-        domain, drafters = self._drafters(req, self._expertise_of(namespace), pipelined, length)
-        unserved = [d for d, _ in drafters if d != "none" and d not in cfg.routed_drafters]
+        placement = check_eagle_placement(req.eagle_placement or cfg.eagle_placement)
+        domain, drafters = self._drafters(req, self._expertise_of(namespace), pipelined, length, placement)
+        placement = self._eagle_placement(placement, drafters, pipelined)
+        unserved = [d for d, _ in drafters if d != "none" and d not in cfg.routed_drafters
+                    and not (placement == "verifier" and abilities(d).drafts_from_features)]
         if req.drafter and cfg.routed_drafters and unserved:  # the pools would refuse it mid-request
             raise InvalidArgument("drafter", f"no drafter pool here serves {unserved[0]!r}; they serve "
                                              f"{', '.join(cfg.routed_drafters)}")
@@ -194,7 +197,18 @@ class RouterServicer(pb_grpc.SpecserveServicer):
                    vocab_size=cfg.vocab_size, eos_token_ids=list(params.stop_token_ids), domain=domain,
                    deadline=call.deadline, is_cancelled=lambda: not call.is_active(), pipelined=pipelined,
                    speculation=speculation, stop_confidence=cfg.stop_confidence, namespace=namespace,
-                   verifier_drafting=cfg.verifier_drafting, prefill_pools_ahead=cfg.prefill_pools_ahead)
+                   verifier_drafting=cfg.verifier_drafting, prefill_pools_ahead=cfg.prefill_pools_ahead,
+                   eagle_placement=placement)
+
+    def _eagle_placement(self, placement: str, drafters: tuple[tuple[str, float], ...], pipelined: bool) -> str:
+        """Where the request's eagle drafter runs: the verifier, as asked, only where the verifier
+        runs all its rounds itself (Decode: no pipelining, no drafter only a pool runs beside it);
+        else a pool."""
+        kinds = [d for d, _ in drafters]
+        if placement == "verifier" and (pipelined or not self.config.verifier_drafting or any(
+                k not in VERIFIER_DRAFTERS and not abilities(k).drafts_from_features for k in kinds)):
+            return "pool"
+        return placement
 
     def _prompt_ids(self, req: pb.GenerateRequest, tools: list[Function]) -> list[int]:
         """The prompt's tokens (of messages: of the chat template's rendering, with the tools the
@@ -231,7 +245,8 @@ class RouterServicer(pb_grpc.SpecserveServicer):
                                   verify_pad_cost=cfg.verify_pad_cost, pass_costs=self.coordinator.services.pass_costs)
 
     def _drafters(self, req: pb.GenerateRequest, expertise: ExpertiseRouter | None, pipelined: bool = False,
-                  length: int | None = None) -> tuple[str | None, tuple[tuple[str, float], ...]]:
+                  length: int | None = None,
+                  placement: str = "pool") -> tuple[str | None, tuple[tuple[str, float], ...]]:
         """The request's domain (None without an expertise router) and its (drafter, reliability)
         pairs, from the expertise statistics of its namespace; plain decoding when the request
         drafts nothing (`length` 0)."""
@@ -241,7 +256,7 @@ class RouterServicer(pb_grpc.SpecserveServicer):
             return (None if expertise is None else expertise.domain(_user_text(req), hint)), (("none", 1.0),)
         if drafter == "auto" and expertise is not None:  # else check_drafter refuses "auto"
             route = expertise.route(_user_text(req), self.config.routed_drafters, k=self.config.fused_drafters,
-                                    hint=hint, usable=self._draft_pays(expertise, pipelined))
+                                    hint=hint, usable=self._draft_pays(expertise, pipelined, placement))
             return route.domain, tuple((d, route.reliability[d]) for d in route.drafters)
         check_drafter(drafter)
         domain = None if expertise is None else expertise.domain(_user_text(req), hint)
@@ -250,17 +265,22 @@ class RouterServicer(pb_grpc.SpecserveServicer):
             return domain, tuple((k, 1.0 if domain is None else expertise.reliability(k, domain)) for k in kinds)
         return domain, ((drafter, 1.0),)  # alone: its reliability weighs nothing
 
-    def _draft_pays(self, expertise: ExpertiseRouter, pipelined: bool) -> Callable[[str, str], bool] | None:
+    def _draft_pays(self, expertise: ExpertiseRouter, pipelined: bool,
+                    placement: str = "pool") -> Callable[[str, str], bool] | None:
         """Whether "auto" may route a drafter on a domain: not one only a pool runs that, at the
         load the request starts at and by what it last cost there, would not draft at all (the
         pool's prefill of the request, and each probe's hop, would slow the batch for nothing).
         Sequential rounds with adaptive lengths only: what a drafter costs is remembered for
-        those (`Coordinator.draft_costs`)."""
+        those (`Coordinator.draft_costs`). An eagle drafter the verifier runs (`placement`)
+        pays no hop either."""
         cfg = self.config
         if not (cfg.adaptive and cfg.verifier_drafting) or pipelined:
             return None
         load, costs = self.coordinator.load(), self.coordinator.draft_costs
-        return lambda kind, domain: (kind in VERIFIER_DRAFTERS or costs.pays(
+        on_verifier = set(VERIFIER_DRAFTERS)
+        if placement == "verifier":
+            on_verifier |= {k for k in cfg.routed_drafters if abilities(k).drafts_from_features}
+        return lambda kind, domain: (kind in on_verifier or costs.pays(
             self._control(expertise.reliability(kind, domain), pipelined), kind, load))
 
     # -- running ------------------------------------------------------------------

@@ -7,6 +7,8 @@ each default is written here once. Loads pydantic only, no torch.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from speculative.drafter_kinds import is_drafter
@@ -27,6 +29,12 @@ class RouterSettings(BaseModel):
                                                       "drafter (the verifier keeps a suffix index of its own), or "
                                                       "none, run on the verifier (Decode): no hop to a pool or "
                                                       "back to the router a round")
+    eagle_placement: Literal["verifier", "pool"] = Field(
+        "verifier", description="where an eagle drafter runs: 'verifier', beside the target in the verifier's "
+        "process (Decode rounds; no features on the wire), or 'pool', a drafter pool the verifier sends each "
+        "round's features to (3,456 bytes a verified position for SmolLM2-135M); a request may override it "
+        "(GenerateRequest.eagle_placement). A request that is pipelined, or fuses eagle with a drafter only "
+        "a pool runs, or a router without verifier_drafting, places it in a pool")
     prefill_pools_ahead: bool = Field(False, description="prefill a request's drafter pools while the verifier "
                                                          "prefills it, not after it: for pools on cores, machines "
                                                          "or GPUs of their own, where a model drafter's prefill "

@@ -356,20 +356,25 @@ class PaddedShortRows(Transformer):
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache, mask: torch.Tensor,
                 layers: Sequence[int] | None = None, logits_from: int = 0,
-                real: Sequence[int] | None = None, capture: Sequence[int] | None = None):
+                real: Sequence[int] | None = None, capture: Sequence[int] | None = None,
+                capture_rows=None):
         b, t = tokens.shape
         short = self.pad_short_rows and tokens.device.type == "cpu" and b == 1 and 1 < t < PAD_ROWS_TO
         if not short or (real is not None and sum(real) != t):  # rows given packed: the model's own path
-            return super().forward(tokens, positions, cache, mask, layers, logits_from, real, capture)
+            return super().forward(tokens, positions, cache, mask, layers, logits_from, real, capture, capture_rows)
         pad = PAD_ROWS_TO - t
         tokens, positions, mask = _pad_rows(tokens, positions, mask, pad)
-        out = super().forward(tokens, positions, cache, mask, layers, logits_from, capture=capture)
+        # one row: a real token's flattened row is its position, padded or not (capture_rows)
+        out = super().forward(tokens, positions, cache, mask, layers, logits_from, capture=capture,
+                              capture_rows=capture_rows)
         cache.lengths[0] -= pad
 
         def unpadded(x, start=logits_from):
             return x[:, : t - start] if real is None else x[0, : t - start][: real[0]]
         if capture is None:
             return unpadded(out)
+        if capture_rows is not None:
+            return unpadded(out[0]), out[1]
         return unpadded(out[0]), unpadded(out[1], 0)  # the features (EAGLE): every position
 
 

@@ -336,7 +336,8 @@ class Transformer(nn.Module):
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, mask: torch.Tensor,
                 layers: Sequence[int] | None = None, logits_from: int = 0,
-                real: Sequence[int] | None = None, capture: Sequence[int] | None = None):
+                real: Sequence[int] | None = None, capture: Sequence[int] | None = None,
+                capture_rows: torch.Tensor | Sequence[int] | None = None):
         """Score `tokens` [B, T] at `positions` [B, T], appending their keys and values.
 
         Row b's new keys go to cache slots lengths[b].. and its length grows by T.
@@ -356,6 +357,9 @@ class Transformer(nn.Module):
         every position of the pass (`logits_from` cuts the logits only):
         `(logits, features [B, T, len(capture) * H])`, packed as the logits are when
         `real` packs them. A feature-level drafter (EAGLE) drafts from them.
+        `capture_rows` (with `capture`): only these rows of that layout (packed rows, or
+        the B*T rows flattened), `features [len(capture_rows), len(capture) * H]`: a
+        batch's rows of requests that draft otherwise copy no features out.
         """
         b, t = tokens.shape
         packing = None if real is None or sum(real) == b * t else _Packing(b, t, real, tokens.device)
@@ -366,18 +370,24 @@ class Transformer(nn.Module):
             x = packing.pack(x)
         picked = range(len(self.layers)) if layers is None else layers
         captured = {}
+        if capture_rows is not None and not isinstance(capture_rows, torch.Tensor):
+            capture_rows = torch.tensor(list(capture_rows), dtype=torch.long)
+        if capture_rows is not None:
+            capture_rows = capture_rows.to(x.device)
         paged = isinstance(cache, PagedRows)
         for i, layer_idx in enumerate(picked):
             k, v = cache.layer(i) if paged else (cache.k[i], cache.v[i])
             x = self.layers[layer_idx](x, cos, sin, k, v, starts, mask, packing)
             if capture is not None and layer_idx in capture:
-                captured[layer_idx] = x
+                captured[layer_idx] = x if capture_rows is None else x.reshape(-1, x.shape[-1])[capture_rows]
         for row in range(b):
             cache.lengths[row] += t
         logits = self.lm_head(self.norm(self._at_logits(x, b, t, logits_from, real, packing))).float()
         if capture is None:
             return logits
         features = torch.cat([captured[i] for i in capture], -1)
+        if capture_rows is not None:
+            return logits, features
         return logits, self._at_logits(features, b, t, 0, real, packing)
 
     @staticmethod

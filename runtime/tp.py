@@ -246,7 +246,8 @@ class TensorParallelTarget:
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, cache: "MirroredCache | PagedRows",
                  mask: torch.Tensor, layers: Sequence[int] | None = None, logits_from: int = 0,
-                 real: Sequence[int] | None = None, capture: Sequence[int] | None = None):
+                 real: Sequence[int] | None = None, capture: Sequence[int] | None = None,
+                 capture_rows=None):
         # `capture`: rank 0's residual stream is whole after each layer's all-reduce, so only
         # rank 0 keeps the features (the other ranks run the same forward without them)
         rest = (tokens.cpu(), positions.cpu(), mask.cpu(), None if layers is None else list(layers), logits_from,
@@ -255,13 +256,14 @@ class TensorParallelTarget:
                 and cache.cache.target is self:
             call = ("forward_paged", cache.cache.cache_id, cache.tables, list(cache.lengths)) + rest
             self._send(self._drained() + [call])
-            return self.model(tokens, positions, cache, mask, layers, logits_from, real, capture)  # rank 0's storage
+            return self.model(tokens, positions, cache, mask, layers, logits_from, real, capture,
+                              capture_rows)  # rank 0's storage
         if not isinstance(cache, MirroredCache) or cache.target is not self:
             raise ValueError("a tensor-parallel forward needs a cache of this target's new_cache")
         lengths = list(cache.whole.lengths)
         call = ("forward", cache.cache_id, cache.rows, lengths) + rest
         self._send(self._drained() + [call])
-        return self.model(tokens, positions, cache.local, mask, layers, logits_from, real, capture)
+        return self.model(tokens, positions, cache.local, mask, layers, logits_from, real, capture, capture_rows)
 
     forward = __call__
 

@@ -183,7 +183,7 @@ def request(prompt: str | None = None, *, messages: Sequence[Mapping[str, Any]] 
             parallel_tool_calls: bool | None = None, logprobs: int | None = None, processed_logprobs: bool = False,
             presence_penalty: float = 0.0, frequency_penalty: float = 0.0, repetition_penalty: float | None = None,
             logit_bias: Mapping[int, float] | None = None, min_tokens: int = 0, stop_token_ids: Sequence[int] = (),
-            draft_length: int | None = None) -> pb.GenerateRequest:
+            draft_length: int | None = None, eagle_placement: str = "") -> pb.GenerateRequest:
     """The `GenerateRequest` of a prompt (or chat `messages`) and its settings: every
     method of `Client` and `AsyncClient` takes these fields, written once here.
 
@@ -198,7 +198,8 @@ def request(prompt: str | None = None, *, messages: Sequence[Mapping[str, Any]] 
     alternatives each token's logprobs list (0..20; None: no logprobs). Penalties and
     `logit_bias` (token id -> bias in [-100, 100]) as OpenAI's; `repetition_penalty`,
     `min_tokens`, `stop_token_ids` as vLLM's. `draft_length`: the most draft tokens a round
-    (0: no speculation; None: the server's)."""
+    (0: no speculation; None: the server's). `eagle_placement`: where an eagle drafter runs,
+    "verifier" or "pool" ("": the server's `[router] eagle_placement`)."""
     if (prompt is None) == (messages is None):
         raise ValueError("give exactly one of prompt or messages")
     if messages is not None and not messages:
@@ -216,7 +217,7 @@ def request(prompt: str | None = None, *, messages: Sequence[Mapping[str, Any]] 
         sampling.processed_logprobs = processed_logprobs
     req = pb.GenerateRequest(sampling=sampling, stop=[_text(f"stop[{i}]", s) for i, s in enumerate(stop)],
                              domain_hint=domain_hint, drafter=drafter,
-                             request_id=request_id, namespace=namespace)
+                             request_id=request_id, namespace=namespace, eagle_placement=eagle_placement)
     if pipelined is not None:  # unset: the server's setting
         req.pipelined = pipelined
     if draft_length is not None:

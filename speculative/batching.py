@@ -94,12 +94,27 @@ def verify_batch(model: Transformer, cache: KVCache, items: list[VerifyItem],
     cache = cache.rows_view(first, first + rows)  # the batch's row r is the cache's row first + r
     by_row = {it.row - first: it for it in items}
     tokens, positions, mask, starts, real = _inputs(by_row, rows, width, cache.lengths[:rows])
-    logits = model(tokens.to(device), positions.to(device), cache, mask.to(device), real=real, capture=capture)
+    capture_rows, feature_rows = _capture_rows(by_row, real) if capture is not None else (None, None)
+    logits = model(tokens.to(device), positions.to(device), cache, mask.to(device), real=real, capture=capture,
+                   capture_rows=capture_rows)
     features = None
-    if capture is not None:  # the same pass's hidden states, laid out as the logits
+    if capture is not None:  # the same pass's hidden states at the capturing rows' tokens
         logits, features = logits
     return _verdicts(cache, items, {it.row: it.row - first for it in items}, list(range(rows)), starts, real,
-                     logits, features, forced_of)
+                     logits, features, forced_of, feature_rows)
+
+
+def _capture_rows(by_row: dict, real: Sequence[int]) -> tuple[list[int], dict[int, int]]:
+    """The packed rows (root and tree) of the pass rows whose item captures features, and
+    where each such pass row's first one lies among them: a batch's other rows copy none."""
+    rows, first_of, offset = [], {}, 0
+    for r, n in enumerate(real):
+        it = by_row.get(r)
+        if it is not None and it.capture is not None:
+            first_of[r] = len(rows)
+            rows.extend(range(offset, offset + n))
+        offset += n
+    return rows, first_of
 
 
 def _inputs(by_row: dict, rows: int, width: int, starts: Sequence[int]):
@@ -126,10 +141,12 @@ def _inputs(by_row: dict, rows: int, width: int, starts: Sequence[int]):
     return tokens, positions, mask, starts, real
 
 
-def _verdicts(cache, items, pass_row: dict, rows: list[int], starts, real, logits, features, forced_of):
+def _verdicts(cache, items, pass_row: dict, rows: list[int], starts, real, logits, features, forced_of,
+              feature_rows: dict[int, int] | None = None):
     """Each item's verdict from the pass's packed logits; the rows' caches keep the root's and
     the accepted nodes' entries (a row without an item rolls back). `pass_row[cache row]`
-    is the item's pass row; `rows[r]` pass row r's row of `cache`."""
+    is the item's pass row; `rows[r]` pass row r's row of `cache`; `feature_rows[r]` where
+    pass row r's captured features start in `features`."""
     by_pass_row = {pass_row[it.row]: it for it in items}
     results, offset = {}, 0
     for r in range(len(rows)):
@@ -143,7 +160,8 @@ def _verdicts(cache, items, pass_row: dict, rows: list[int], starts, real, logit
             it.on_scores([it.root_token] + it.tree.tokens, scores)
         verdict = _choose(it, scores, starts[r], forced_of[it.row])
         if it.capture is not None:
-            verdict.features = features[offset - real[r]:offset][[0] + [node + 1 for node in verdict.path]]
+            at = feature_rows[r]
+            verdict.features = features[at:at + real[r]][[0] + [node + 1 for node in verdict.path]]
         # keep the root's and the accepted nodes' keys and values, in path order
         cache.keep(starts[r], [0] + [node + 1 for node in verdict.path], row=rows[r])
         results[it.row] = verdict

@@ -24,8 +24,12 @@ SELF_INT4 = "self-int4"  # the target itself, its linear layers in int4
 EAGLE = "eagle"  # the shipped feature-level head (speculative.eagle), or a directory with an eagle.json
 EAGLE_DIR = SHIPPED_DIR / "eagle"
 DRAFTER_NAMES = ("none", "pld", "layerskip", SELF_INT4, "suffix", "recycle", EAGLE) + SHIPPED_DRAFTERS
-# what a verifier drafts with itself, round after round in a Decode call (verifier_service.drafting)
+# what a verifier drafts with itself, round after round in a Decode call (verifier_service.drafting);
+# an eagle head too, for a request prefilled with it there (`[router] eagle_placement`)
 VERIFIER_DRAFTERS = ("pld", "suffix", "none")
+# where an eagle drafter runs: beside the target in the verifier (the default), or in a drafter
+# pool fed the target's features over the network
+EAGLE_PLACEMENTS = ("verifier", "pool")
 
 
 @dataclass(frozen=True)
@@ -99,6 +103,22 @@ def eagle_path(name: str) -> Path | None:
     if name == EAGLE:
         return EAGLE_DIR
     return Path(name) if is_eagle_dir(name) else None
+
+
+def eagle_feature_layers(name: str) -> tuple[int, ...]:
+    """The target layers eagle head `name` drafts from (its eagle.json), read without torch."""
+    path = eagle_path(name)
+    if path is None:
+        raise ValueError(f"{name!r} is no eagle head")
+    return tuple(json.loads((path / "eagle.json").read_text())["config"]["layers"])
+
+
+def check_eagle_placement(placement: str) -> str:
+    """`placement` if it is one of EAGLE_PLACEMENTS, else InvalidArgument('eagle_placement')."""
+    if placement not in EAGLE_PLACEMENTS:
+        raise InvalidArgument("eagle_placement", f"must be {' or '.join(map(repr, EAGLE_PLACEMENTS))}, "
+                                                 f"got {placement!r}")
+    return placement
 
 
 def drafter_path(name: str) -> Path | None:

@@ -176,6 +176,12 @@ def hints(vocab_size: int, request_ids: tuple[str, ...], kinds: tuple[str, ...]
         "grammar": (st.just(""), None),  # the constrained tests reach the grammars themselves
         "logprobs": (st.integers(0, 5), st.sampled_from([-1, 21, 2**31 - 1])),
         "prompt_length": (st.integers(1, 3), st.sampled_from([0, -1, 2**31 - 1])),
+        # the target's features (eagle): mostly none asked or sent, now and then a bad layer or size
+        "feature_layers": (st.sampled_from([0, 1]), st.sampled_from([-1, 2, 2**31 - 1])),
+        "verifier_drafter": (st.just(""), st.sampled_from(["pld", "x", "eagle+pld"])),
+        "features": (st.just(b""), st.sampled_from([b"\x00", b"\x00" * 6])),
+        **{name: (st.just(0), st.sampled_from([-1, 1, 3, 2**31 - 1])) for name in ("features_start", "features_count")},
+        "eagle_placement": (st.sampled_from(["", "verifier", "pool"]), st.sampled_from(["gpu", "Pool", " "])),
     }
 
 
@@ -406,9 +412,18 @@ def _observed_rows(msg: pb.ProposeRequest, choice: int, off: str | None) -> pb.P
 
 # per message type: made to pass the checks that tie its fields together, as
 # fixup(message, a random number, the field left off or None)
+def _no_features(msg, choice: int, off: str | None):
+    """No feature layers asked for, mostly (unless they are the field left off): a list of
+    them repeats one now and then, and every prefill would be refused."""
+    if off != "feature_layers" and choice % 4:
+        msg.ClearField("feature_layers")
+    return msg
+
+
 def _verifier_drafter(msg: pb.DecodeRequest, choice: int, off: str | None) -> pb.DecodeRequest:
     """A drafter the verifier drafts with itself (the pools' kinds are mostly others), and
     candidates only with "none" (unless one of them is the field left off)."""
+    _no_features(msg, choice, off)
     if off != "drafter":
         msg.drafter = ("pld", "none")[choice % 2]
     if off not in ("drafter", "candidates") and msg.drafter != "none":
@@ -418,7 +433,9 @@ def _verifier_drafter(msg: pb.DecodeRequest, choice: int, off: str | None) -> pb
 
 FIXUPS: dict[str, Callable] = {"specserve.v1.GenerateRequest": _one_input,
                                "specserve.v1.ProposeRequest": _observed_rows,
-                               "specserve.v1.DecodeRequest": _verifier_drafter}
+                               "specserve.v1.DecodeRequest": _verifier_drafter,
+                               "specserve.v1.VerifierPrefillRequest": _no_features,
+                               "specserve.v1.VerifyRequest": _no_features}
 
 
 def make(cls: type, values: dict) -> object:

@@ -71,6 +71,19 @@ def test_bench_rejects_unknown_modes(capsys):
     assert "--server" in capsys.readouterr().err  # known, but it needs a server
 
 
+def test_served_modes_name_the_eagle_placement(capsys):
+    from bench.harness import eagle_placement, local_mode, served_drafter
+
+    assert [served_drafter("served-eagle@pool"), eagle_placement("served-eagle@pool"),
+            local_mode("served-eagle+pld+suffix@verifier")] == ["eagle", "pool", "eagle+pld+suffix"]
+    assert eagle_placement("served-eagle") == "" and served_drafter("eagle") is None
+    for bad in ("served-eagle@gpu", "eagle@pool", "http-eagle@pool"):  # a placement is a gRPC request field
+        assert cli_main(["bench", "--questions", str(DEV_QUESTIONS), "--modes", bad, "--out", "x.json"]) == 2
+        assert f"unknown mode(s) {bad}" in capsys.readouterr().err
+    assert cli_main(["bench", "--questions", str(DEV_QUESTIONS), "--modes", "served-eagle@pool", "--out", "x.json"]) == 2
+    assert "--server" in capsys.readouterr().err  # known, but it needs a server
+
+
 @pytest.mark.parametrize("modes, extra, field", [
     (["http-pld"], [], "--http"),  # the http-* modes need --http; served-* ones --server
     (["http-auto", "served-none"], ["--http", "http://127.0.0.1:1"], "--server"),

@@ -98,6 +98,29 @@ def test_capture_of_packed_rows():
     torch.testing.assert_close(got, want)
 
 
+@pytest.mark.parametrize("layout", ["packed", "plain", "padded"])
+def test_capture_rows_are_those_rows_of_the_whole_capture(layout):
+    """`capture_rows` copies out only the rows asked for (a batch's capturing requests'),
+    the very values a whole capture has there, in the layout's row order."""
+    model = tiny_model(0)
+    if layout == "padded":  # one row of 3 tokens: the CPU-tuned class pads it
+        model.__class__ = PaddedShortRows
+        tokens, real = torch.randint(0, TINY.vocab_size, (1, 3)), None
+    else:
+        tokens = torch.randint(0, TINY.vocab_size, (3, 4))
+        real = [4, 1, 2] if layout == "packed" else None
+    b, t = tokens.shape
+    pos = torch.arange(t)[None].expand(b, t)
+    mask = causal_ancestors(t)[None].expand(b, t, t).clone()
+    for r, n in enumerate(real or ()):
+        mask[r, n:] = torch.eye(t, dtype=torch.bool)[n:]
+    _, whole = model(tokens, pos, model.new_cache(8, batch=b), mask, real=real, capture=LAYERS)
+    whole = whole.reshape(-1, whole.shape[-1])
+    rows = [0, 2] if layout == "padded" else [4, 5, 6]  # packed: rows 1 and 2's tokens; plain: row 1's first 3
+    logits, got = model(tokens, pos, model.new_cache(8, batch=b), mask, real=real, capture=LAYERS, capture_rows=rows)
+    assert got.shape == (len(rows), whole.shape[-1]) and torch.equal(got, whole[rows])
+
+
 class Recording(EagleDrafter):
     """Keeps every feature handed over, by position."""
 

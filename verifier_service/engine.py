@@ -196,6 +196,8 @@ class PrefillOutcome:
     candidate_ids: torch.Tensor | None = None
     candidate_probs: torch.Tensor | None = None
     logprobs: list[TokenLogprob] | None = None  # of next_token, when the request asks
+    # with capture asked: (0, the target's features [n, F] at every prompt position)
+    features: tuple[int, torch.Tensor] | None = None
 
 
 @dataclass
@@ -214,6 +216,9 @@ class VerifyOutcome:
     drafted_depth: int = 0  # ... and its levels
     forced: int = 0  # accepted tokens a grammar forced (jump-forward)
     logprobs: list[TokenLogprob] | None = None  # of the accepted tokens and the bonus, when asked
+    # with capture asked: (the root's position, the target's features [1 + accepted, F] at the
+    # root and the accepted nodes), the positions this verdict verified
+    features: tuple[int, torch.Tensor] | None = None
 
 
 @dataclass(frozen=True)
@@ -253,6 +258,7 @@ class _Prefill:
     resumed: int = 0  # earlier prefills of the request: its random stream must be fresh
     prompt_length: int | None = None  # tokens before the output (None: all of them)
     namespace: str = DEFAULT_NAMESPACE  # whose cached prefixes it may take
+    capture: tuple[int, ...] | None = None  # target layers whose outputs it answers (eagle)
     future: Future = field(default_factory=Future)
 
 
@@ -268,6 +274,7 @@ class _Verify:
     # one of a run of rounds (`VerifierEngine.verify_rounds`): called by the worker with this round's
     # outcome as its pass ends, the next round to queue at once (None: the rounds end)
     then: "Callable[[VerifyOutcome], _Verify | None] | None" = None
+    capture: tuple[int, ...] | None = None  # target layers whose outputs the verdict carries (eagle)
 
     def keep_top(self, tokens, scores: torch.Tensor) -> None:
         self.top = top_candidates(scores, self.candidates)
@@ -356,14 +363,17 @@ class VerifierEngine:
 
     def prefill(self, request_id: str, token_ids: Sequence[int], params: SamplingParams, reserve: int = 0,
                 candidates: int = 0, resumed: int = 0, prompt_length: int | None = None,
-                namespace: str = DEFAULT_NAMESPACE) -> PrefillOutcome:
+                namespace: str = DEFAULT_NAMESPACE, capture: Sequence[int] | None = None) -> PrefillOutcome:
         """Take in `token_ids`, computing what the KV cache does not hold of them in `namespace`;
         returns the target's next token, and with
         `candidates` k its k likeliest next tokens after each of the last (up to
         PROMPT_SEED) tokens. `resumed`: how many times the request was prefilled before
         (anywhere); a resumed request samples from a fresh random stream. `prompt_length`:
         how many of `token_ids` are the prompt, the rest the output verified so far (None:
-        all are the prompt); penalties and a grammar go on from that output.
+        all are the prompt); penalties and a grammar go on from that output. `capture`:
+        target layers whose outputs at every position the outcome carries (an eagle
+        drafter's); the tokens are then all computed, the prefix cache skipped, since a
+        cached prefix has no features.
 
         `reserve` more KV slots must fit after the tokens (within max_len: they are not set
         aside). Prefilling a request this engine holds starts it over. Raises
@@ -387,23 +397,36 @@ class VerifierEngine:
             raise InvalidArgument("max_len", f"{len(tokens)} tokens + {reserve} reserved slots exceed the "
                                   f"verifier's {self.max_len} KV slots per request")
         check_namespace(namespace)
-        return self._submit(_Prefill(request_id, tokens, params, candidates, resumed, prompt_length, namespace))
+        return self._submit(_Prefill(request_id, tokens, params, candidates, resumed, prompt_length, namespace,
+                                     self._layers(capture)))
+
+    def _layers(self, capture: Sequence[int] | None) -> tuple[int, ...] | None:
+        """Feature layers asked for (None or empty: none), checked against the target's."""
+        if not capture:
+            return None
+        n = self.model.config.num_layers
+        bad = next((i for i in capture if not 0 <= i < n), None)
+        if bad is not None or len(set(capture)) != len(capture):
+            raise InvalidArgument("feature_layers", f"must be distinct layers of the target's {n}, got {list(capture)}")
+        return tuple(capture)
 
     def verify(self, request_id: str, tree: DraftTree, context_length: int | None = None,
-               deadline: float | None = None, candidates: int = 0) -> VerifyOutcome:
+               deadline: float | None = None, candidates: int = 0,
+               capture: Sequence[int] | None = None) -> VerifyOutcome:
         """Verify `tree` (well-formed, as protos.convert.tree_from_pb checks) below the pending token.
 
         Raises UnknownRequest when the request has neither a row nor a checkpoint,
         or when it holds other than `context_length` tokens (if given). Queued
         work is verified earliest `deadline` (time.monotonic()) first. With
         `candidates` k, the outcome also holds the target's k likeliest next
-        tokens at every scored position (for Token Recycling drafters).
+        tokens at every scored position (for Token Recycling drafters). With `capture`
+        (target layers), the outcome carries their outputs at the positions it verified.
         """
-        return self._submit(self._verify_item(request_id, tree, context_length, deadline, candidates))
+        return self._submit(self._verify_item(request_id, tree, context_length, deadline, candidates, capture))
 
     def verify_rounds(self, request_id: str, tree: DraftTree, context_length: int | None,
                       next_tree: Callable[[VerifyOutcome], DraftTree | None], deadline: float | None = None,
-                      candidates: int = 0) -> Iterator[VerifyOutcome]:
+                      candidates: int = 0, capture: Sequence[int] | None = None) -> Iterator[VerifyOutcome]:
         """A request's rounds one after another, each outcome as it comes (a Decode call):
         `tree` first, as `verify` takes it, then the trees `next_tree` gives. The worker calls
         `next_tree` with each round's outcome as its pass ends (None: the rounds end) and queues
@@ -417,7 +440,7 @@ class VerifierEngine:
             try:
                 following = None if closed.is_set() else next_tree(outcome)
                 work = None if following is None else self._verify_item(request_id, following, None, deadline,
-                                                                         candidates)
+                                                                         candidates, capture)
             except Exception as exc:  # the caller's next_tree failed: its rounds end with its error
                 failed = Future()
                 failed.set_exception(exc)
@@ -433,7 +456,7 @@ class VerifierEngine:
             work.future.add_done_callback(outcomes.put)
             return work
 
-        first = on_done(self._verify_item(request_id, tree, context_length, deadline, candidates))
+        first = on_done(self._verify_item(request_id, tree, context_length, deadline, candidates, capture))
         with self._cond:
             if self._closed:
                 raise RuntimeError("the verifier engine is closed")
@@ -446,7 +469,7 @@ class VerifierEngine:
             closed.set()
 
     def _verify_item(self, request_id: str, tree: DraftTree, context_length: int | None, deadline: float | None,
-                     candidates: int) -> _Verify:
+                     candidates: int, capture: Sequence[int] | None = None) -> _Verify:
         """A verify call's work, its arguments checked."""
         if not 0 <= candidates <= MAX_CANDIDATES:
             raise InvalidArgument("candidates", f"must be in [0, {MAX_CANDIDATES}], got {candidates}")
@@ -455,7 +478,8 @@ class VerifierEngine:
                                   f"{self.max_batch_tokens - 1} per request")
         if tree.draw_q is not None:
             tree = dataclasses.replace(tree, draw_q=tree.draw_q.to(self.model.device))
-        return _Verify(request_id, tree, context_length, math.inf if deadline is None else deadline, candidates)
+        return _Verify(request_id, tree, context_length, math.inf if deadline is None else deadline, candidates,
+                       capture=self._layers(capture))
 
     def release(self, request_id: str) -> bool:
         """Free the request's blocks (its full ones stay cached) and delete its checkpoint;
@@ -599,7 +623,13 @@ class VerifierEngine:
         seed = min(len(work.tokens), PROMPT_SEED) if work.candidates else 1
         blocks = SequenceBlocks(self._pool, work.namespace)
         # room for the prompt, and a block for each request held to grow by (fewer preemptions)
-        logits = self._compute(blocks, work.tokens, len(work.tokens) - seed, headroom=self._resident(), last=seed)
+        # features come from computed positions only: a request that asks for them takes no cached prefix
+        cached_limit = 0 if work.capture else len(work.tokens) - seed
+        logits = self._compute(blocks, work.tokens, cached_limit, headroom=self._resident(), last=seed,
+                               capture=work.capture)
+        features = None
+        if work.capture:
+            logits, features = logits
         self._busy_s += time.monotonic() - started
         prompt_length = len(work.tokens) if work.prompt_length is None else work.prompt_length
         processor = self._processor(params, work.tokens, prompt_length)
@@ -609,7 +639,8 @@ class VerifierEngine:
         self._requests[work.request_id] = state
         self._checkpoint(work.request_id, state)
         top = top_candidates(logits, work.candidates) if work.candidates else (None, None)
-        return PrefillOutcome(first.bonus, *top, logprobs=first.logprobs)
+        return PrefillOutcome(first.bonus, *top, logprobs=first.logprobs,
+                              features=None if features is None else (0, features))
 
     def _processor(self, params: SamplingParams, tokens: list[int], prompt_length: int) -> Processor | None:
         """The request's processor after `tokens` (its prompt, then any output verified)."""
@@ -636,7 +667,7 @@ class VerifierEngine:
         extra = [self._room(state, work.tree) for work, state in ready]
         items = [VerifyItem(row, state.tokens[-1], work.tree, state.params, state.generator,
                             on_scores=work.keep_top if work.candidates else None, processor=state.processor,
-                            extra_nodes=more)
+                            extra_nodes=more, capture=work.capture)
                  for row, ((work, state), more) in enumerate(zip(ready, extra))]
         view = self._kv.rows([state.blocks.blocks for _, state in ready], [state.context for _, state in ready])
         try:
@@ -658,6 +689,7 @@ class VerifierEngine:
         self.metrics.observe_pass(len(ready), seconds)
         for row, ((work, state), verdict) in enumerate(zip(ready, results)):
             accepted, bonus, tree = verdict.accepted, verdict.bonus, verdict.tree
+            root = state.context  # the root's position: the first this verdict verifies
             state.tokens += accepted + [bonus]
             state.last_used = self.clock()
             assert view.lengths[row] == state.context, (view.lengths[row], state.context)
@@ -667,7 +699,8 @@ class VerifierEngine:
             ids, probs = work.top or (None, None)
             outcome = VerifyOutcome(accepted, bonus, len(ready), self._waiting, len(self._requests), ids, probs,
                                     shape, len(tree), max(tree.depths, default=0), verdict.forced,
-                                    verdict.logprobs)
+                                    verdict.logprobs,
+                                    None if verdict.features is None else (root, verdict.features))
             work.future.set_result(outcome)
             following = work.then(outcome) if work.then is not None else None
             if following is not None:
@@ -703,12 +736,13 @@ class VerifierEngine:
                                   "positive probability")
 
     def _compute(self, blocks: SequenceBlocks, tokens: list[int], cached_limit: int, headroom: int = 0,
-                 last: int = 1) -> torch.Tensor | None:
+                 last: int = 1, capture: tuple[int, ...] | None = None):
         """Put `tokens` into an empty block table: the longest prefix cached in its namespace
         (whole blocks, at most `cached_limit` tokens), then the rest computed in one pass.
         Returns the logits [last, V] after each of the `last` last tokens (None when the cache
         held them all: `cached_limit` may be all of them when no logits are wanted). Raises
-        ResourceExhausted, holding nothing, unless `headroom` blocks stay available after."""
+        ResourceExhausted, holding nothing, unless `headroom` blocks stay available after.
+        With `capture` (and no cached prefix): (logits, the features [n, F] at every position)."""
         n = len(tokens)
         cached = blocks.reuse(tokens, cached_limit if self.prefix_caching else 0)
         if blocks.needed(n) + headroom > self._pool.available():
@@ -728,12 +762,16 @@ class VerifierEngine:
         try:
             logits = self.model(torch.tensor([tokens[cached:]], device=device),
                                 torch.arange(cached, n, device=device)[None], self._kv.rows([blocks.blocks], [cached]),
-                                attention_mask(cached, causal_ancestors(t, device)), logits_from=max(0, t - last))
+                                attention_mask(cached, causal_ancestors(t, device)), logits_from=max(0, t - last),
+                                capture=capture)
         except Exception:
             blocks.free()
             raise
         blocks.commit(tokens, n)
         self._count_pass(0)
+        if capture:
+            logits, features = logits
+            return logits[0], features[0]
         return logits[0]
 
     def _resident(self) -> int:

@@ -11,14 +11,14 @@ import grpc
 from protos import specserve_pb2 as pb
 from protos import specserve_pb2_grpc as pb_grpc
 from protos.server import call_deadline, start_server
-from protos.convert import logprobs_to_pb, params_from_pb, tree_from_pb
+from protos.convert import features_to_pb, logprobs_to_pb, params_from_pb, tree_from_pb
 from runtime.cpu_tuning import own_torch_threads
 from speculative.drafter_kinds import VERIFIER_DRAFTERS
 from speculative.namespaces import check_namespace
 from speculative.sampling import InvalidArgument
 from speculative.tree import DraftTree
 
-from .drafting import VerifierDrafting
+from .drafting import VerifierDrafting, uses_eagle, verifier_drafter
 from .engine import (PrefillOutcome, ResourceExhausted, UnknownRequest, VerifierEngine, VerifyOutcome,
                      check_token_ids)
 
@@ -51,7 +51,7 @@ def _parse_tree(msg: pb.DraftTree, vocab_size: int) -> DraftTree:
 class VerifierServicer(pb_grpc.VerifierServicer):
     def __init__(self, engine: VerifierEngine):
         self.engine = engine
-        self.drafting = VerifierDrafting(engine.vocab_size)  # what Decode rounds draft with
+        self.drafting = VerifierDrafting(engine.vocab_size, target=engine.model)  # what Decode rounds draft with
 
     def Prefill(self, request: pb.VerifierPrefillRequest,
                 context: grpc.ServicerContext) -> pb.VerifierPrefillResponse:
@@ -61,12 +61,27 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                 raise InvalidArgument("max_len", f"{request.max_len} is less than the {len(tokens)} token_ids")
             reserve = request.max_len - len(tokens) if request.HasField("max_len") else 0  # unset: reserve nothing
             prompt_length = request.prompt_length if request.HasField("prompt_length") else None
-            return self.engine.prefill(request.request_id, tokens, params_from_pb(request.sampling), reserve,
-                                       request.candidates, request.resumed, prompt_length, request.namespace)
+            params = params_from_pb(request.sampling)
+            capture = list(request.feature_layers) or None
+            if request.verifier_drafter:  # an eagle head drafting here: its layers, kept here
+                own = list(self.drafting.eagle_layers(request.verifier_drafter))
+                if capture is not None and capture != own:
+                    raise InvalidArgument("feature_layers", f"{capture} are not verifier_drafter's layers {own}")
+                capture = own
+            out = self.engine.prefill(request.request_id, tokens, params, reserve, request.candidates,
+                                      request.resumed, prompt_length, request.namespace, capture)
+            if request.verifier_drafter:
+                self.drafting.start_eagle(request.request_id, request.verifier_drafter, params, request.resumed,
+                                          out.features)
+            else:
+                self.drafting.drop_eagle(request.request_id)  # prefilled again without one: none kept
+            return out
 
         out = _checked(context, prefill)
         resp = pb.VerifierPrefillResponse(next_token=out.next_token, active_requests=self.engine.active_requests(),
                                           logprobs=logprobs_to_pb(out.logprobs))
+        if request.feature_layers:  # a pool's eagle drafter: the prompt's features go back
+            features_to_pb(resp, *out.features)
         if out.candidate_ids is not None:
             resp.candidate_ids.extend(out.candidate_ids.flatten().tolist())
             resp.candidate_probs.extend(out.candidate_probs.flatten().tolist())
@@ -74,12 +89,15 @@ class VerifierServicer(pb_grpc.VerifierServicer):
 
     def Verify(self, request: pb.VerifyRequest, context: grpc.ServicerContext) -> pb.VerifyResponse:
         def verify() -> pb.VerifyResponse:
+            capture = self._capture(request.request_id, request.feature_layers)
             try:
                 out = self.engine.verify(request.request_id, _parse_tree(request.tree, self.engine.vocab_size),
-                                         request.context_length or None, call_deadline(context), request.candidates)
+                                         request.context_length or None, call_deadline(context), request.candidates,
+                                         capture)
             except UnknownRequest:
                 return pb.VerifyResponse(state_lost=True)
-            return _verdict(out)
+            self.drafting.take_features(request.request_id, out.features)
+            return _verdict(out, bool(request.feature_layers))
 
         return _checked(context, verify)
 
@@ -90,15 +108,22 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         tokens = _checked(context, lambda: self._decode_tokens(request))
         left, eos = request.max_tokens, set(request.eos_token_ids)
         rounds_left = request.max_rounds or math.inf  # 0: no limit
+        if uses_eagle(request.drafter) and not self.drafting.has_eagle(request.request_id):
+            # its eagle drafter is not here (a restarted verifier, or dropped): prefill again with one
+            yield pb.VerifyResponse(state_lost=True)
+            return
+        capture = _checked(context, lambda: self._capture(request.request_id, request.feature_layers))
+        returns_features = bool(request.feature_layers)
 
         def tree() -> DraftTree:
             params = self.engine.sampling(request.request_id)  # None until the engine restores a checkpoint
             depth = min(request.draft_length, left - 1) if params else 0
-            return self.drafting.tree(request.drafter, request.request_id, request.namespace, tokens, depth,
-                                      request.max_nodes, params is None or params.deterministic)
+            return self.drafting.draft(request.drafter, request.request_id, request.namespace, tokens, depth,
+                                       request.max_nodes, params)
 
         def next_tree(out: VerifyOutcome) -> DraftTree | None:  # in the engine's worker, as a pass ends
             nonlocal left, rounds_left
+            self.drafting.take_features(request.request_id, out.features)  # before it drafts the next round
             new = [*out.accepted, out.bonus]
             tokens.extend(new)
             left, rounds_left = left - len(new), rounds_left - 1
@@ -107,10 +132,10 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             return tree()
 
         rounds = self.engine.verify_rounds(request.request_id, tree(), len(tokens), next_tree, call_deadline(context),
-                                           request.candidates)  # checked as its first round is sent
+                                           request.candidates, capture)  # checked as its first round is sent
         try:
             while (out := _checked(context, lambda: next(rounds, None))) is not None:
-                resp = _verdict(out)
+                resp = _verdict(out, returns_features)
                 resp.drafted, resp.drafted_depth = out.drafted, out.drafted_depth
                 yield resp
         except UnknownRequest:
@@ -118,11 +143,20 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         finally:
             rounds.close()
 
+    def _capture(self, request_id: str, asked) -> list[int] | None:
+        """The layers a pass of the request captures: those the caller asks for (a pool's
+        eagle drafter), else its eagle drafter's here, if it has one (None: none)."""
+        own = self.drafting.eagle_capture(request_id)
+        if asked and own is not None and list(asked) != list(own):
+            raise InvalidArgument("feature_layers", f"{list(asked)} are not the request's eagle layers {list(own)}")
+        return list(asked) or (None if own is None else list(own))
+
     def _decode_tokens(self, request: pb.DecodeRequest) -> list[int]:
         """Decode's fields checked; its token_ids, to draft from."""
-        if request.drafter not in VERIFIER_DRAFTERS:
-            raise InvalidArgument("drafter", f"Decode drafts with {', '.join(VERIFIER_DRAFTERS[:-1])} or "
-                                  f"{VERIFIER_DRAFTERS[-1]}, not {request.drafter!r}")
+        if not verifier_drafter(request.drafter):
+            raise InvalidArgument("drafter", f"Decode drafts with {', '.join(VERIFIER_DRAFTERS[:-1])}, "
+                                  f"{VERIFIER_DRAFTERS[-1]}, an eagle head the request was prefilled with, "
+                                  f"or several joined by '+', not {request.drafter!r}")
         if not 0 <= request.draft_length < self.engine.max_batch_tokens:
             raise InvalidArgument("draft_length", f"must be in [0, {self.engine.max_batch_tokens - 1}], "
                                   f"got {request.draft_length}")
@@ -152,11 +186,14 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         return pb.VerifierStatsResponse(**self.engine.stats())
 
 
-def _verdict(out: VerifyOutcome) -> pb.VerifyResponse:
-    """A verify outcome on the wire, with the pass it went into and the candidates, if asked."""
+def _verdict(out: VerifyOutcome, features: bool = False) -> pb.VerifyResponse:
+    """A verify outcome on the wire, with the pass it went into and the candidates, if asked,
+    and with `features` the target's features at the positions it verified (a pool's eagle)."""
     resp = pb.VerifyResponse(accepted=out.accepted, bonus=out.bonus, batch_size=out.batch_size,
                              queued=out.queued, active_requests=out.active, forced=out.forced,
                              logprobs=logprobs_to_pb(out.logprobs))
+    if features and out.features is not None:
+        features_to_pb(resp, *out.features)
     if out.pass_shape is not None:
         shape = out.pass_shape
         resp.pass_id, resp.pass_seconds = shape.pass_id, shape.seconds

@@ -19,6 +19,7 @@ from speculative.tree import DraftTree
 
 from ..stats import RoundStats
 from .channels import RETRYABLE
+from .features import FeatureLog
 from .job import DeadlineExceeded, Job
 from .services import Services
 from .side import Side
@@ -38,8 +39,11 @@ class Drafting:
         self.job = job
         several = len(job.drafters) > 1
         # drafters of one request may share a pool: each needs its own id there
+        # the target's features for a pool's eagle drafter (eagle_placement "pool"), None without one
+        self.features = FeatureLog() if job.pool_feature_layers else None
         self.sides = [DraftSide(services, job, kind, stream=1 + i,
-                                request_id=f"{job.service_id}/{kind}" if several else job.service_id)
+                                request_id=f"{job.service_id}/{kind}" if several else job.service_id,
+                                features=self.features if abilities(kind).drafts_from_features else None)
                       for i, (kind, _) in enumerate(job.drafters)]
         self._threads = ThreadPoolExecutor(len(self.sides), thread_name_prefix="draft") if several else None
         # greedy fusion ranks nodes by each drafter's calibrated confidence (`speculative.calibration`)
@@ -104,6 +108,11 @@ class Drafting:
         for side, tree in zip(self.sides, trees):
             stats.record_drafter(side.drafter, len(tree.tokens), tree.path_prefix(accepted))
 
+    def take_features(self, resp: pb.VerifyResponse | pb.VerifierPrefillResponse) -> None:
+        """The target's features a verifier answer carries, for a pool's eagle drafter."""
+        if self.features is not None:
+            self.features.add(resp)
+
     def observe(self, tokens: list[int], resp: pb.VerifyResponse | pb.VerifierPrefillResponse) -> None:
         """The target's candidates at the positions it scored (`tokens`: a verify's root, then
         the tree's nodes; a prefill's last tokens), kept for the drafters that learn from them
@@ -143,9 +152,12 @@ class DraftSide(Side):
 
     kind = "drafter"
 
-    def __init__(self, services: Services, job: Job, drafter: str, stream: int, request_id: str):
+    def __init__(self, services: Services, job: Job, drafter: str, stream: int, request_id: str,
+                 features: FeatureLog | None = None):
         super().__init__(services, job, request_id)
         self.drafter, self.stream = drafter, stream
+        # the request's target features (an eagle drafter's), and how many positions' its pool holds
+        self.features, self.fed = features, 0
         self.synced = 0  # context length the drafter holds
         self.seconds = 0.0  # drafting time of the last Propose, as the pool measured it
         self.disabled = drafter == "none"
@@ -204,6 +216,7 @@ class DraftSide(Side):
                 self._fail(address, e)
                 continue
             self.address, self.stub, self.synced = address, stub, len(context)
+            self.fed = 0  # a pool prefilled (again, after a failover) is sent every position's features
             return True
         return False
 
@@ -219,13 +232,17 @@ class DraftSide(Side):
             if self.stub is None and not self._connect(context):
                 self.disabled = True  # no pool left: finish with plain decoding
                 return pb.DraftTree()
+            req = pb.ProposeRequest(
+                request_id=self.request_id, context_length=self.synced, new_tokens=context[self.synced:],
+                max_tokens=budget, speculative_tokens=speculative, min_confidence=self.job.stop_confidence,
+                max_nodes=max_nodes, observed_tokens=self.observed[0], observed_ids=self.observed[1],
+                observed_probs=self.observed[2])
+            fed = self.fed
+            if self.features is not None:
+                req.features_start, req.features_count, req.features = self.features.since(fed)
+                fed = req.features_start + req.features_count
             try:
-                resp = self.stub.Propose(pb.ProposeRequest(
-                    request_id=self.request_id, context_length=self.synced, new_tokens=context[self.synced:],
-                    max_tokens=budget, speculative_tokens=speculative, min_confidence=self.job.stop_confidence,
-                    max_nodes=max_nodes, observed_tokens=self.observed[0], observed_ids=self.observed[1],
-                    observed_probs=self.observed[2]),
-                    timeout=self.job.timeout())
+                resp = self.stub.Propose(req, timeout=self.job.timeout())
             except grpc.RpcError as e:
                 if e.code() not in RETRYABLE:
                     raise
@@ -234,7 +251,7 @@ class DraftSide(Side):
             if resp.state_lost:  # e.g. the pool restarted: prefill it again
                 self.stub = None
                 continue
-            self.synced = len(context)
+            self.synced, self.fed = len(context), fed
             self.seconds = resp.seconds
             self.observed = ([], [], [])
             return resp.tree

@@ -7,6 +7,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+from speculative.drafter_kinds import VERIFIER_DRAFTERS, abilities, eagle_feature_layers
 from speculative.logprobs import TokenLogprob
 from speculative.namespaces import DEFAULT_NAMESPACE
 from speculative.sampling import SamplingParams
@@ -64,8 +65,33 @@ class Job:
     verifier_drafting: bool = False
     # prefill the drafters' pools while the verifier prefills (pools with hardware of their own)
     prefill_pools_ahead: bool = False
+    # where its eagle drafter runs, if it has one: "verifier" (beside the target, Decode rounds) or
+    # "pool" (the verifier sends each round's features, the router hands them on)
+    eagle_placement: str = "verifier"
     # the request's key at the verifiers, pools and checkpoints: unique, whatever id clients send
     service_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+    @property
+    def eagle(self) -> str | None:
+        """The request's drafter that drafts from the target's features (eagle), if any."""
+        return next((kind for kind, _ in self.drafters if abilities(kind).drafts_from_features), None)
+
+    @property
+    def verifier_kinds(self) -> tuple[str, ...]:
+        """The request's drafter kinds a verifier can draft itself (Decode)."""
+        eagle = self.eagle if self.eagle_placement == "verifier" else None
+        return VERIFIER_DRAFTERS + ((eagle,) if eagle else ())
+
+    @property
+    def pool_feature_layers(self) -> tuple[int, ...]:
+        """The layers the verifier captures for the request's eagle drafter in a pool (none: ())."""
+        eagle = self.eagle
+        return eagle_feature_layers(eagle) if eagle and self.eagle_placement == "pool" else ()
+
+    @property
+    def verifier_eagle(self) -> str:
+        """The eagle drafter the verifier runs for this request ("": none)."""
+        return self.eagle if self.eagle and self.eagle_placement == "verifier" else ""
 
     @property
     def max_tree_nodes(self) -> int:

@@ -11,7 +11,6 @@ from typing import Callable, Iterator
 from protos import specserve_pb2 as pb
 from protos.convert import logprobs_from_pb
 from speculative.calibration import Calibration
-from speculative.drafter_kinds import VERIFIER_DRAFTERS
 from speculative.logprobs import TokenLogprob
 from speculative.pipeline import likeliest_path
 from speculative.recycling import CANDIDATES
@@ -68,10 +67,14 @@ class Request:
         # ones bring back the target's candidates for the drafters that learn from them), and
         # every one when each of the request's drafters is one the verifier runs
         self.plain_on_verifier = job.verifier_drafting and not job.pipelined
+        on_verifier = job.verifier_kinds
         self.own_rounds = (self.plain_on_verifier and not self.candidates
-                           and all(kind in VERIFIER_DRAFTERS for kind, _ in job.drafters))
-        # what those rounds draft with: the request's best drafter that the verifier runs
-        self.verifier_drafter = next((kind for kind, _ in job.drafters if kind in VERIFIER_DRAFTERS), "none")
+                           and all(kind in on_verifier for kind, _ in job.drafters))
+        # what those rounds draft with: the request's best drafter that the verifier runs; with an
+        # eagle drafter there, every one of them, fused there as in process
+        kinds = [kind for kind, _ in job.drafters if kind in on_verifier and kind != "none"]
+        self.verifier_drafter = ("+".join(kinds) if job.verifier_eagle and kinds
+                                 else next(iter(kinds), "none"))
 
     def rounds(self, context: list[int]) -> Iterator[list[int]]:
         """The next round's new tokens, or the verifier's own rounds' one by one; none when the
@@ -99,6 +102,7 @@ class Request:
             self.drafting.prefill_ahead(context)
         with self.stats.span("prefill", self.rnd):
             prefilled = self.verifier.prefill(context, self.candidates)
+        self.drafting.take_features(prefilled)  # every verified position's, for a pool's eagle
         self.ready, self.load = None, max(1, self.verifier.active_requests)
         if not self.verified and self.plain_on_verifier:
             # what drafting costs at this load, where a drafted round pays a hop plain rounds do not
@@ -119,8 +123,8 @@ class Request:
         job = self.job
         kind = self.verifier_drafter
         control, length = None, 0
-        if kind != "none":
-            i = [k for k, _ in job.drafters].index(kind)
+        if kind != "none":  # a fusion's length: its first (best) member's control chooses it
+            i = [k for k, _ in job.drafters].index(kind.split("+")[0])
             control = self.controls[i] if self.controls else None
             length = job.draft_length if control is None else control.length(self.load, drafted_by_verifier=True)
         # a verifier drafter's control that chose no draft: each of the call's rounds after the
@@ -130,17 +134,18 @@ class Request:
             kind, control = "none", None
         candidates = self.candidates if kind == "none" else 0  # the caller knows no drafted round's tree
         started, root = time.monotonic(), context[-1]
-        nodes = job.tree_nodes(length) if kind == "suffix" else 0
+        nodes = job.tree_nodes(length) if kind != "pld" else 0  # trees: suffix, eagle, a fusion
         for n, resp in enumerate(self.verifier.decode(context, kind, length, nodes,
                                                       job.params.max_tokens - len(self.verified), candidates)):
             self.stats.record_span("verify", self.rnd, started, started := time.monotonic())
+            self.drafting.take_features(resp)  # a pool's eagle misses no position drafted here
             if candidates:
                 self.drafting.observe([root], resp)
                 root = resp.bonus
             self.stats.record_draft_length(length)
             self.stats.record_round(resp.drafted, len(resp.accepted), resp.batch_size, resp.forced)
-            if kind != "none":
-                self.stats.record_drafter(kind, resp.drafted, len(resp.accepted))
+            if kind != "none":  # a fusion's rounds count for its first member: the tree is one
+                self.stats.record_drafter(kind.split("+")[0], resp.drafted, len(resp.accepted))
             if control is not None:
                 control.record(resp.drafted_depth, len(resp.accepted))
                 control.observe_tree(resp.drafted, resp.drafted_depth)
@@ -162,7 +167,8 @@ class Request:
         """Whether the planned round asks a drafter that only a pool runs: prompt lookup and the
         suffix drafter are drafted as well by the verifier, without the pool's call and the
         verify call's hop."""
-        return any(n and kind not in VERIFIER_DRAFTERS for (kind, _), n in zip(self.job.drafters, draft.budgets))
+        on_verifier = self.job.verifier_kinds
+        return any(n and kind not in on_verifier for (kind, _), n in zip(self.job.drafters, draft.budgets))
 
     def draft(self, context: list[int], draft: _Draft) -> None:
         """Each drafter's tree for the planned round (those drafted ahead, if the last verdict
@@ -218,6 +224,7 @@ class Request:
         round's new tokens."""
         if self.candidates:
             self.drafting.observe([context[-1]] + draft.tree.tokens, resp)
+        self.drafting.take_features(resp)
         new = Emitted(list(resp.accepted) + [resp.bonus], _logprobs(resp, self.job))
         self.drafting.learn(draft.proposals, new)
         self.stats.record_round(len(draft.tree), len(resp.accepted), resp.batch_size, resp.forced)

@@ -54,7 +54,9 @@ class VerifySide(Side):
             req = pb.VerifierPrefillRequest(request_id=self.request_id, token_ids=tokens,
                                             sampling=params_to_pb(self.job.params), max_len=reserve,
                                             candidates=candidates, resumed=self.prefills,
-                                            prompt_length=len(self.job.prompt_ids), namespace=self.job.namespace)
+                                            prompt_length=len(self.job.prompt_ids), namespace=self.job.namespace,
+                                            feature_layers=self.job.pool_feature_layers,
+                                            verifier_drafter=self.job.verifier_eagle)
             self.prefills += 1
             try:
                 resp = stub.Prefill(req, timeout=self.job.timeout())
@@ -117,7 +119,8 @@ class VerifySide(Side):
         req = pb.DecodeRequest(request_id=self.request_id, token_ids=tokens, drafter=drafter,
                                draft_length=draft_length, max_tokens=max_tokens,
                                eos_token_ids=self.job.eos_token_ids, max_rounds=DECODE_ROUNDS,
-                               candidates=candidates, max_nodes=max_nodes, namespace=self.job.namespace)
+                               candidates=candidates, max_nodes=max_nodes, namespace=self.job.namespace,
+                               feature_layers=self.job.pool_feature_layers)
         call = self.stub.Decode(req, timeout=self.job.timeout())
         try:
             for resp in call:
@@ -154,7 +157,7 @@ class VerifySide(Side):
 
     def _request(self, tree: DraftTree, context_length: int, candidates: int) -> pb.VerifyRequest:
         return pb.VerifyRequest(request_id=self.request_id, tree=tree_to_pb(tree), context_length=context_length,
-                                candidates=candidates)
+                                candidates=candidates, feature_layers=self.job.pool_feature_layers)
 
     def _verdict(self, answer: Callable[[], pb.VerifyResponse]) -> pb.VerifyResponse | None:
         try:

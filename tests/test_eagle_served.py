@@ -1,0 +1,221 @@
+"""The eagle drafter served, in both placements (`[router] eagle_placement`).
+
+- "pool": the verifier answers the target's features of each verified position (float16,
+  VerifyResponse.features) and the router hands them to a pool's eagle drafter in its
+  Propose. Driven call by call over gRPC, the pool's head proposes exactly what the
+  in-process head (speculative.eagle) proposes given the same features, round by round;
+  the features are a whole-sequence forward's at the same positions (float16 rounding).
+- Greedy output through the router equals Hugging Face's in both placements, eagle alone
+  and fused with the lookup drafters; "verifier" never calls a pool (the Decode rounds
+  draft there, fused as in process), "pool" sends the pool features.
+- A pool that dies, or loses the request's state, mid-request: the next pool (or the same
+  one, prefilled again) is sent every position's features from 0, drafts again, and the
+  output is still the oracle's.
+- A bad GenerateRequest.eagle_placement is INVALID_ARGUMENT naming the field.
+
+Real gRPC servers on loopback (tests/loopback.py), the default target and the shipped head.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import grpc
+import pytest
+import torch
+
+from drafter_service.pool import DrafterPool
+from drafter_service.registry import make_drafter
+from drafter_service.servicer import serve as serve_drafters
+from loopback import loopback
+from oracle import GREEDY_PROMPTS, MAX_TOKENS, PROMPTS, near_tie_or_equal
+from protos import specserve_pb2 as pb
+from protos import specserve_pb2_grpc as pb_grpc
+from protos.convert import features_from_pb, params_to_pb, tree_from_pb, tree_to_pb
+from router.coordinator import Coordinator, Job
+from router.servicer import RouterConfig, RouterServicer
+from router.servicer import serve as serve_router
+from router.stats import RoundStats
+from runtime.model import attention_mask, causal_ancestors
+from specserve.client import Client
+from speculative.decoding import DraftRequest
+from speculative.drafter_kinds import eagle_feature_layers
+from speculative.sampling import SamplingParams
+from verifier_service.engine import VerifierEngine
+
+DRAFT_LENGTH, TREE_BUDGET = 5, 8
+KINDS = ["eagle", "pld", "suffix"]
+
+
+class RecordingPool(DrafterPool):
+    """A pool that records each Propose: how many feature rows it was sent, from which
+    position, and how many nodes it answered."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # (features_start, rows, nodes proposed; None: answered state_lost)
+        self.calls: list[tuple[int, int, int | None]] = []
+
+    def propose(self, *args, features=None, **kwargs):
+        tree = super().propose(*args, features=features, **kwargs)
+        start, rows = (features[0], len(features[1])) if features is not None else (-1, 0)
+        self.calls.append((start, rows, None if tree is None else len(tree)))
+        return tree
+
+
+class Served:
+    def __init__(self, model, tokenizer, pool, coordinator, router: str):
+        self.model, self.tokenizer, self.pool, self.coordinator = model, tokenizer, pool, coordinator
+        self.router = router
+        self.client = Client(router, timeout=300)
+        self.eos = list(tokenizer.eos_token_ids or model.config.eos_token_ids)
+        self.verifier = coordinator.services.verifiers()[0]
+        self.drafters = coordinator.services.drafters()[0]
+
+
+@pytest.fixture(scope="module")
+def served(smollm2):
+    """A router over one pool (eagle, pld, suffix) and one verifier, all on loopback, shared
+    by this module's tests."""
+    model, tokenizer = smollm2
+    pool, engine = RecordingPool(model, kinds=KINDS), VerifierEngine(model, max_batch=4, max_len=2048)
+    config = RouterConfig(context_length=model.config.max_position_embeddings,
+                          eos_token_ids=list(tokenizer.eos_token_ids or model.config.eos_token_ids),
+                          vocab_size=model.config.vocab_size, routed_drafters=tuple(KINDS), default_drafter="eagle",
+                          draft_length=DRAFT_LENGTH, tree_budget=TREE_BUDGET, adaptive=False, pipelined=False,
+                          stop_confidence=0.0)
+    with loopback(pool, engine) as coordinator:
+        router, port = serve_router(RouterServicer(tokenizer, coordinator, config), "127.0.0.1", 0)
+        done = Served(model, tokenizer, pool, coordinator, f"127.0.0.1:{port}")
+        try:
+            yield done
+        finally:
+            done.client.close()
+            router.stop(None)
+
+
+def _prompt_ids(tokenizer, i: int) -> list[int]:
+    return tokenizer.encode_chat([{"role": "user", "content": PROMPTS[i][1]}])
+
+
+def test_the_pools_head_fed_over_grpc_proposes_what_the_in_process_head_proposes(served):
+    """Round by round over gRPC: the verifier's features (prefill, then each verdict) go to the
+    pool's eagle drafter in Propose and to an in-process EagleDrafter alike; their trees are
+    the same, and the features are a whole-sequence forward's at those positions."""
+    model = served.model
+    layers = list(eagle_feature_layers("eagle"))
+    prompt = _prompt_ids(served.tokenizer, 1)
+    params = SamplingParams(max_tokens=64)
+    verifier = pb_grpc.VerifierStub(grpc.insecure_channel(served.verifier))
+    pool = pb_grpc.DrafterStub(grpc.insecure_channel(served.drafters))
+    rid = "eagle-rounds"
+    first = verifier.Prefill(pb.VerifierPrefillRequest(request_id=rid, token_ids=prompt, sampling=params_to_pb(params),
+                                                       max_len=len(prompt) + 128, feature_layers=layers), timeout=60)
+    assert (first.features_start, first.features_count) == (0, len(prompt))
+    assert len(first.features) == len(prompt) * len(layers) * model.config.hidden_size * 2  # float16
+    context = prompt + [first.next_token]
+    pool.Prefill(pb.DrafterPrefillRequest(request_id=rid, drafter="eagle", token_ids=context,
+                                          sampling=params_to_pb(params)), timeout=60)
+    local = make_drafter("eagle", model)
+    features, synced, answer, accepted = [features_from_pb(first)], len(context), first, 0
+    try:
+        for _ in range(8):
+            fed = features_from_pb(answer)
+            req = pb.ProposeRequest(request_id=rid, context_length=synced, new_tokens=context[synced:],
+                                    max_tokens=DRAFT_LENGTH, max_nodes=TREE_BUDGET, features=answer.features,
+                                    features_start=answer.features_start, features_count=answer.features_count)
+            proposed = pool.Propose(req, timeout=60)
+            assert not proposed.state_lost
+            synced = len(context)
+            tree = tree_from_pb(proposed.tree, model.config.vocab_size)
+            want = local.propose(DraftRequest(list(context), DRAFT_LENGTH, params, max_nodes=TREE_BUDGET,
+                                              features=fed))
+            assert (tree.tokens, tree.parents) == (want.tokens, want.parents)
+            assert len(tree)  # the head drafts: it has every position's features
+            answer = verifier.Verify(pb.VerifyRequest(request_id=rid, tree=tree_to_pb(tree),
+                                                      context_length=len(context), feature_layers=layers), timeout=60)
+            assert (answer.features_start, answer.features_count) == (len(context) - 1, 1 + len(answer.accepted))
+            features.append(features_from_pb(answer))
+            accepted += len(answer.accepted)
+            context += [*answer.accepted, answer.bonus]
+    finally:
+        verifier.Release(pb.ReleaseRequest(request_id=rid), timeout=10)
+        pool.Release(pb.ReleaseRequest(request_id=rid), timeout=10)
+    assert accepted > 0
+    # the verifier's features at every verified position (batched, paged passes, only the
+    # capturing row's tokens copied out) are a whole-sequence forward's there
+    n = features[-1][0] + len(features[-1][1])
+    got = torch.cat([rows for _, rows in features])
+    assert [start for start, _ in features] == [0] + [start + len(rows) for start, rows in features[:-1]]
+    _, whole = model(torch.tensor([context[:n]]), torch.arange(n)[None], model.new_cache(n),
+                     attention_mask(0, causal_ancestors(n)), capture=layers)
+    assert torch.allclose(got, whole[0].half().float(), rtol=4e-3, atol=2e-2)
+
+
+@pytest.mark.parametrize("placement", ["verifier", "pool"])
+def test_greedy_equals_hugging_face_in_both_placements(served, hf_oracle, placement):
+    """Every dev category's first prompt, eagle alone; the first two fused with the lookups too."""
+    runs = [(i, "eagle") for i in range(GREEDY_PROMPTS)] + [(0, "eagle+pld+suffix")]
+    for i, drafter in runs:
+        calls = len(served.pool.calls)
+        done = served.client.generate(messages=[{"role": "user", "content": PROMPTS[i][1]}], max_tokens=MAX_TOKENS,
+                                      drafter=drafter, eagle_placement=placement, namespace=f"oracle-{placement}")
+        near_tie_or_equal(hf_oracle, i, list(done.token_ids), f"served {drafter}@{placement}")
+        assert done.usage.accepted_draft_tokens > 0
+        eagle_calls = [c for c in served.pool.calls[calls:] if c[0] >= 0]
+        if placement == "verifier":  # drafted beside the target: no feature crossed the network
+            assert not eagle_calls and done.usage.target_forward_passes < len(done.token_ids)
+        else:  # the first Propose is sent the prompt's features, then each round's
+            assert eagle_calls and eagle_calls[0][0] == 0 and eagle_calls[0][1] >= done.usage.prompt_tokens
+            assert any(nodes for _, _, nodes in eagle_calls)
+
+
+@pytest.mark.parametrize("failure", ["pool dies", "pool loses the request"])
+def test_a_pool_failover_mid_request_keeps_the_head_drafting_and_the_output_the_oracles(served, hf_oracle, failure):
+    """Placement "pool" across two pools: after its third Propose the first pool's server stops
+    (or it forgets its requests); the request goes on at the second pool (or the first, prefilled
+    again), which is sent every position's features from 0 and drafts from them."""
+    model = served.model
+    first, second = RecordingPool(model, kinds=KINDS), RecordingPool(model, kinds=KINDS)
+    (first_server, first_port), (second_server, second_port) = serve_drafters(first), serve_drafters(second)
+    propose = first.propose
+
+    def failing(*args, **kwargs):
+        tree = propose(*args, **kwargs)
+        if len(first.calls) == 3:
+            if failure == "pool dies":
+                threading.Thread(target=first_server.stop, args=(None,)).start()
+            else:
+                first._requests.clear()
+        return tree
+
+    first.propose = failing
+    coordinator = Coordinator(verifiers=served.coordinator.services.verifiers,
+                              drafters=lambda: [f"127.0.0.1:{first_port}", f"127.0.0.1:{second_port}"])
+    i = 2
+    job = Job(request_id="failover", prompt_ids=_prompt_ids(served.tokenizer, i),
+              params=SamplingParams(max_tokens=MAX_TOKENS), drafters=(("eagle", 1.0),), draft_length=DRAFT_LENGTH,
+              tree_budget=TREE_BUDGET, vocab_size=model.config.vocab_size, eos_token_ids=served.eos,
+              eagle_placement="pool")
+    try:
+        stats = RoundStats()
+        tokens = [t for new in coordinator.run(job, stats) for t in new]
+    finally:
+        coordinator.services.channels.close()
+        first_server.stop(None)
+        second_server.stop(None)
+    near_tie_or_equal(hf_oracle, i, tokens, f"eagle@pool, {failure}")
+    after = [c for c in (second.calls if failure == "pool dies" else first.calls[3:]) if c[2] is not None]
+    assert len(first.calls) >= 3 and after, (first.calls, second.calls)
+    # prefilled again: the whole feature history from position 0, then the head drafts again
+    assert after[0][0] == 0 and after[0][1] >= len(job.prompt_ids), after[0]
+    assert any(nodes for _, _, nodes in after)
+
+
+def test_a_bad_eagle_placement_is_invalid_argument_naming_the_field(served):
+    stub = pb_grpc.SpecserveStub(grpc.insecure_channel(served.router))
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Generate(pb.GenerateRequest(prompt="Hi", drafter="eagle", eagle_placement="gpu",
+                                         sampling=pb.SamplingParams(max_tokens=4)), timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith("eagle_placement"), err.value.details()
