@@ -31,6 +31,10 @@ from .sampling import SamplingParams, choice_scores, probabilities
 from .tree import DraftTree, sample_tree
 
 FIRST_SLOTS = 256  # the head cache's first size; it doubles as a request grows
+# A chain ends after a draft token the head gave less than this probability (SpecDec++'s
+# stop): past such a token the rest is seldom accepted, and each costs a head step and a row
+# of the verify pass (docs/BENCHMARKS.md, eagle). A pool sets its router's stop_confidence.
+STOP_BELOW = 0.4
 
 
 def _top_k_renormalised(q: torch.Tensor, k: int) -> torch.Tensor:
@@ -50,7 +54,7 @@ class EagleDrafter:
         self.head, self.draft_top_k, self.max_len = head, draft_top_k, max_len
         self.feature_layers = tuple(head.config.layers)  # what the verify pass captures for it
         self.target_vocab_size = head.config.target_vocab_size
-        self.stop_below = 0.0  # SpecDec++-style stop, as the model drafters'
+        self.stop_below = STOP_BELOW  # SpecDec++-style stop, as the model drafters'
         self.g: torch.Tensor | None = None  # fused target features of positions 0..len-1 [N, H]
         self.cache: HeadCache | None = None
         self.tokens: list[int] = []  # entry i's token (context[i + 1])
