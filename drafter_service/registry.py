@@ -13,7 +13,7 @@ import weakref
 from speculative.calibration import Calibration
 from speculative.drafter_kinds import (DRAFTER_NAMES, EAGLE, SELF_INT4, SHIPPED_DIR, SHIPPED_DRAFTERS,  # noqa: F401
                                        check_drafter, drafter_domains, drafter_path, eagle_path, is_drafter)
-from runtime.eagle_head import EagleHead, load_head
+from runtime.eagle_head import EagleHead, shared_head
 from speculative.eagle import EagleDrafter
 from runtime.cpu_tuning import apply_cpu_tuning, tuning_of
 from runtime.model import Transformer
@@ -22,10 +22,11 @@ from runtime.quantize import quantized_copy
 from speculative.sampling import InvalidArgument
 from speculative.recycling import RecycledCandidates
 from speculative.suffix import SuffixIndex
+from speculative.fused_drafter import FusedDrafter
 from speculative.namespaces import DEFAULT_NAMESPACE, Namespaces
 
 from .checkpoint import load_drafter
-from .drafters import (FusedDrafter, ModelDrafter, PromptLookupDrafter, RecyclingDrafter, SuffixDrafter,
+from .drafters import (ModelDrafter, PromptLookupDrafter, RecyclingDrafter, SuffixDrafter,
                        layer_skip_layers)
 from .layer_threads import make_runner
 
@@ -69,8 +70,6 @@ class DrafterMemory:
 _memories: dict[int, Namespaces[DrafterMemory]] = {}
 # Small drafter models, loaded once per process and target, shared by requests.
 _small_models: dict[tuple[str, int], tuple[Transformer, list[int] | None]] = {}
-# Feature-level heads (eagle), loaded once per process and target and attached to it.
-_heads: dict[tuple[str, int], EagleHead] = {}
 # Each target's int4 twin (self-int4), made once; it goes with its target.
 _int4_twins: "weakref.WeakKeyDictionary[Transformer, Transformer]" = weakref.WeakKeyDictionary()
 _load_lock = threading.Lock()
@@ -155,18 +154,12 @@ def _int4_twin(target: Transformer) -> Transformer:
 
 def _head(name: str, target: Transformer) -> EagleHead:
     """The feature-level head `name` names, attached to `target` (its embedding and LM head rows)."""
-    path = eagle_path(name)
-    key = (str(path.resolve()), id(target))
-    with _load_lock:
-        if key not in _heads:
-            if not (path / "head.safetensors").exists():
-                raise FileNotFoundError(f"drafter {name!r}: no head checkpoint at {path}")
-            head, _ = load_head(path, device=str(target.device))
-            try:
-                _heads[key] = head.attach(target)
-            except ValueError as exc:
-                raise InvalidArgument("drafter", f"drafter {name!r}: {exc}") from exc
-        return _heads[key]
+    try:
+        return shared_head(eagle_path(name), target)
+    except FileNotFoundError as exc:
+        raise FileNotFoundError(f"drafter {name!r}: {exc}") from exc
+    except ValueError as exc:
+        raise InvalidArgument("drafter", f"drafter {name!r}: {exc}") from exc
 
 
 def _small_model(name: str, target: Transformer) -> tuple[Transformer, list[int] | None]:

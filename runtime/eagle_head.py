@@ -17,6 +17,7 @@ holds only the fusion, the layer and the norms (`runtime.eagle_head` save/load).
 from __future__ import annotations
 
 import json
+import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -174,6 +175,25 @@ class EagleHead(nn.Module):
         cache.k[:, start:start + t], cache.v[:, start:start + t] = k[0], v[0]
         cache.length = start + t
         return h[0]
+
+
+_shared: dict[tuple[str, int], EagleHead] = {}
+_shared_lock = threading.Lock()
+
+
+def shared_head(path: str | Path, target: Transformer) -> EagleHead:
+    """The head at `path` attached to `target`, loaded once a process and target and shared by
+    every request's drafter (FileNotFoundError without a checkpoint; ValueError if it does not
+    fit the target)."""
+    path = Path(path)
+    key = (str(path.resolve()), id(target))
+    with _shared_lock:
+        if key not in _shared:
+            if not (path / "head.safetensors").exists():
+                raise FileNotFoundError(f"no head checkpoint at {path}")
+            head, _ = load_head(path, device=str(target.device))
+            _shared[key] = head.attach(target)
+        return _shared[key]
 
 
 def save_head(head: EagleHead, out: Path, info: dict) -> None:

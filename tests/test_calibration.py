@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from drafter_service.drafters import FusedDrafter
+from speculative.fused_drafter import FusedDrafter
 from speculative.calibration import MIDPOINTS, Calibration
 from speculative.decoding import DraftRequest
 from speculative.drafter_kinds import Abilities

@@ -21,7 +21,8 @@ import torch
 
 import speculative.decoding as decoding
 from core_workers import seed_shares
-from drafter_service.drafters import FusedDrafter, ModelDrafter, MultiSampleDrafter, PromptLookupDrafter
+from drafter_service.drafters import ModelDrafter, MultiSampleDrafter, PromptLookupDrafter
+from speculative.fused_drafter import FusedDrafter
 from speculative.batching import VerifyItem, verify_batch
 from speculative.decoding import DraftRequest
 from speculative.fusion import draw_order, fuse

@@ -74,7 +74,8 @@ def test_the_decoding_loop_feeds_the_targets_top_k():
 
 
 def test_only_a_fusion_with_a_learner_asks_for_the_targets_scores():
-    from drafter_service.drafters import FusedDrafter, PromptLookupDrafter
+    from drafter_service.drafters import PromptLookupDrafter
+    from speculative.fused_drafter import FusedDrafter
 
     table = RecycledCandidates(TINY.vocab_size, k=3)
     plain = FusedDrafter([(PromptLookupDrafter(TINY.vocab_size), 1.0)] * 2)

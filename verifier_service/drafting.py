@@ -7,10 +7,10 @@ verification alone decides the tokens.
 
 An eagle drafter (the target's features, speculative.eagle) drafts here too, beside the
 target (`[router] eagle_placement = "verifier"`): a request prefilled with one gets its own
-`EagleDrafter` over the process's head (drafter_service.registry loads it once), fed the
+`EagleDrafter` over the process's head (`shared_head` loads it once), fed the
 features of the request's prompt and of every pass that verifies its rounds here, so no
 feature crosses the network. Several drafters joined by "+" are fused as in process
-(drafter_service.drafters.FusedDrafter over speculative.fusion.fuse), the lookup members
+(speculative.fused_drafter.FusedDrafter over speculative.fusion.fuse), the lookup members
 drafting from this verifier's own indexes."""
 
 from __future__ import annotations
@@ -21,11 +21,12 @@ from typing import Sequence
 
 import torch
 
-from drafter_service.drafters import FusedDrafter
-from drafter_service.registry import calibration, make_drafter
 from speculative.decoding import DraftRequest
 from speculative.drafter_kinds import VERIFIER_DRAFTERS, Abilities, abilities, eagle_path
+from runtime.eagle_head import shared_head
+from speculative.calibration import Calibration
 from speculative.eagle import EagleDrafter
+from speculative.fused_drafter import FusedDrafter
 from speculative.namespaces import Namespaces
 from speculative.ngram import lookup_draft
 from speculative.sampling import InvalidArgument, SamplingParams, make_generator
@@ -84,9 +85,19 @@ class VerifierDrafting:
         self.indexes: Namespaces[SuffixIndex] = Namespaces(lambda _: SuffixIndex())
         self._feeds: OrderedDict[str, tuple[str, SuffixFeed]] = OrderedDict()  # request id: (namespace, feed)
         self._eagles: OrderedDict[str, _EagleState] = OrderedDict()  # request id: its eagle drafter
+        self._calibrations: Namespaces[dict[str, Calibration]] = Namespaces(lambda _: {})
         self._lock = threading.Lock()
 
     # ---- eagle beside the target ---------------------------------------------------
+
+    def _eagle(self, name: str) -> EagleDrafter:
+        """A fresh drafter over eagle head `name`, attached to the target."""
+        return EagleDrafter(shared_head(eagle_path(name), self.target))
+
+    def _calibration(self, namespace: str, kind: str) -> Calibration:
+        """The namespace's calibration of a fusion member's confidences here, kept across requests."""
+        with self._lock:
+            return self._calibrations.get(namespace).setdefault(kind, Calibration())
 
     def eagle_layers(self, name: str) -> tuple[int, ...]:
         """The target layers eagle head `name` drafts from (InvalidArgument naming
@@ -95,7 +106,7 @@ class VerifierDrafting:
             raise InvalidArgument("verifier_drafter", f"this verifier drafts with no {name!r}: an eagle head "
                                   "(eagle or a head directory) only")
         try:
-            return tuple(make_drafter(name, self.target).feature_layers)  # the head loads once a process
+            return tuple(self._eagle(name).feature_layers)  # the head loads once a process
         except (FileNotFoundError, ValueError) as exc:
             raise InvalidArgument("verifier_drafter", str(exc)) from exc
 
@@ -103,7 +114,7 @@ class VerifierDrafting:
                     features: tuple[int, torch.Tensor]) -> None:
         """A request prefilled with eagle head `name` drafting here: a fresh drafter fed the
         prompt's features (its stream: the drafter's, stream 1, fresh when `resumed`)."""
-        state = _EagleState(make_drafter(name, self.target),
+        state = _EagleState(self._eagle(name),
                             make_generator(params.seed, self.target.device, stream=1, resumed=resumed))
         state.drafter.take_features(*features)
         with self._lock:
@@ -163,12 +174,12 @@ class VerifierDrafting:
 
     def _fusion(self, name: str, eagle: EagleDrafter | None, request_id: str, namespace: str) -> FusedDrafter:
         """`name`'s members fused as in process (every member trusted alike; greedy, their
-        confidences calibrated in the namespace, as `drafter_service.registry.make_drafter`'s)."""
+        confidences calibrated in the namespace, as a pool's fusions are)."""
         parts = name.split("+")
         members = [(eagle if uses_eagle(part) else _Lookup(self, part, request_id, namespace), 1.0) for part in parts]
         if self.target is None:
             return FusedDrafter(members)
-        return FusedDrafter(members, calibrations=[calibration(part, self.target, namespace) for part in parts])
+        return FusedDrafter(members, calibrations=[self._calibration(namespace, part) for part in parts])
 
     def tree(self, drafter: str, request_id: str, namespace: str, tokens: Sequence[int], depth: int, nodes: int,
              deterministic: bool) -> DraftTree:
