@@ -10,6 +10,7 @@ draft being made while the round is verified.
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 
 import pytest
@@ -45,10 +46,12 @@ class SlowPool(DrafterPool):
         super().__init__(*args, **kwargs)
         self.prefilled: list[tuple[str, str, int]] = []  # (request, drafter, tokens)
         self.prefill_times: dict[str, tuple[float, float]] = {}  # request -> (start, end), time.monotonic()
+        self.prefill_began = threading.Event()  # set as each prefill begins
 
     def prefill(self, request_id, kind, token_ids, *args, **kwargs):
         start = time.monotonic()
         self.prefilled.append((request_id, kind, len(token_ids)))
+        self.prefill_began.set()
         time.sleep(self.prefill_delay)
         if self.fail_prefill:
             raise RuntimeError("the pool broke")
@@ -64,8 +67,10 @@ class SlowPool(DrafterPool):
 
 class SlowEngine(VerifierEngine):
     """A target pass that takes `delay` seconds more, as a large target's would (the pass
-    time the verifier reports includes it), and a prefill `prefill_delay` more."""
+    time the verifier reports includes it), and a prefill `prefill_delay` more; a prefill
+    answers only once `gate` (when set) is, as a long prompt's would after a pool's began."""
     delay = prefill_delay = 0.0
+    gate: threading.Event | None = None
 
     def _pass(self, view, items):
         time.sleep(self.delay)
@@ -73,6 +78,8 @@ class SlowEngine(VerifierEngine):
 
     def _prefill(self, work):
         time.sleep(self.prefill_delay)
+        if self.gate is not None:
+            assert self.gate.wait(30), "the gate never opened"
         return super()._prefill(work)
 
 
@@ -203,15 +210,19 @@ def test_pools_prefill_while_the_verifier_does_when_told(target, services, pipel
 
 def test_a_request_that_ends_before_its_pool_is_prefilled_leaves_nothing_there(target, services):
     """One token: the request ends at the verifier's prefill, while the pool's prefill sent
-    ahead is still running; its release waits for that prefill and frees it."""
-    coordinator, pool, _ = services
+    ahead is still running; its release waits for that prefill and frees it. (The verifier
+    answers only once the pool's prefill has begun: on a loaded machine the thread sending it
+    could otherwise start after the request ended, and a prefill not started is dropped.)"""
+    coordinator, pool, engine = services
     pool.prefill_delay = 0.3
+    pool.prefill_began.clear()
+    engine.gate = pool.prefill_began
     try:
         tokens, _ = served(coordinator, dataclasses.replace(
             job("one-ahead", PROMPTS[0], SamplingParams(max_tokens=1), (("layerskip", 1.0),), pipelined=False),
             prefill_pools_ahead=True))
     finally:
-        pool.prefill_delay = 0.0
+        pool.prefill_delay, engine.gate = 0.0, None
     assert tokens == generate(target, PROMPTS[0], SamplingParams(max_tokens=1)).token_ids
     assert "one-ahead" in pool.prefill_times, "the pool was not prefilled ahead"
     assert pool.active_requests() == 0

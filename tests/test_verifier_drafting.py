@@ -243,8 +243,11 @@ def test_a_drafted_rounds_verify_hop_counts_only_against_plain_rounds_on_the_ver
         again, _ = served(coordinator, dataclasses.replace(
             fused, speculation=SpeculationControl(DRAFT_LENGTH, prior=0.9), service_id="next"))
     assert tokens == again == generate(target, prompt, GREEDY, None, 0, ()).token_ids
-    if verifier_drafting:  # the first round that asks the pools teaches the hop: rounds on the verifier since
-        assert first == len(hops) == 1
+    if verifier_drafting:
+        # the first round that asks the pools teaches the hop: rounds on the verifier since, but
+        # for a probe or two (how soon the control probes again weighs the hop against the
+        # pass, which a loaded machine slows); the next request starts knowing it: no hop at all
+        assert first <= 3 and len(hops) == first, hops
         assert stats.per_drafter["pld"].accepted > 0  # ... drafted there by prompt lookup
     else:
         assert first > 2 and len(hops) > first + 2 and sum(hops) > 0 and stats.accepted_draft_tokens > 0
