@@ -195,22 +195,40 @@ def test_domain_hint_overrides_the_classifier(classifier) -> None:
         router.domain(prompt, hint="poetry")
 
 
-def test_route_returns_top_k_with_reliability(classifier) -> None:
+def record_speedups(store, route: str, domain: str, speedups: Sequence[float], namespace: str = "") -> None:
+    logs = np.log(speedups)
+    store.record_goodput(route, domain, len(logs), float(logs.sum()), float((logs ** 2).sum()), namespace)
+
+
+def test_route_serves_the_measured_fastest_route_its_drafters_best_first(classifier) -> None:
+    """The route is ranked by goodput; its drafters come best first by reliability (acceptance),
+    which they carry for fusion."""
     store = EmbeddedStateStore()
     store.record_acceptance("good", "rag", 1000, 900)
     store.record_acceptance("bad", "rag", 1000, 100)
+    record_speedups(store, "bad+good", "rag", [1.8, 1.7, 1.9] * 10)
+    record_speedups(store, "bad", "rag", [1.4, 1.5] * 10)
+    record_speedups(store, "good", "rag", [0.9, 1.0] * 10)
     router = ExpertiseRouter(store, classifier, epsilon=0, rng=np.random.default_rng(0), prior=(3, 1))
     route = router.route("context ...\nWho wrote it?", ["bad", "good", "unknown", "good"], k=2, hint="rag")
-    assert route.domain == "rag" and len(set(route.drafters)) == 2
-    assert "good" in route.drafters and "bad" not in route.drafters
+    assert route.domain == "rag" and route.drafters == ("good", "bad")
     assert route.reliability["good"] == pytest.approx(903 / 1004)
     assert router.reliability("unknown", "rag") == 0.75  # the prior's mean
+    # the geometric mean of 30 requests against the prior's 1.0, worth 4 requests
+    assert router.goodput(["good", "bad"], "rag") == pytest.approx(np.exp(np.log([1.8, 1.7, 1.9]).mean() * 30 / 34))
     assert router.choose("rag", []) == []
-    # candidates the caller cannot use on the domain are left out, unless none would be left
+    # routes with a drafter the caller cannot use on the domain are left out, unless only plain
+    # decoding would be left
     route = router.route("Who wrote it?", ["bad", "good"], k=2, hint="rag", usable=lambda d, domain: d == "bad")
     assert route.drafters == ("bad",)
-    assert set(router.route("Who wrote it?", ["bad", "good"], k=2, hint="rag",
-                            usable=lambda d, domain: False).drafters) == {"bad", "good"}
+    assert router.route("Who wrote it?", ["bad", "good"], k=2, hint="rag",
+                        usable=lambda d, domain: False).drafters == ("good", "bad")
+    # plain decoding is a route too: where every drafter was measured slower, it wins
+    for route in ("bad+good", "bad", "good"):
+        record_speedups(store, route, "qa", [0.7] * 30)
+    record_speedups(store, "none", "qa", [0.95] * 30)
+    router.refresh()
+    assert router.route("Who?", ["bad", "good"], k=2, hint="qa") == ("qa", ("none",), {"none": 1.0})
 
 
 def test_replicas_share_stats_through_the_store(store, classifier) -> None:
@@ -254,7 +272,7 @@ def test_store_is_read_at_most_once_per_refresh_interval(classifier) -> None:
         router.record(route.drafters[0], "math", 4, i % 5)
         clock.t += REFRESH_S / 10
     assert store.reads == 10
-    assert store.writes <= 2 * 10  # one per (drafter, domain) pair per refresh
+    assert store.writes <= 3 * 10  # one per (drafter, domain) pair per refresh: a, b or none
     router.close()
     assert sum(a.proposed for a in store.acceptance_stats().values()) == 400
 
