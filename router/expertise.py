@@ -1,37 +1,47 @@
-"""Expertise routing: which drafters serve a request, and how far to trust each.
+"""Expertise routing: which route serves a request, and how far to trust each drafter.
 
     router = ExpertiseRouter(store)               # store: a cluster.state.StateStore
-    route = router.route(prompt, candidates=["pld", "smollm-68m"], k=2, hint=req.domain_hint or None)
+    route = router.route(prompt, candidates=["pld", "suffix", "recycle"], k=2, hint=req.domain_hint or None,
+                         no_hop={"pld", "suffix", "none"}, same_as_alone={"pld", "suffix"})
     route.domain, route.drafters, route.reliability   # drafters best first; reliability in [0, 1]
     ...
-    router.record("smollm-68m", route.domain, proposed=40, accepted=31)   # once per request and drafter
+    router.record("recycle", route.domain, proposed=40, accepted=31)   # once per request and drafter
+    router.record_goodput(route.drafters, route.domain, speedup=1.6)  # once per request
 
 Domain: the client's hint if any, else the prompt classifier's guess
-(`router.classifier`). Drafters are named by kind (e.g. "smollm-68m"), not by
+(`router.classifier`). Drafters are named by kind (e.g. "small-general"), not by
 replica, so every replica of a drafter adds to one record.
 
-Ranking: for each (drafter, domain) the acceptance rate of drafted tokens
-has a Beta(prior + accepted, prior + rejected) posterior. Thompson sampling
-ranks the candidates by one draw from each posterior: the better drafter
-wins most requests, while a drafter whose rate is still uncertain (a new
-one) is tried in proportion to its chance of being the best. Two things keep
-a drafter that improves (one that keeps learning online) from being ignored
-forever: evidence is a window (at most `window` proposed tokens per pair,
-older tokens scaled away as new ones arrive), so the posterior never grows
-so sharp that it cannot move; and with probability `epsilon` a request ranks
-its candidates at random, so even a drafter far behind gets some tokens to be
-judged by. `reliability` is the posterior mean, the weight confidence fusion
-gives a drafter's tokens.
+Routes, ranked by goodput (`route`, `rank`): the candidates are plain decoding
+("none"), each drafter alone and each set of k (`router.goodput.candidate_routes`).
+Each (route, domain) keeps its requests' measured speedups over plain decoding
+(`router.goodput`: the reward, and why it is load- and machine-normalised), and
+Thompson sampling ranks the routes by one draw each from the posterior of their
+mean log speedup: the fastest route wins most requests, while one whose speed is
+still uncertain (a new one) is tried in proportion to its chance of being the
+fastest. A drafter's acceptance rate is not its speed: one that drafts rarely but
+well, one whose every round pays a hop to its pool, a fusion that makes the
+verifier's own rounds (no hop) impossible, all rank by what they actually
+delivered. Evidence is a window (`goodput_window` requests per pair), so a route
+that gets faster is seen to; with probability `epsilon` a request ranks the routes
+at random, so even a route far behind gets requests to be judged by. Cold start
+(`router.goodput.GoodputPrior`): a route the verifier runs in its own rounds
+(`no_hop`, which the caller knows) starts higher than one that asks a pool; plain
+decoding a little below 1; a route with a drafter trained for the domain (its
+`specialties`) higher there; and the route's evidence on other domains moves its
+prior mean. A route's drafters come back best first by reliability.
 
-Cold start: before any evidence the classifier's domain already matters. A
-drafter trained for a domain (its `specialties`, from `train-drafter
---domains`) starts there from `specialty_prior`, a Beta worth a few tokens
-with mean 2/3, against `prior` (mean 1/2) everywhere else: a math request
-tries the math drafter first from the very first request, and the drafter
-keeps that place only while its measured acceptance earns it (a few tokens
-of prior are soon outweighed by a request's hundreds).
+Reliability (`reliability`, `choose`): for each (drafter, domain) the acceptance
+rate of drafted tokens has a Beta(prior + accepted, prior + rejected) posterior;
+`reliability` is its mean, the weight confidence fusion gives the drafter's tokens
+and the adaptive control's first guess of its acceptance. `choose` ranks drafters
+by one Thompson draw from each (acceptance alone). Its evidence is a window too
+(at most `window` proposed tokens per pair, older tokens scaled away as new ones
+arrive). A drafter trained for a domain starts there from `specialty_prior`, a
+Beta worth a few tokens with mean 2/3, against `prior` (mean 1/2) everywhere
+else.
 
-Sharing: the counters live in the state store, shared by all router
+Sharing: the counters and sums live in the state store, shared by all router
 replicas. A router keeps a cache and talks to the store at most once every
 `refresh_s` seconds (from inside whichever call finds the cache stale): it
 writes the outcomes it recorded since the last time, then reads everyone's
@@ -46,10 +56,11 @@ mode's) never moves another's rankings.
 
 The store is duck-typed (`record_acceptance(drafter, domain, proposed,
 accepted, namespace)`, `acceptance_stats(domain, namespace) -> {(drafter, domain):
-(proposed, accepted)}`),
-because `router/` does not import `cluster/`. Its errors reach the caller;
-a failed refresh keeps the cache and what is unwritten, and is retried only
-after `refresh_s`.
+(proposed, accepted)}`, `record_goodput(route, domain, requests, log_sum,
+log_squares, namespace)`, `goodput_stats(domain, namespace) -> {(route, domain):
+(requests, log_sum, log_squares)}`), because `router/` does not import
+`cluster/`. Its errors reach the caller; a failed refresh keeps the cache and
+what is unwritten, and is retried only after `refresh_s`.
 """
 
 from __future__ import annotations
