@@ -152,7 +152,7 @@ class GoodputPrior(NamedTuple):
     hop: float = 1.0
     plain: float = 0.95
     specialty: float = 1.25
-    requests: float = 4.0
+    requests: float = 6.0
     spread: float = 0.3
     alpha: float = 2.0
     elsewhere: float = 0.5

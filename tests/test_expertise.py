@@ -215,8 +215,8 @@ def test_route_serves_the_measured_fastest_route_its_drafters_best_first(classif
     assert route.domain == "rag" and route.drafters == ("good", "bad")
     assert route.reliability["good"] == pytest.approx(903 / 1004)
     assert router.reliability("unknown", "rag") == 0.75  # the prior's mean
-    # the geometric mean of 30 requests against the prior's 1.0, worth 4 requests
-    assert router.goodput(["good", "bad"], "rag") == pytest.approx(np.exp(np.log([1.8, 1.7, 1.9]).mean() * 30 / 34))
+    # the geometric mean of 30 requests against the prior's 1.0, worth 6 requests
+    assert router.goodput(["good", "bad"], "rag") == pytest.approx(np.exp(np.log([1.8, 1.7, 1.9]).mean() * 30 / 36))
     assert router.choose("rag", []) == []
     # routes with a drafter the caller cannot use on the domain are left out, unless only plain
     # decoding would be left
@@ -444,7 +444,7 @@ def test_cold_start_prefers_routes_the_verifier_runs_and_specialists_on_their_do
         return Counter("+".join(router.route("x", candidates, hint=domain, **kw).drafters) for _ in range(400))
 
     cold = firsts(["pld", "recycle"], "qa", no_hop={"pld", "none"})
-    assert cold["pld"] >= 240, cold  # expected about 300 of 400
+    assert cold["pld"] >= 340, cold  # measured 386 of 400 (seed 20)
     math = firsts(["small-general", "small-math"], "math_reasoning")
     assert math["small-math"] > 1.5 * math["small-general"], math
     other = firsts(["small-general", "small-math"], "translation")
@@ -462,7 +462,7 @@ def test_goodput_replicas_share_through_the_store(store, classifier) -> None:
     for s in (2.0, 2.2, 1.8):
         writer.record_goodput(["pld"], "stem", s)
     mine = writer.goodput(["pld"], "stem")
-    assert 1.2 < mine < 2.0  # its own requests count at once (against the prior's 1.0, worth 4 requests)
+    assert 1.15 < mine < 2.0  # its own requests count at once (against the prior's 1.0, worth 6 requests)
     assert store.goodput_stats() == {}  # and are written on its next refresh
     writer_clock.t += REFRESH_S
     writer.goodput(["pld"], "stem")
