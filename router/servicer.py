@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
@@ -36,6 +37,8 @@ from .stats import RoundStats
 from .constraints import constrained, draft_length
 from .output import ChunkWriter
 from .tools import Function, check_choice, functions, template_messages
+
+log = logging.getLogger(__name__)
 
 ROLES = {"system", "developer", "user", "assistant", "tool"}
 
@@ -203,7 +206,10 @@ class RouterServicer(pb_grpc.SpecserveServicer):
                    deadline=call.deadline, is_cancelled=lambda: not call.is_active(), pipelined=pipelined,
                    speculation=speculation, stop_confidence=cfg.stop_confidence, namespace=namespace,
                    verifier_drafting=cfg.verifier_drafting, prefill_pools_ahead=cfg.prefill_pools_ahead,
-                   eagle_placement=placement)
+                   eagle_placement=placement,
+                   # a routed request feeds the verifier's suffix index whatever drafted it, so that the
+                   # suffix drafter's memory holds all of the namespace's routed text, as if it drafted all
+                   teaches_suffix=(req.drafter or cfg.default_drafter) == "auto" and "suffix" in cfg.routed_drafters)
 
     def _eagle_placement(self, placement: str, drafters: tuple[tuple[str, float], ...], pipelined: bool) -> str:
         """Where the request's eagle drafter runs: the verifier, as asked, only where the verifier
@@ -368,7 +374,10 @@ class RouterServicer(pb_grpc.SpecserveServicer):
             return
         gain = speedup(count - 1, ended - first, stats.plain_pass_seconds, stats.timed_passes)
         if gain is not None:
-            expertise.record_goodput([d for d, _ in job.drafters], job.domain, gain, job.pipelined)
+            try:
+                expertise.record_goodput([d for d, _ in job.drafters], job.domain, gain, job.pipelined)
+            except ValueError as e:  # a drafter name no route can have: the request is done all the same
+                log.warning("no goodput recorded for %s: %s", job.request_id, e)
 
     @staticmethod
     def _usage(job: Job, stats: RoundStats, completion: int) -> pb.Usage:

@@ -24,11 +24,12 @@ from verifier_service.engine import VerifierEngine
 @pytest.fixture(scope="module")
 def served():
     """(stub, store, servicer) of a router routing "auto" among plain decoding, prompt lookup,
-    the recycling drafter and their fusion."""
+    the suffix drafter, the recycling drafter and their fusions."""
     target = tiny_model(0)
-    pool, engine = DrafterPool(target, kinds=["pld", "recycle"]), VerifierEngine(target, max_batch=4, max_len=64)
+    kinds = ("pld", "suffix", "recycle")
+    pool, engine = DrafterPool(target, kinds=list(kinds)), VerifierEngine(target, max_batch=4, max_len=64)
     config = RouterConfig(context_length=TINY.max_position_embeddings - 12, eos_token_ids=[],
-                          vocab_size=TINY.vocab_size, default_drafter="auto", routed_drafters=("pld", "recycle"),
+                          vocab_size=TINY.vocab_size, default_drafter="auto", routed_drafters=kinds,
                           fused_drafters=2, draft_length=3, adaptive=True, verifier_drafting=True)
     store = EmbeddedStateStore()
     expertise = ExpertiseRouter(store, refresh_s=0, rng=np.random.default_rng(0))
@@ -75,3 +76,18 @@ def test_every_completed_request_records_its_route_once(served):
         name = route_name(r.split("+"))
         expected[name] = expected.get(name, 0) + 1
     assert recorded == expected
+
+
+def test_a_routed_request_teaches_the_suffix_index_whatever_drafted_it(served):
+    """A routed request served by prompt lookup still feeds the verifier's suffix index of its
+    namespace, so a later request there drafted by the suffix drafter drafts the remembered
+    answer: the suffix route is judged with the memory it would have had serving them all."""
+    stub, store, _ = served
+    x = np.log(3.0)
+    store.record_goodput("pld", "coding", 30, 30 * x, 30 * x * x, namespace="memory")  # prompt lookup is fastest
+    prompt = "3213213"
+    assert generate(stub, namespace="memory", prompt=prompt, max_tokens=16).usage.drafter == "pld"
+    fresh = generate(stub, "suffix", namespace="fresh", prompt=prompt, max_tokens=16)
+    remembered = generate(stub, "suffix", namespace="memory", prompt=prompt, max_tokens=16)
+    assert list(remembered.token_ids) == list(fresh.token_ids)
+    assert remembered.usage.target_forward_passes < fresh.usage.target_forward_passes

@@ -277,8 +277,9 @@ class Request:
     def release(self) -> None:
         self.drafting.release()
         # the verifier's suffix index learns every suffix request's text, however its rounds
-        # were drafted (through the pools, pipelined), as the pools' index does (give_output)
-        learns = any(kind == "suffix" for kind, _ in self.job.drafters)
+        # were drafted (through the pools, pipelined), as the pools' index does (give_output),
+        # and a routed request's that may be routed to the suffix drafter next time
+        learns = self.job.teaches_suffix or any(kind == "suffix" for kind, _ in self.job.drafters)
         self.verifier.release(self.job.prompt_ids + self.verified if learns else ())
 
 
