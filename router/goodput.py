@@ -20,8 +20,17 @@ plain decoding's, both at the batch sizes the request actually met: the load's s
 the machine's speed cancel, while everything the route costs beyond the passes (a pool's
 drafting, the hop to the pool and back, the router's own work a round) stays in the
 denominator. A plainly decoded request scores a little under 1 (its overhead beyond the
-passes). A request that ended early (cancelled, failed), drafted into fewer than
-`MIN_TOKENS` tokens, or whose verifier reported no pass timings, earns no reward.
+passes). A request that ended early (cancelled, failed), had fewer than `MIN_TOKENS`
+tokens after its first, or whose verifier reported no pass timings, earns no reward.
+
+Its limits: the rescaling is only as good as the linear cost model (learned from the
+verifier's passes, its priors until then); "plain decoding at that load" takes every row of
+a pass to one token, the other requests' trees included, which is what the batch would cost
+if all decoded plainly; the time is wall time at the router, so a streaming client that reads
+slowly, or a verifier slowed by something else, slows every route alike but adds noise; and a
+last round clipped by `max_tokens` or a stop string costs a drafting route more than a plain
+one. Each of these moves every route's rewards by much the same factor, which the ranking
+(a comparison) mostly cancels.
 
 The posterior (`Evidence`, `posterior`, `draw`): the log speedups of a (route, domain) are
 taken as normal with unknown mean and variance, under the conjugate Normal-inverse-gamma
