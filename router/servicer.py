@@ -30,7 +30,7 @@ from .domains import DOMAINS
 from .adaptive import SpeculationControl
 from .auth import Admission, Denied, Gatekeeper, bearer
 from .expertise import ExpertiseRouter
-from .goodput import speedup
+from .goodput import route_name, speedup
 from .metrics import RouterMetrics
 from .settings import RouterSettings
 from .stats import RoundStats
@@ -363,8 +363,7 @@ class RouterServicer(pb_grpc.SpecserveServicer):
                         expertise.record(drafter, job.domain, own.proposed, own.accepted)
                 self._record_goodput(expertise, job, stats, count, ended)
 
-    @staticmethod
-    def _record_goodput(expertise: ExpertiseRouter, job: Job, stats: RoundStats, count: int,
+    def _record_goodput(self, expertise: ExpertiseRouter, job: Job, stats: RoundStats, count: int,
                         ended: float | None) -> None:
         """The request's estimated speedup over plain decoding (router.goodput.speedup), for its
         route on its domain: only for a request that completed, over its tokens after the
@@ -375,7 +374,9 @@ class RouterServicer(pb_grpc.SpecserveServicer):
         gain = speedup(count - 1, ended - first, stats.plain_pass_seconds, stats.timed_passes)
         if gain is not None:
             try:
-                expertise.record_goodput([d for d, _ in job.drafters], job.domain, gain, job.pipelined)
+                kinds = [d for d, _ in job.drafters]
+                expertise.record_goodput(kinds, job.domain, gain, job.pipelined)
+                self.metrics.observe_speedup(route_name(kinds, job.pipelined), job.domain, gain)
             except ValueError as e:  # a drafter name no route can have: the request is done all the same
                 log.warning("no goodput recorded for %s: %s", job.request_id, e)
 

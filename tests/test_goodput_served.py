@@ -6,6 +6,7 @@ from __future__ import annotations
 import grpc
 import numpy as np
 import pytest
+from prometheus_client import generate_latest
 
 from cluster.state import EmbeddedStateStore
 from drafter_service.pool import DrafterPool
@@ -60,6 +61,8 @@ def test_plain_decoding_measures_at_most_plain_speed(served):
     [(key, g)] = store.goodput_stats(namespace="plain").items()
     assert key == ("none", "coding") and g.requests == 3
     assert g.log_sum <= 1e-9 and np.isfinite(g.log_sum)
+    metrics = generate_latest(servicer.metrics.registry).decode()
+    assert 'specserve_route_speedup_count{domain="coding",route="none"} 3.0' in metrics
 
 
 def test_every_completed_request_records_its_route_once(served):
