@@ -89,7 +89,8 @@ def plain_pass_seconds(pass_seconds: float, rows: int, tokens: int, width: int,
     row_cost, token_cost, pad_cost = costs
     rows = max(rows, 1)
     tokens = max(tokens, rows)
-    units = 1.0 + row_cost * (rows - 1) + token_cost * (tokens - rows) + pad_cost * max(0, rows * max(width, 1) - tokens)
+    units = (1.0 + row_cost * (rows - 1) + token_cost * (tokens - rows)
+             + pad_cost * max(0, rows * max(width, 1) - tokens))
     return pass_seconds * (1.0 + row_cost * (rows - 1)) / units
 
 

@@ -475,7 +475,8 @@ def test_goodput_replicas_share_through_the_store(store, classifier) -> None:
     # counted once each, however many refreshes follow
     writer_clock.t += REFRESH_S
     reader_clock.t += REFRESH_S
-    assert writer.goodput(["pld"], "stem") == pytest.approx(mine) and reader.goodput(["pld"], "stem") == pytest.approx(mine)
+    assert writer.goodput(["pld"], "stem") == pytest.approx(mine)
+    assert reader.goodput(["pld"], "stem") == pytest.approx(mine)
     # a fusion is one route whatever its order; a pipelined request's is another
     writer.record_goodput(["suffix", "pld"], "stem", 3.0)
     writer.record_goodput(["pld", "suffix"], "stem", 3.0, pipelined=True)
