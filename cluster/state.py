@@ -1,5 +1,5 @@
 """The cluster's shared state: service registry, drafter acceptance statistics,
-request checkpoints, API keys and rate limits.
+routes' goodput statistics, request checkpoints, API keys and rate limits.
 
 Two implementations with the same behaviour: `RedisStateStore` for a cluster
 (every node talks to one Redis) and `EmbeddedStateStore` for a single node.
@@ -11,6 +11,9 @@ Redis layout (every key starts with the store's prefix, default "specserve:"):
     accept:proposed       hash, field JSON [drafter, domain] (default namespace) or
                           [drafter, domain, namespace] -> count
     accept:accepted       hash, same fields
+    goodput:requests      hash, field JSON [route, domain] or [route, domain, namespace] -> count
+    goodput:log_sum       hash, same fields -> sum of the requests' log speedups (HINCRBYFLOAT)
+    goodput:log_squares   hash, same fields -> sum of their squares
     ckpt:{request_id}     string, JSON checkpoint, PX = checkpoint TTL
     apikeys               hash, SHA-256 hex of key -> JSON record {"id", "name", "rpm", "tpm", ...}
     rate:{sha256 of name} integer, fixed-window counter, PX = window
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import secrets
 import threading
@@ -51,6 +55,14 @@ class ServiceRecord:
 class Acceptance(NamedTuple):
     proposed: int
     accepted: int
+
+
+class Goodput(NamedTuple):
+    """A route's requests on a domain: how many, and the sum of their log speedups and of
+    those logs' squares (router.goodput)."""
+    requests: int
+    log_sum: float
+    log_squares: float
 
 
 class StateStore(ABC):
@@ -83,6 +95,17 @@ class StateStore(ABC):
     def acceptance_stats(self, domain: str | None = None, namespace: str = ""
                          ) -> dict[tuple[str, str], Acceptance]:
         """A namespace's totals per (drafter, domain), optionally for one domain only."""
+
+    @abstractmethod
+    def record_goodput(self, route: str, domain: str, requests: int, log_sum: float, log_squares: float,
+                       namespace: str = "") -> None:
+        """Atomically add to the (route, domain) goodput sums of a memory namespace: `requests`
+        served, the sum of their log speedups and of those logs' squares."""
+
+    @abstractmethod
+    def goodput_stats(self, domain: str | None = None, namespace: str = ""
+                      ) -> dict[tuple[str, str], Goodput]:
+        """A namespace's goodput sums per (route, domain), optionally for one domain only."""
 
     @abstractmethod
     def save_checkpoint(self, request_id: str, data: dict[str, Any], ttl_s: float) -> None:
@@ -186,6 +209,13 @@ def _acceptance_field(drafter: str, domain: str, namespace: str) -> list[str]:
 def _check_counts(proposed: int, accepted: int) -> None:
     if not 0 <= accepted <= proposed:
         raise ValueError(f"need 0 <= accepted <= proposed, got {accepted=} {proposed=}")
+
+
+def _check_goodput(requests: int, log_sum: float, log_squares: float) -> None:
+    if not (isinstance(requests, int) and requests >= 0 and math.isfinite(log_sum) and math.isfinite(log_squares)
+            and log_squares >= 0):
+        raise ValueError(f"need a count >= 0 and finite sums, the squares' >= 0, got {requests=} {log_sum=} "
+                         f"{log_squares=}")
 
 
 def _digest(key: str) -> str:
@@ -293,6 +323,30 @@ class RedisStateStore(StateStore):
             drafter, dom, *space = json.loads(field)
             if (space[0] if space else "") == namespace and (domain is None or dom == domain):
                 stats[(drafter, dom)] = Acceptance(int(count), int(accepted.get(field, 0)))
+        return stats
+
+    def record_goodput(self, route: str, domain: str, requests: int, log_sum: float, log_squares: float,
+                       namespace: str = "") -> None:
+        _check_goodput(requests, log_sum, log_squares)
+        field = json.dumps(_acceptance_field(route, domain, namespace))
+        with self._client.pipeline() as pipe:  # MULTI: readers see the three sums move together
+            pipe.hincrby(f"{self.prefix}goodput:requests", field, requests)
+            pipe.hincrbyfloat(f"{self.prefix}goodput:log_sum", field, float(log_sum))
+            pipe.hincrbyfloat(f"{self.prefix}goodput:log_squares", field, float(log_squares))
+            pipe.execute()
+
+    def goodput_stats(self, domain: str | None = None, namespace: str = ""
+                      ) -> dict[tuple[str, str], Goodput]:
+        with self._client.pipeline() as pipe:
+            for name in ("requests", "log_sum", "log_squares"):
+                pipe.hgetall(f"{self.prefix}goodput:{name}")
+            requests, sums, squares = pipe.execute()
+        stats = {}
+        for field, count in requests.items():
+            route, dom, *space = json.loads(field)
+            if (space[0] if space else "") == namespace and (domain is None or dom == domain):
+                stats[(route, dom)] = Goodput(int(count), float(sums.get(field, 0.0)),
+                                              float(squares.get(field, 0.0)))
         return stats
 
     def save_checkpoint(self, request_id: str, data: dict[str, Any], ttl_s: float) -> None:
@@ -420,6 +474,7 @@ class EmbeddedStateStore(StateStore):
         self._lock = threading.Lock()
         self._services: defaultdict[str, _ExpiringDict] = defaultdict(_ExpiringDict)
         self._acceptance: dict[tuple[str, str, str], Acceptance] = {}  # (drafter, domain, namespace)
+        self._goodput: dict[tuple[str, str, str], Goodput] = {}  # (route, domain, namespace)
         self._checkpoints = _ExpiringDict()
         self._api_keys: dict[str, str] = {}  # SHA-256 hex -> JSON record
         self._rate = _ExpiringDict()  # SHA-256 hex of the counter -> total in the current window
@@ -474,6 +529,21 @@ class EmbeddedStateStore(StateStore):
                          ) -> dict[tuple[str, str], Acceptance]:
         with self._lock:
             return {(drafter, dom): v for (drafter, dom, space), v in self._acceptance.items()
+                    if space == namespace and (domain is None or dom == domain)}
+
+    def record_goodput(self, route: str, domain: str, requests: int, log_sum: float, log_squares: float,
+                       namespace: str = "") -> None:
+        _check_goodput(requests, log_sum, log_squares)
+        key = (route, domain, namespace)
+        with self._lock:
+            old = self._goodput.get(key, Goodput(0, 0.0, 0.0))
+            self._goodput[key] = Goodput(old.requests + requests, old.log_sum + float(log_sum),
+                                         old.log_squares + float(log_squares))
+
+    def goodput_stats(self, domain: str | None = None, namespace: str = ""
+                      ) -> dict[tuple[str, str], Goodput]:
+        with self._lock:
+            return {(route, dom): v for (route, dom, space), v in self._goodput.items()
                     if space == namespace and (domain is None or dom == domain)}
 
     def save_checkpoint(self, request_id: str, data: dict[str, Any], ttl_s: float) -> None:

@@ -12,13 +12,16 @@ so dashboards made for vLLM work on specserve: labelled by the request's drafter
 `spec_decode_num_accepted_tokens_per_pos{position=p}` counts the rounds whose
 accepted path reached depth p + 1 (0-based p), so its sum over positions is
 `spec_decode_num_accepted_tokens`.
+
+`specserve_route_speedup{route, domain}`: each completed request's estimated speedup over
+plain decoding (router.goodput), by the route that served it: what "auto" routing ranks by.
 """
 
 from __future__ import annotations
 
 import threading
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from .adaptive import PassCostModel
 from .stats import RoundStats
@@ -48,6 +51,9 @@ class RouterMetrics:
             "spec_decode_num_accepted_tokens_per_pos",
             "Rounds whose accepted path reached this 0-based depth (position + 1 tokens or more accepted)",
             spec + ["position"], registry=r)
+        self.speedup = Histogram("specserve_route_speedup", "A request's estimated speedup over plain decoding "
+                                 "(router.goodput), by its route", ["route", "domain"], registry=r,
+                                 buckets=(0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 4.0, 6.0))
         self.idle = Gauge("specserve_idle_fraction", "Share of request wall time a side was idle, since start",
                           ["side"], registry=r)
         self._lock = threading.Lock()
@@ -87,6 +93,9 @@ class RouterMetrics:
             self._wall += wall
             for side, seconds in busy.items():
                 self._busy[side] += seconds
+
+    def observe_speedup(self, route: str, domain: str, speedup: float) -> None:
+        self.speedup.labels(route, domain).observe(speedup)
 
     def idle_fraction(self, side: str) -> float:
         with self._lock:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Callable, Iterator
@@ -28,12 +30,15 @@ from .domains import DOMAINS
 from .adaptive import SpeculationControl
 from .auth import Admission, Denied, Gatekeeper, bearer
 from .expertise import ExpertiseRouter
+from .goodput import route_name, speedup
 from .metrics import RouterMetrics
 from .settings import RouterSettings
 from .stats import RoundStats
 from .constraints import constrained, draft_length
 from .output import ChunkWriter
 from .tools import Function, check_choice, functions, template_messages
+
+log = logging.getLogger(__name__)
 
 ROLES = {"system", "developer", "user", "assistant", "tool"}
 
@@ -117,10 +122,13 @@ class RouterServicer(pb_grpc.SpecserveServicer):
     """Validates requests, picks their drafters, runs them through the coordinator.
 
     With an `expertise` router, a request that names no drafter (and a default
-    of "auto") gets the `fused_drafters` drafters with the best measured
-    acceptance on its domain (the client's hint, else the prompt classifier's
-    guess), weighted in fusion by their reliability there; after every request
-    each of its drafters' acceptance is recorded for its (drafter, domain). A
+    of "auto") gets the route with the best measured goodput on its domain (the
+    client's hint, else the prompt classifier's guess): plain decoding, one of
+    `routed_drafters`, or a set of `fused_drafters` of them, fused with each
+    weighted by its reliability (measured acceptance) there
+    (router.expertise, router.goodput). After every request each of its
+    drafters' acceptance is recorded for its (drafter, domain), and the
+    request's estimated speedup over plain decoding for its (route, domain). A
     request that names a drafter gets that one alone."""
 
     def __init__(self, tokenizer: Tokenizer, coordinator: Coordinator, config: RouterConfig,
@@ -198,7 +206,10 @@ class RouterServicer(pb_grpc.SpecserveServicer):
                    deadline=call.deadline, is_cancelled=lambda: not call.is_active(), pipelined=pipelined,
                    speculation=speculation, stop_confidence=cfg.stop_confidence, namespace=namespace,
                    verifier_drafting=cfg.verifier_drafting, prefill_pools_ahead=cfg.prefill_pools_ahead,
-                   eagle_placement=placement)
+                   eagle_placement=placement,
+                   # a routed request feeds the verifier's suffix index whatever drafted it, so that the
+                   # suffix drafter's memory holds all of the namespace's routed text, as if it drafted all
+                   teaches_suffix=(req.drafter or cfg.default_drafter) == "auto" and "suffix" in cfg.routed_drafters)
 
     def _eagle_placement(self, placement: str, drafters: tuple[tuple[str, float], ...], pipelined: bool) -> str:
         """Where the request's eagle drafter runs: the verifier, as asked, only where the verifier
@@ -255,8 +266,17 @@ class RouterServicer(pb_grpc.SpecserveServicer):
         if length == 0:
             return (None if expertise is None else expertise.domain(_user_text(req), hint)), (("none", 1.0),)
         if drafter == "auto" and expertise is not None:  # else check_drafter refuses "auto"
-            route = expertise.route(_user_text(req), self.config.routed_drafters, k=self.config.fused_drafters,
-                                    hint=hint, usable=self._draft_pays(expertise, pipelined, placement))
+            cfg = self.config
+            # what the verifier drafts in its own rounds: no hop; a set of only prompt lookup and
+            # the suffix drafter is drafted there by its first alone (router.coordinator.rounds)
+            on_verifier = cfg.verifier_drafting and not pipelined
+            no_hop = set(VERIFIER_DRAFTERS) if on_verifier else set()
+            if on_verifier and placement == "verifier":
+                no_hop |= {k for k in cfg.routed_drafters if abilities(k).drafts_from_features}
+            same_as_alone = set(VERIFIER_DRAFTERS) - {"none"} if on_verifier else set()
+            route = expertise.route(_user_text(req), cfg.routed_drafters, k=cfg.fused_drafters, hint=hint,
+                                    usable=self._draft_pays(expertise, pipelined, placement), no_hop=no_hop,
+                                    same_as_alone=same_as_alone, pipelined=pipelined)
             return route.domain, tuple((d, route.reliability[d]) for d in route.drafters)
         check_drafter(drafter)
         domain = None if expertise is None else expertise.domain(_user_text(req), hint)
@@ -304,7 +324,7 @@ class RouterServicer(pb_grpc.SpecserveServicer):
         stats = RoundStats()
         out = ChunkWriter(job.request_id, self.tokenizer, req.stop, tools=bool(req.tools) and req.tool_choice != "none",
                           grammars=self.grammars)
-        count = 0
+        count, ended = 0, None  # ended: when the last token was known (a request that completed)
         with self._ongoing_lock:
             self.ongoing += 1
         try:
@@ -316,6 +336,7 @@ class RouterServicer(pb_grpc.SpecserveServicer):
                 if out.stopped:
                     reason = "stop"
                 if reason is not None:
+                    ended = time.monotonic()
                     # a call cut short by max_tokens ends the output as "length"; its text stays text
                     chunk.finish_reason = "tool_calls" if chunk.tool_calls and reason == "stop" else reason
                     chunk.usage.CopyFrom(self._usage(job, stats, count))
@@ -340,6 +361,24 @@ class RouterServicer(pb_grpc.SpecserveServicer):
                 for drafter, own in stats.per_drafter.items():
                     if own.proposed:
                         expertise.record(drafter, job.domain, own.proposed, own.accepted)
+                self._record_goodput(expertise, job, stats, count, ended)
+
+    def _record_goodput(self, expertise: ExpertiseRouter, job: Job, stats: RoundStats, count: int,
+                        ended: float | None) -> None:
+        """The request's estimated speedup over plain decoding (router.goodput.speedup), for its
+        route on its domain: only for a request that completed, over its tokens after the
+        first prefill's."""
+        first = stats.first_prefilled()
+        if ended is None or first is None:
+            return
+        gain = speedup(count - 1, ended - first, stats.plain_pass_seconds, stats.timed_passes)
+        if gain is not None:
+            try:
+                kinds = [d for d, _ in job.drafters]
+                expertise.record_goodput(kinds, job.domain, gain, job.pipelined)
+                self.metrics.observe_speedup(route_name(kinds, job.pipelined), job.domain, gain)
+            except ValueError as e:  # a drafter name no route can have: the request is done all the same
+                log.warning("no goodput recorded for %s: %s", job.request_id, e)
 
     @staticmethod
     def _usage(job: Job, stats: RoundStats, completion: int) -> pb.Usage:

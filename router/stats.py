@@ -2,7 +2,7 @@
 
 The coordinator records into a `RoundStats` through its methods; the
 servicer reads it for the client's usage figures and the expertise
-router's acceptance, `router.metrics` for Prometheus, and the benchmarks
+router's acceptance and goodput, `router.metrics` for Prometheus, and the benchmarks
 for the trace of every timed call (which shows how drafting and verifying
 overlap, and each side's idle fraction).
 """
@@ -49,6 +49,10 @@ class RoundStats:
     reused_drafts: int = 0  # rounds whose tree was drafted ahead, during the previous verification
     forced_tokens: int = 0  # tokens a grammar forced (jump-forward): drafted for free
     draft_lengths: list[int] = field(default_factory=list)  # chosen per round (adaptive speculation)
+    # verdicts whose pass the verifier timed, and those passes' seconds as plain decoding's
+    # (every row one token: router.goodput.plain_pass_seconds), for the route's goodput
+    timed_passes: int = 0
+    plain_pass_seconds: float = 0.0
     trace: list[Span] = field(default_factory=list)
     started: float = field(default_factory=time.monotonic)
     finished: float | None = None
@@ -92,6 +96,12 @@ class RoundStats:
             self.accepted_lengths.append(accepted)
         self.batch_sizes.append(batch_size)
 
+    def record_timed_pass(self, plain_seconds: float) -> None:
+        """A verdict's pass, as long as plain decoding's pass at its batch size would be."""
+        if plain_seconds > 0:
+            self.timed_passes += 1
+            self.plain_pass_seconds += plain_seconds
+
     def record_drafter(self, kind: str, proposed: int, accepted: int) -> None:
         """One drafter's own tree in a verdict: its nodes, and how much of the accepted path it held."""
         own = self.per_drafter.setdefault(kind, DrafterStats())
@@ -105,6 +115,10 @@ class RoundStats:
     def wall_seconds(self) -> float:
         """The request's wall time so far (until it finished)."""
         return max((self.finished or time.monotonic()) - self.started, 0.0)
+
+    def first_prefilled(self) -> float | None:
+        """When the request's first prefill ended (its first token was known), if it did."""
+        return min((s.end for s in self.trace if s.what == "prefill"), default=None)
 
     def busy_seconds(self, *whats: str) -> float:
         return sum(s.end - s.start for s in self.trace if s.what in whats)

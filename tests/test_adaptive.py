@@ -298,7 +298,8 @@ def test_auto_routes_no_pool_drafter_that_would_not_draft_at_the_load():
     routed among prompt lookup (the verifier drafts it) and the recycling drafter (only the
     pool runs it). Until the recycling drafter has drafted at load 1, "auto" may route it;
     once a round there has shown its hop costs more than any draft could gain, it routes
-    prompt lookup only. Prompt lookup is never left out: it costs no hop."""
+    no route with it: prompt lookup or plain decoding (as their measured goodput has it), both
+    on the verifier. Prompt lookup is never left out: it costs no hop."""
     target = tiny_model(0)
     pool, engine = DrafterPool(target, kinds=["pld", "recycle"]), VerifierEngine(target, max_batch=4, max_len=64)
     config = RouterConfig(context_length=TINY.max_position_embeddings - 12, eos_token_ids=[],
@@ -318,7 +319,8 @@ def test_auto_routes_no_pool_drafter_that_would_not_draft_at_the_load():
 
             assert "recycle" in routed(8), "unmeasured, the pool's drafter was never routed"
             coordinator.draft_costs.remember(SpeculationControl(3, draft_round_cost=50.0), "recycle", 1)
-            assert routed(8) == ["pld"] * 8
+            later = routed(8)
+            assert set(later) <= {"pld", "none"} and "pld" in later, later
             assert coordinator.load() == 1  # no request running: a new one would be alone
         finally:
             channel.close()

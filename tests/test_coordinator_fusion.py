@@ -30,6 +30,7 @@ from protos import specserve_pb2_grpc as pb_grpc
 from protos.convert import tree_from_pb, tree_to_pb
 from router.coordinator import Coordinator, Job
 from router.expertise import ExpertiseRouter
+from router.goodput import candidate_routes, route_name
 from router.servicer import RouterConfig, RouterServicer
 from router.servicer import serve as serve_router
 from router.stats import RoundStats
@@ -291,11 +292,15 @@ def test_a_failing_drafter_adds_nothing_and_the_others_go_on(target, services, f
 
 
 def test_a_routed_request_fuses_its_best_drafters_and_records_each(target, services, fused):
-    """fused_drafters=2 of 3 candidates: the request gets two, both recorded for its domain."""
+    """fused_drafters=2 of 3 candidates, the fused pairs measured fastest: the request gets a
+    pair, both drafters' acceptance recorded for its domain, and the pair's speedup for its route."""
     coordinator, _, _ = services
     store = EmbeddedStateStore()
-    expertise = ExpertiseRouter(store, refresh_s=0, rng=np.random.default_rng(0))
     candidates = tuple(kind for kind, _ in fused)
+    for route in candidate_routes(candidates, 2):
+        x = np.log(2.0 if len(route) == 2 else 0.5)  # 30 requests each: the pairs twice as fast as plain
+        store.record_goodput(route_name(route), "coding", 30, 30 * x, 30 * x * x)
+    expertise = ExpertiseRouter(store, refresh_s=0, rng=np.random.default_rng(0), epsilon=0.0)
     config = RouterConfig(context_length=TINY.max_position_embeddings - TREE_BUDGET - 4, eos_token_ids=[],
                           vocab_size=V, default_drafter="auto", routed_drafters=candidates,
                           fused_drafters=2, draft_length=DRAFT_LENGTH, tree_budget=TREE_BUDGET,
@@ -315,6 +320,8 @@ def test_a_routed_request_fuses_its_best_drafters_and_records_each(target, servi
     recorded = store.acceptance_stats()
     assert {kind for kind, _ in recorded} == set(chosen) and {domain for _, domain in recorded} == {"coding"}
     assert all(0 <= accepted <= proposed and proposed > 0 for proposed, accepted in recorded.values())
+    served = {key: stats.requests for key, stats in store.goodput_stats().items() if stats.requests > 30}
+    assert served == {(route_name(chosen), "coding"): 31}
 
 
 def test_a_greedy_model_drafter_alone_sends_trees_as_wide_as_the_budget(target, services):

@@ -20,6 +20,7 @@ from cluster.state import EmbeddedStateStore, RedisStateStore, StateStore
 from router.classifier import DomainClassifier, evaluate
 from router.domains import DOMAINS, read_questions, split_dev
 from router.expertise import ExpertiseRouter
+from router.goodput import MIN_TOKENS, GoodputPrior, candidate_routes, plain_pass_seconds, route_name, speedup
 
 redis_url = redis_server_fixture()
 
@@ -195,22 +196,40 @@ def test_domain_hint_overrides_the_classifier(classifier) -> None:
         router.domain(prompt, hint="poetry")
 
 
-def test_route_returns_top_k_with_reliability(classifier) -> None:
+def record_speedups(store, route: str, domain: str, speedups: Sequence[float], namespace: str = "") -> None:
+    logs = np.log(speedups)
+    store.record_goodput(route, domain, len(logs), float(logs.sum()), float((logs ** 2).sum()), namespace)
+
+
+def test_route_serves_the_measured_fastest_route_its_drafters_best_first(classifier) -> None:
+    """The route is ranked by goodput; its drafters come best first by reliability (acceptance),
+    which they carry for fusion."""
     store = EmbeddedStateStore()
     store.record_acceptance("good", "rag", 1000, 900)
     store.record_acceptance("bad", "rag", 1000, 100)
+    record_speedups(store, "bad+good", "rag", [1.8, 1.7, 1.9] * 10)
+    record_speedups(store, "bad", "rag", [1.4, 1.5] * 10)
+    record_speedups(store, "good", "rag", [0.9, 1.0] * 10)
     router = ExpertiseRouter(store, classifier, epsilon=0, rng=np.random.default_rng(0), prior=(3, 1))
     route = router.route("context ...\nWho wrote it?", ["bad", "good", "unknown", "good"], k=2, hint="rag")
-    assert route.domain == "rag" and len(set(route.drafters)) == 2
-    assert "good" in route.drafters and "bad" not in route.drafters
+    assert route.domain == "rag" and route.drafters == ("good", "bad")
     assert route.reliability["good"] == pytest.approx(903 / 1004)
     assert router.reliability("unknown", "rag") == 0.75  # the prior's mean
+    # the geometric mean of 30 requests against the prior's 1.0, worth 6 requests
+    assert router.goodput(["good", "bad"], "rag") == pytest.approx(np.exp(np.log([1.8, 1.7, 1.9]).mean() * 30 / 36))
     assert router.choose("rag", []) == []
-    # candidates the caller cannot use on the domain are left out, unless none would be left
+    # routes with a drafter the caller cannot use on the domain are left out, unless only plain
+    # decoding would be left
     route = router.route("Who wrote it?", ["bad", "good"], k=2, hint="rag", usable=lambda d, domain: d == "bad")
     assert route.drafters == ("bad",)
-    assert set(router.route("Who wrote it?", ["bad", "good"], k=2, hint="rag",
-                            usable=lambda d, domain: False).drafters) == {"bad", "good"}
+    assert router.route("Who wrote it?", ["bad", "good"], k=2, hint="rag",
+                        usable=lambda d, domain: False).drafters == ("good", "bad")
+    # plain decoding is a route too: where every drafter was measured slower, it wins
+    for route in ("bad+good", "bad", "good"):
+        record_speedups(store, route, "qa", [0.7] * 30)
+    record_speedups(store, "none", "qa", [0.95] * 30)
+    router.refresh()
+    assert router.route("Who?", ["bad", "good"], k=2, hint="qa") == ("qa", ("none",), {"none": 1.0})
 
 
 def test_replicas_share_stats_through_the_store(store, classifier) -> None:
@@ -254,7 +273,7 @@ def test_store_is_read_at_most_once_per_refresh_interval(classifier) -> None:
         router.record(route.drafters[0], "math", 4, i % 5)
         clock.t += REFRESH_S / 10
     assert store.reads == 10
-    assert store.writes <= 2 * 10  # one per (drafter, domain) pair per refresh
+    assert store.writes <= 3 * 10  # one per (drafter, domain) pair per refresh: a, b or none
     router.close()
     assert sum(a.proposed for a in store.acceptance_stats().values()) == 400
 
@@ -324,3 +343,195 @@ def test_a_namespace_learns_apart_and_replicas_of_it_share(store, classifier) ->
     assert default.reliability("alpha", "qa") == default.reliability("beta", "qa") == 0.5  # its prior alone
     assert default.in_namespace("tenant-b").reliability("alpha", "qa") == 0.5
     assert store.acceptance_stats() == {}
+
+
+# --- goodput: routes ranked by their measured speedup over plain decoding
+
+ON_VERIFIER = {"pld", "suffix"}  # the drafters the verifier runs in its own rounds: no hop
+
+
+def serve_routes(routers: Sequence[ExpertiseRouter], clock: Clock, speedups: dict[str, float], domain: str, n: int,
+                 outcomes: np.random.Generator, candidates: Sequence[str], k: int = 1) -> list[str]:
+    """n requests of one domain, round-robin over the routers, each routed among plain
+    decoding, the candidates and their sets of k; a route's speedup is its true one (by
+    route name; plain decoding 0.9 unless given) times log-normal noise. Returns the routes' names."""
+    chosen = []
+    for i in range(n):
+        router = routers[i % len(routers)]
+        route = router.route("a request", candidates, k=k, hint=domain, no_hop=ON_VERIFIER | {"none"},
+                             same_as_alone=ON_VERIFIER)
+        name = route_name(route.drafters)
+        router.record_goodput(route.drafters, domain, speedups.get(name, 0.9) * float(np.exp(outcomes.normal(0, 0.2))))
+        chosen.append(name)
+        clock.t += 1.0
+    return chosen
+
+
+def test_goodput_picks_each_domains_fastest_route_not_its_best_accepted_one(store, classifier) -> None:
+    """Two replicas, one store. The pool's recycling drafter has by far the best acceptance,
+    but its hop makes it slow; the suffix drafter is fastest on translation, prompt lookup on
+    qa, and fusing them with the pool's drafter costs more than it brings."""
+    store.record_acceptance("recycle", "translation", 5000, 4500)
+    store.record_acceptance("recycle", "qa", 5000, 4500)
+    clock, outcomes = Clock(), np.random.default_rng(11)
+    replicas = [make_router(store, classifier, clock, seed) for seed in (12, 13)]
+    speedups = {"translation": {"suffix": 2.4, "pld": 1.5, "recycle": 0.8, "pld+recycle": 1.2,
+                                "recycle+suffix": 1.6},
+                "qa": {"suffix": 1.1, "pld": 1.5, "recycle": 0.8, "pld+recycle": 1.1, "recycle+suffix": 0.9}}
+    candidates = ["pld", "suffix", "recycle"]
+    for _ in range(3):  # warm-up, the domains interleaved
+        for domain, s in speedups.items():
+            serve_routes(replicas, clock, s, domain, 20, outcomes, candidates, k=2)
+    translation = Counter(serve_routes(replicas, clock, speedups["translation"], "translation", 100, outcomes,
+                                       candidates, k=2))
+    qa = Counter(serve_routes(replicas, clock, speedups["qa"], "qa", 100, outcomes, candidates, k=2))
+    assert translation["suffix"] >= 85, translation
+    assert qa["pld"] >= 85, qa
+    for r in replicas:
+        r.close()
+    stats = store.goodput_stats()
+    assert sum(g.requests for g in stats.values()) == 320  # every request reached the shared store
+    assert {domain for _, domain in stats} == {"translation", "qa"}
+    assert replicas[0].goodput(["suffix"], "translation") == pytest.approx(2.4, rel=0.1)  # well sampled
+    assert replicas[1].reliability("recycle", "qa") > 0.85  # acceptance is still kept, for fusion
+
+
+def test_a_new_route_gets_tried_and_takes_over_if_faster(store, classifier) -> None:
+    clock, outcomes = Clock(), np.random.default_rng(14)
+    router = make_router(store, classifier, clock, seed=15)
+    serve_routes([router], clock, {"old": 1.3}, "rag", 100, outcomes, ["old"])
+    better = serve_routes([router], clock, {"old": 1.3, "new": 1.8}, "rag", 200, outcomes, ["old", "new"])
+    assert "new" in better[:60]  # a new route's prior (1.0: it asks a pool) is behind old's 1.3
+    assert better[100:].count("new") >= 90
+    # one the verifier would run (its prior: 1.3), far behind the measured 1.8 of new, but tried...
+    worse = serve_routes([router], clock, {"new": 1.8, "suffix": 0.6}, "rag", 200, outcomes, ["new", "suffix"])
+    assert "suffix" in worse[:100]
+    assert worse[100:].count("suffix") <= 10  # ...and then left alone
+
+
+def test_a_route_that_improves_wins_back_its_traffic(store, classifier) -> None:
+    """A long record of being slow, then the route gets faster (a drafter that learns online):
+    the epsilon floor keeps trying it and the window lets its old record fade."""
+    record_speedups(store, "steady", "coding", [1.3] * 500)
+    record_speedups(store, "learner", "coding", [0.7] * 500)
+    clock, outcomes = Clock(), np.random.default_rng(16)
+    router = make_router(store, classifier, clock, seed=17, goodput_window=20, epsilon=0.05)
+    before = serve_routes([router], clock, {"steady": 1.3, "learner": 0.7}, "coding", 200, outcomes,
+                          ["steady", "learner"])
+    assert before.count("steady") >= 180
+    after = serve_routes([router], clock, {"steady": 1.3, "learner": 2.0}, "coding", 1500, outcomes,
+                         ["steady", "learner"])
+    assert after[-100:].count("learner") >= 85
+
+
+def test_plain_decoding_is_a_route_so_auto_ends_up_no_slower_than_plain(classifier) -> None:
+    clock, outcomes = Clock(), np.random.default_rng(18)
+    router = make_router(EmbeddedStateStore(), classifier, clock, seed=19)
+    chosen = serve_routes([router], clock, {"none": 0.95, "slow": 0.6, "slower": 0.5}, "writing", 300, outcomes,
+                          ["slow", "slower"], k=2)
+    # Thompson sampling still explores: a slow route's draws now and then (fewer as its
+    # evidence grows); measured 41-47 of each 50 after the first 50
+    assert chosen[100:].count("none") >= 160, chosen
+
+
+def test_cold_start_prefers_routes_the_verifier_runs_and_specialists_on_their_domain(classifier) -> None:
+    """No evidence at all: a route whose drafters the verifier runs (no hop) leads one that asks a
+    pool; on math the math specialist leads the other pool drafter, elsewhere they are alike."""
+    router = make_router(EmbeddedStateStore(), classifier, Clock(), seed=20, epsilon=0.0,
+                         specialties={"small-math": ["math_reasoning"]})
+
+    def firsts(candidates, domain, **kw):
+        return Counter("+".join(router.route("x", candidates, hint=domain, **kw).drafters) for _ in range(400))
+
+    cold = firsts(["pld", "recycle"], "qa", no_hop={"pld", "none"})
+    assert cold["pld"] >= 340, cold  # measured 386 of 400 (seed 20)
+    math = firsts(["small-general", "small-math"], "math_reasoning")
+    assert math["small-math"] > 1.5 * math["small-general"], math
+    other = firsts(["small-general", "small-math"], "translation")
+    assert 0.6 < other["small-math"] / other["small-general"] < 1.6, other
+    # the prior means: a few requests' worth, soon outweighed
+    assert router.goodput(["pld"], "qa", no_hop={"pld"}) == pytest.approx(1.3)
+    assert router.goodput(["pld"], "qa") == router.goodput(["none"], "qa") / 0.95 == pytest.approx(1.0)
+
+
+def test_goodput_replicas_share_through_the_store(store, classifier) -> None:
+    writer_clock, reader_clock = Clock(), Clock()
+    writer, reader = make_router(store, classifier, writer_clock, 21), make_router(store, classifier, reader_clock, 22)
+    prior = reader.goodput(["pld"], "stem")
+    assert writer.goodput(["pld"], "stem") == prior == 1.0  # both refreshed: nothing yet
+    for s in (2.0, 2.2, 1.8):
+        writer.record_goodput(["pld"], "stem", s)
+    mine = writer.goodput(["pld"], "stem")
+    assert 1.15 < mine < 2.0  # its own requests count at once (against the prior's 1.0, worth 6 requests)
+    assert store.goodput_stats() == {}  # and are written on its next refresh
+    writer_clock.t += REFRESH_S
+    writer.goodput(["pld"], "stem")
+    [(key, written)] = store.goodput_stats().items()
+    assert key == ("pld", "stem") and written.requests == 3
+    assert written.log_sum == pytest.approx(np.log([2.0, 2.2, 1.8]).sum())
+    assert reader.goodput(["pld"], "stem") == prior  # its cache is not due yet
+    reader_clock.t += REFRESH_S
+    assert reader.goodput(["pld"], "stem") == pytest.approx(mine)
+    # counted once each, however many refreshes follow
+    writer_clock.t += REFRESH_S
+    reader_clock.t += REFRESH_S
+    assert writer.goodput(["pld"], "stem") == pytest.approx(mine)
+    assert reader.goodput(["pld"], "stem") == pytest.approx(mine)
+    # a fusion is one route whatever its order; a pipelined request's is another
+    writer.record_goodput(["suffix", "pld"], "stem", 3.0)
+    writer.record_goodput(["pld", "suffix"], "stem", 3.0, pipelined=True)
+    writer.close()
+    assert {key for key in store.goodput_stats()} == {("pld", "stem"), ("pld+suffix", "stem"),
+                                                       ("pld+suffix/pipelined", "stem")}
+    # another namespace learns apart
+    assert writer.in_namespace("tenant-a").goodput(["pld"], "stem") == prior
+    assert store.goodput_stats(namespace="tenant-a") == {}
+
+
+@pytest.mark.parametrize("speedup", [0, -1.0, float("nan"), float("inf"), "fast", None])
+def test_bad_speedup_refused(classifier, speedup) -> None:
+    router = ExpertiseRouter(EmbeddedStateStore(), classifier)
+    with pytest.raises(ValueError, match="speedup"):
+        router.record_goodput(["pld"], "qa", speedup)
+
+
+def test_bad_routes_and_goodput_parameters_refused(classifier) -> None:
+    router = ExpertiseRouter(EmbeddedStateStore(), classifier)
+    with pytest.raises(ValueError, match="unknown domain"):
+        router.record_goodput(["pld"], "poetry", 1.2)
+    for route in ([], ["pld+suffix"], [""], ["pld/pipelined"]):
+        with pytest.raises(ValueError, match="route"):
+            router.record_goodput(route, "qa", 1.2)
+        with pytest.raises(ValueError, match="route"):
+            router.rank("qa", [route])
+    with pytest.raises(ValueError, match="k must be"):
+        router.route("x", ["pld"], k=0)
+    for bad in (dict(alpha=1.0), dict(no_hop=0.0), dict(requests=-1.0), dict(elsewhere=2.0),
+                dict(spread=float("nan"))):
+        with pytest.raises(ValueError, match="goodput prior"):
+            ExpertiseRouter(EmbeddedStateStore(), classifier, goodput_prior=GoodputPrior(**bad))
+    with pytest.raises(ValueError):
+        ExpertiseRouter(EmbeddedStateStore(), classifier, goodput_window=0)
+    assert store_untouched(router)
+
+
+def store_untouched(router: ExpertiseRouter) -> bool:
+    router.close()
+    return router.store.goodput_stats() == {}
+
+
+def test_candidate_routes_and_the_speedup_estimate() -> None:
+    assert candidate_routes(["pld", "suffix", "recycle", "pld", "none"], 2, same_as_alone=ON_VERIFIER) == [
+        ("none",), ("pld",), ("suffix",), ("recycle",), ("pld", "recycle"), ("suffix", "recycle")]
+    assert candidate_routes(["pld", "suffix"], 1) == [("none",), ("pld",), ("suffix",)]
+    costs = (0.1, 0.05, 0.0)  # a row, a token, a padded slot: shares of a one-row, one-token pass
+    assert plain_pass_seconds(0.05, 1, 1, 1, costs) == pytest.approx(0.05)
+    # one row of 1 + 6 tokens: 1.3 one-token passes; plain decoding's pass is 1 of them
+    assert plain_pass_seconds(0.065, 1, 7, 7, costs) == pytest.approx(0.05)
+    # at a batch of 3 plain decoding's pass is 1.2 units, whatever the other rows drafted
+    assert plain_pass_seconds(0.07, 3, 3 + 4, 5, costs) == pytest.approx(0.07 * 1.2 / 1.4)
+    # 40 tokens in 1 s after the first, over 10 passes that plain would make in 0.05 s each: 2x
+    assert speedup(40, 1.0, 10 * 0.05, 10) == pytest.approx(2.0)
+    assert speedup(MIN_TOKENS - 1, 1.0, 0.5, 10) is None  # too short to tell
+    assert speedup(40, 1.0, 0.0, 0) is None  # no timed pass
+    assert speedup(40, 0.0, 0.5, 10) is None

@@ -22,6 +22,7 @@ from cluster.state import (
     REDIS_URL_ENV,
     Acceptance,
     EmbeddedStateStore,
+    Goodput,
     RedisStateStore,
     StateStore,
     open_state_store,
@@ -194,6 +195,33 @@ def test_acceptance_bad_counts_refused(store: StateStore, proposed: int, accepte
     with pytest.raises(ValueError):
         store.record_acceptance("pld", "code", proposed, accepted)
     assert store.acceptance_stats() == {}
+
+
+def test_goodput_stats(store: StateStore) -> None:
+    """A route's goodput sums: requests, and the sums of their log speedups and squares, added
+    atomically per (route, domain) and namespace."""
+    store.record_goodput("pld", "code", 2, 0.5, 0.25)
+    store.record_goodput("pld", "code", 1, -0.25, 0.0625)
+    store.record_goodput("pld+recycle", "code", 1, 0.1, 0.01)
+    store.record_goodput("none", "chat", 3, -0.3, 0.03, namespace="tenant-a")
+    stats = store.goodput_stats()
+    assert set(stats) == {("pld", "code"), ("pld+recycle", "code")}
+    assert stats[("pld", "code")].requests == 3
+    assert stats[("pld", "code")].log_sum == pytest.approx(0.25)
+    assert stats[("pld", "code")].log_squares == pytest.approx(0.3125)
+    assert store.goodput_stats("chat") == {}
+    assert store.goodput_stats("chat", "tenant-a") == {("none", "chat"): Goodput(3, pytest.approx(-0.3),
+                                                                                 pytest.approx(0.03))}
+    assert store.goodput_stats(namespace="nobody") == {}
+
+
+@pytest.mark.parametrize("requests, log_sum, log_squares", [(-1, 0.0, 0.0), (1, float("nan"), 0.0),
+                                                             (1, 0.0, -1.0), (1, float("inf"), 1.0),
+                                                             (1.5, 0.0, 0.0)])
+def test_goodput_bad_sums_refused(store: StateStore, requests, log_sum, log_squares) -> None:
+    with pytest.raises(ValueError):
+        store.record_goodput("pld", "code", requests, log_sum, log_squares)
+    assert store.goodput_stats() == {}
 
 
 def test_acceptance_concurrent(store: StateStore) -> None:

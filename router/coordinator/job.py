@@ -68,6 +68,9 @@ class Job:
     # where its eagle drafter runs, if it has one: "verifier" (beside the target, Decode rounds) or
     # "pool" (the verifier sends each round's features, the router hands them on)
     eagle_placement: str = "verifier"
+    # the verifier's suffix index learns the request's text when it ends even if the suffix
+    # drafter drafted none of it: a routed ("auto") request's next one may be routed to it
+    teaches_suffix: bool = False
     # the request's key at the verifiers, pools and checkpoints: unique, whatever id clients send
     service_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 

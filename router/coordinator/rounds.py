@@ -17,11 +17,17 @@ from speculative.recycling import CANDIDATES
 from speculative.tree import DraftTree
 
 from ..adaptive import DraftCostMemory
+from ..goodput import plain_pass_seconds
+from ..settings import RouterSettings
 from ..stats import RoundStats
 from .draft_side import Drafting
 from .job import Emitted, Job
 from .services import Services
 from .verify_side import VerifySide
+
+
+_DEFAULTS = RouterSettings()
+_SETTINGS_COSTS = (_DEFAULTS.verify_row_cost, _DEFAULTS.verify_token_cost, _DEFAULTS.verify_pad_cost)
 
 
 def _load(resp: pb.VerifyResponse) -> int:
@@ -52,7 +58,7 @@ class Request:
         """`draft_costs`: what drafting cost lately at each load, shared by the coordinator's
         requests; `calibration(kind, namespace)`: a drafter kind's confidence calibration there (None: fusion
         uncalibrated)."""
-        self.job, self.stats, self.draft_costs = job, stats, draft_costs
+        self.job, self.stats, self.draft_costs, self.services = job, stats, draft_costs, services
         self.verified: list[int] = []  # generated tokens; the last one is pending at the verifier
         self.verifier, self.drafting = VerifySide(services, job), Drafting(services, job, calibration)
         # adaptive speculation: one control per drafter, each learning its own acceptance
@@ -144,6 +150,7 @@ class Request:
                 root = resp.bonus
             self.stats.record_draft_length(length)
             self.stats.record_round(resp.drafted, len(resp.accepted), resp.batch_size, resp.forced)
+            self._time_pass(resp)
             if kind != "none":  # a fusion's rounds count for its first member: the tree is one
                 self.stats.record_drafter(kind.split("+")[0], resp.drafted, len(resp.accepted))
             if control is not None:
@@ -228,10 +235,21 @@ class Request:
         new = Emitted(list(resp.accepted) + [resp.bonus], _logprobs(resp, self.job))
         self.drafting.learn(draft.proposals, new)
         self.stats.record_round(len(draft.tree), len(resp.accepted), resp.batch_size, resp.forced)
+        self._time_pass(resp)
         self.drafting.count(draft.proposals, resp.accepted, self.stats)
         self._adapt(draft, resp)
         self.load = _load(resp)
         return new
+
+    def _time_pass(self, resp: pb.VerifyResponse) -> None:
+        """Count the verdict's pass, if the verifier timed it, as a pass of plain decoding at its
+        batch size (the goodput routing's yardstick, router.goodput)."""
+        if resp.pass_seconds > 0:
+            pass_costs = self.services.pass_costs
+            costs = (pass_costs.costs() if pass_costs is not None
+                     else self.job.speculation.verify_costs() if self.job.speculation is not None else _SETTINGS_COSTS)
+            self.stats.record_timed_pass(plain_pass_seconds(resp.pass_seconds, resp.batch_size, resp.pass_tokens,
+                                                            resp.pass_width, costs))
 
     def _adapt(self, draft: _Draft, resp: pb.VerifyResponse) -> None:
         """Each drafter's control learns its acceptance and what drafting and verifying cost,
@@ -259,8 +277,9 @@ class Request:
     def release(self) -> None:
         self.drafting.release()
         # the verifier's suffix index learns every suffix request's text, however its rounds
-        # were drafted (through the pools, pipelined), as the pools' index does (give_output)
-        learns = any(kind == "suffix" for kind, _ in self.job.drafters)
+        # were drafted (through the pools, pipelined), as the pools' index does (give_output),
+        # and a routed request's that may be routed to the suffix drafter next time
+        learns = self.job.teaches_suffix or any(kind == "suffix" for kind, _ in self.job.drafters)
         self.verifier.release(self.job.prompt_ids + self.verified if learns else ())
 
 
