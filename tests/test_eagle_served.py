@@ -12,13 +12,19 @@
   one, prefilled again) is sent every position's features from 0, drafts again, and the
   output is still the oracle's.
 - A bad GenerateRequest.eagle_placement is INVALID_ARGUMENT naming the field.
+- Over the OpenAI-compatible HTTP API (deploy/openai_api.py, through tests/http_front.py):
+  `eagle_placement` picks the placement (a pool is sent features only for "pool"), both
+  give plain decoding's greedy text, and a bad value is a 400 naming the field.
 
 Real gRPC servers on loopback (tests/loopback.py), the default target and the shipped head.
 """
 
 from __future__ import annotations
 
+import json
 import threading
+import urllib.error
+import urllib.request
 
 import grpc
 import pytest
@@ -27,6 +33,7 @@ import torch
 from drafter_service.pool import DrafterPool
 from drafter_service.registry import make_drafter
 from drafter_service.servicer import serve as serve_drafters
+from http_front import http_front
 from loopback import loopback
 from oracle import GREEDY_PROMPTS, MAX_TOKENS, PROMPTS, near_tie_or_equal
 from protos import specserve_pb2 as pb
@@ -219,3 +226,43 @@ def test_a_bad_eagle_placement_is_invalid_argument_naming_the_field(served):
                                          sampling=pb.SamplingParams(max_tokens=4)), timeout=30)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert err.value.details().startswith("eagle_placement"), err.value.details()
+
+
+def _post(url: str, body: dict) -> tuple[int, dict]:
+    req = urllib.request.Request(f"{url}/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"}, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=300) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_the_http_api_takes_eagle_placement(served):
+    """`eagle_placement` in the body of an HTTP chat request reaches the router: "pool" sends a
+    pool the target's features, "verifier" none; both give plain decoding's greedy tokens and
+    text (no speculation: draft_length 0); any other value is a 400 naming the field."""
+    body = {"model": "specserve-test", "messages": [{"role": "user", "content": PROMPTS[0][1]}],
+            "max_tokens": 16, "temperature": 0, "return_token_ids": True, "namespace": "http-placement"}
+    with http_front(served.router) as url:
+        status, plain = _post(url, {**body, "draft_length": 0})
+        assert status == 200, plain
+        want = plain["choices"][0]
+        assert len(want["token_ids"]) == 16 and plain["usage"]["accepted_draft_tokens"] == 0
+        for placement in ("pool", "verifier"):
+            calls = len(served.pool.calls)
+            status, got = _post(url, {**body, "drafter": "eagle", "eagle_placement": placement})
+            assert status == 200, got
+            choice = got["choices"][0]
+            assert (choice["token_ids"], choice["message"]["content"]) == (want["token_ids"],
+                                                                           want["message"]["content"]), placement
+            assert got["usage"]["accepted_draft_tokens"] > 0, (placement, got["usage"])
+            fed = [c for c in served.pool.calls[calls:] if c[0] >= 0]  # Proposes sent features
+            assert bool(fed) == (placement == "pool"), (placement, served.pool.calls[calls:])
+        status, refused = _post(url, {**body, "drafter": "eagle", "eagle_placement": "gpu"})
+    assert status == 400, refused
+    error = refused["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    assert (error["param"], error["code"], error["type"]) == ("eagle_placement", "invalid_value",
+                                                              "invalid_request_error"), error
+    assert error["message"].startswith("eagle_placement: ") and "'gpu'" in error["message"], error
