@@ -12,6 +12,10 @@
   one, prefilled again) is sent every position's features from 0, drafts again, and the
   output is still the oracle's.
 - A bad GenerateRequest.eagle_placement is INVALID_ARGUMENT naming the field.
+- Sampled, in both placements: seeded (keyed sampling, a function of the seed alone) the
+  tokens are Hugging Face's keyed choices and the served plain decoding's with that seed;
+  unseeded (multi-draft speculative sampling on the head's draft distributions) a request
+  completes with valid tokens and sane acceptance counts.
 - Over the OpenAI-compatible HTTP API (deploy/openai_api.py, through tests/http_front.py):
   `eagle_placement` picks the placement (a pool is sent features only for "pool"), both
   give plain decoding's greedy text, and a bad value is a 400 naming the field.
@@ -35,7 +39,7 @@ from drafter_service.registry import make_drafter
 from drafter_service.servicer import serve as serve_drafters
 from http_front import http_front
 from loopback import loopback
-from oracle import GREEDY_PROMPTS, MAX_TOKENS, PROMPTS, near_tie_or_equal
+from oracle import GREEDY_PROMPTS, MAX_TOKENS, PROMPTS, hf_keyed, keyed_near_tie_or_equal, near_tie_or_equal
 from protos import specserve_pb2 as pb
 from protos import specserve_pb2_grpc as pb_grpc
 from protos.convert import features_from_pb, params_to_pb, tree_from_pb, tree_to_pb
@@ -52,6 +56,16 @@ from verifier_service.engine import VerifierEngine
 
 DRAFT_LENGTH, TREE_BUDGET = 5, 8
 KINDS = ["eagle", "pld", "suffix"]
+# seeded sampling: one prompt, a few dozen tokens
+SAMPLED_PROMPT, SAMPLED_TOKENS = 1, 24
+SAMPLED = SamplingParams(max_tokens=SAMPLED_TOKENS, temperature=0.8, top_p=0.95, seed=7)
+
+
+def background_jobs(item) -> list[tuple]:
+    """The oracle's keyed answer, computed while the servers start (tests/conftest.py)."""
+    if item.originalname == "test_seeded_sampling_is_keyed_hf_and_plain_decoding_in_both_placements":
+        return [(hf_keyed, SAMPLED_PROMPT, SAMPLED, SAMPLED_TOKENS)]
+    return []
 
 
 class RecordingPool(DrafterPool):
@@ -226,6 +240,51 @@ def test_a_bad_eagle_placement_is_invalid_argument_naming_the_field(served):
                                          sampling=pb.SamplingParams(max_tokens=4)), timeout=30)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert err.value.details().startswith("eagle_placement"), err.value.details()
+
+
+def _sampled(served, placement: str | None, drafter: str = "eagle", seed: int | None = SAMPLED.seed, **extra):
+    """A sampled request of SAMPLED_PROMPT through the router, and the eagle Proposes (those
+    sent features) it cost the pool."""
+    calls = len(served.pool.calls)
+    done = served.client.generate(messages=[{"role": "user", "content": PROMPTS[SAMPLED_PROMPT][1]}],
+                                  max_tokens=SAMPLED_TOKENS, temperature=SAMPLED.temperature, top_p=SAMPLED.top_p,
+                                  seed=seed, drafter=drafter, eagle_placement=placement or "",
+                                  namespace=f"sampled-{placement}", **extra)
+    return done, [c for c in served.pool.calls[calls:] if c[0] >= 0]
+
+
+def test_seeded_sampling_is_keyed_hf_and_plain_decoding_in_both_placements(served, hf_oracle):
+    """Keyed sampling makes the tokens a function of the seed alone: served eagle, in either
+    placement and fused with the lookups, gives Hugging Face's keyed choices and the served
+    plain decoding's (no speculation) for the same seed."""
+    plain, _ = _sampled(served, None, drafter="none", draft_length=0)
+    assert plain.usage.draft_tokens == 0
+    keyed_near_tie_or_equal(hf_oracle, SAMPLED_PROMPT, SAMPLED, list(plain.token_ids), "served plain, seeded")
+    for placement, drafter in [("verifier", "eagle"), ("pool", "eagle"), ("verifier", "eagle+pld+suffix")]:
+        label = f"served {drafter}@{placement}, seeded"
+        done, fed = _sampled(served, placement, drafter)
+        tie = keyed_near_tie_or_equal(hf_oracle, SAMPLED_PROMPT, SAMPLED, list(done.token_ids), label)
+        assert list(done.token_ids) == list(plain.token_ids) or tie, label
+        assert done.usage.accepted_draft_tokens > 0, (label, done.usage)
+        assert bool(fed) == (placement == "pool"), (label, fed)
+
+
+@pytest.mark.parametrize("placement", ["verifier", "pool"])
+def test_unseeded_sampling_completes_with_valid_tokens_and_sane_acceptance(served, placement):
+    """Unseeded, verification is speculative sampling on the head's draft distributions (no
+    oracle of one draw: the distribution tests are in process, tests/test_sampling_distribution.py).
+    Served, the request completes; its tokens are the vocabulary's and its text theirs; each
+    target pass yields its accepted drafts plus one, never more drafts than were verified."""
+    done, fed = _sampled(served, placement, seed=None)
+    ids, usage = list(done.token_ids), done.usage
+    assert done.finish_reason in ("stop", "length") and 0 < len(ids) <= SAMPLED_TOKENS
+    assert len(ids) == SAMPLED_TOKENS or ids[-1] in served.eos, ids
+    assert all(0 <= t < served.model.config.vocab_size for t in ids)
+    assert done.text == served.tokenizer.decode(ids), (done.text, ids)
+    assert usage.completion_tokens == len(ids)
+    assert 0 <= usage.accepted_draft_tokens <= usage.draft_tokens and usage.draft_tokens > 0, usage
+    assert usage.target_forward_passes + usage.accepted_draft_tokens == len(ids), usage
+    assert bool(fed) == (placement == "pool"), fed
 
 
 def _post(url: str, body: dict) -> tuple[int, dict]:
