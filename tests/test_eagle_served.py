@@ -16,6 +16,9 @@
   tokens are Hugging Face's keyed choices and the served plain decoding's with that seed;
   unseeded (multi-draft speculative sampling on the head's draft distributions) a request
   completes with valid tokens and sane acceptance counts.
+- Fused on the verifier (eagle+pld+suffix, Decode rounds), each member is credited its own
+  tree's nodes and its share of the accepted path (VerifyResponse.member_drafted /
+  member_accepted), as a pool round credits them, not the whole tree to eagle.
 - Over the OpenAI-compatible HTTP API (deploy/openai_api.py, through tests/http_front.py):
   `eagle_placement` picks the placement (a pool is sent features only for "pool"), both
   give plain decoding's greedy text, and a bad value is a 400 naming the field.
@@ -240,6 +243,40 @@ def test_a_bad_eagle_placement_is_invalid_argument_naming_the_field(served):
                                          sampling=pb.SamplingParams(max_tokens=4)), timeout=30)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert err.value.details().startswith("eagle_placement"), err.value.details()
+
+
+def test_a_fused_decode_round_credits_each_member_its_own_share(served, hf_oracle):
+    """The same request twice in one namespace, eagle fused with the lookups on the verifier:
+    the second time the verifier's suffix index holds the first output, so suffix drafts it.
+    Each member is credited its own nodes and accepted prefix: every round's accepted path
+    lies in some member's tree (summed, the members hold at least every accepted token, and
+    none more than there were), and the fused tree has no node no member proposed."""
+    i, kinds = 0, ("eagle", "pld", "suffix")
+    prompt = _prompt_ids(served.tokenizer, i)
+    coordinator = Coordinator(verifiers=served.coordinator.services.verifiers,
+                              drafters=served.coordinator.services.drafters)
+    try:
+        for run in range(2):
+            calls = len(served.pool.calls)
+            job = Job(request_id=f"credit-{run}", prompt_ids=prompt, params=SamplingParams(max_tokens=MAX_TOKENS),
+                      drafters=tuple((k, 1.0) for k in kinds), draft_length=DRAFT_LENGTH, tree_budget=TREE_BUDGET,
+                      vocab_size=served.model.config.vocab_size, eos_token_ids=served.eos, namespace="member-credit",
+                      verifier_drafting=True, eagle_placement="verifier")
+            stats = RoundStats()
+            tokens = [t for new in coordinator.run(job, stats) for t in new]
+            near_tie_or_equal(hf_oracle, i, tokens, f"eagle+pld+suffix on the verifier, run {run}")
+            drafted = [c for c in served.pool.calls[calls:] if c[0] >= 0 or c[2]]  # (suffix learns: 0 nodes)
+            assert not drafted, f"Decode rounds: the pool drafts nothing, {drafted}"
+            own = {k: (s.proposed, s.accepted) for k, s in stats.per_drafter.items()}
+            assert set(own) == set(kinds), own
+            assert stats.accepted_draft_tokens > 0 and own["eagle"][1] > 0, own
+            assert all(accepted <= stats.accepted_draft_tokens for _, accepted in own.values()), own
+            assert sum(accepted for _, accepted in own.values()) >= stats.accepted_draft_tokens, own
+            assert sum(proposed for proposed, _ in own.values()) >= stats.draft_tokens, (own, stats.draft_tokens)
+        # the second run: suffix knew the first's output, and earned its share of it
+        assert own["suffix"][0] > 0 and own["suffix"][1] > 0, own
+    finally:
+        coordinator.services.channels.close()
 
 
 def _sampled(served, placement: str | None, drafter: str = "eagle", seed: int | None = SAMPLED.seed, **extra):
