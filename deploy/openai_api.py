@@ -4,8 +4,8 @@ router's `GenerateRequest`, and the response, chunk and error objects.
 No Ray and no server here (deploy/app.py serves it): the router validates what it
 validates for gRPC too (prompt, sampling and penalty ranges, stop strings and tokens,
 logit_bias's tokens, the constraint's grammar, the tools and tool_choice, drafter,
-domain), so both APIs share one path and one set of rules; this module checks only
-what is HTTP's own (the body's shape and types, the model name, one structured output
+domain, eagle_placement), so both APIs share one path and one set of rules; this module
+checks only what is HTTP's own (the body's shape and types, the model name, one structured output
 at most, a tool message's call id, fields we do not support) and names the router's
 fields as the request spelt them (`constraint.regex` is `guided_regex` or
 `structured_outputs.regex`, ...).
@@ -168,8 +168,9 @@ def _int32_key(key: str) -> int | None:
 
 class _Request(BaseModel):
     """Fields both endpoints take. specserve's own (`top_k`, `drafter`, `domain`, `namespace`,
-    `return_token_ids`, `draft_length`) and vLLM's extras (`repetition_penalty`, `min_tokens`,
-    `stop_token_ids`, `guided_*`, `structured_outputs`) come in the body beside OpenAI's."""
+    `return_token_ids`, `draft_length`, `eagle_placement`) and vLLM's extras
+    (`repetition_penalty`, `min_tokens`, `stop_token_ids`, `guided_*`, `structured_outputs`)
+    come in the body beside OpenAI's."""
 
     model_config = ConfigDict(extra="allow", strict=True)
     model: str
@@ -203,6 +204,7 @@ class _Request(BaseModel):
     structured_outputs: StructuredOutputs | None = None
     processed_logprobs: bool = False  # logprobs of the processed distribution (penalties, bias, grammar)
     draft_length: int | None = Field(None, **INT32)  # most draft tokens a round (0: no speculation)
+    eagle_placement: str = ""  # where an eagle drafter runs: "verifier" or "pool" ("": the router's; it checks)
 
     def check_supported(self) -> None:
         """A field we do not implement, set to anything but its neutral value, is refused."""
@@ -297,7 +299,8 @@ class _Request(BaseModel):
                 sampling.seed = self.seed + i
             self.fill_processing(sampling)
             req = pb.GenerateRequest(sampling=sampling, stop=self.stops(), domain_hint=self.domain,
-                                     request_id=f"{request_id}-{i}", drafter=self.drafter, namespace=self.namespace)
+                                     request_id=f"{request_id}-{i}", drafter=self.drafter, namespace=self.namespace,
+                                     eagle_placement=self.eagle_placement)
             constraint, _ = self.constraint()
             if constraint is not None:
                 req.constraint.CopyFrom(constraint)

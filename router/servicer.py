@@ -80,8 +80,12 @@ class RequestFailed(Exception):
         self.retry_after_s = retry_after_s  # when a limit is spent: how long until it resets
 
     def abort(self, context: grpc.ServicerContext) -> None:
+        # the field at fault rides along for callers that map it (tests/http_front.py, as the ingress)
+        metadata = [("specserve-field", self.field)] if self.field else []
         if self.retry_after_s is not None:
-            context.set_trailing_metadata((("retry-after", str(math.ceil(self.retry_after_s))),))
+            metadata.append(("retry-after", str(math.ceil(self.retry_after_s))))
+        if metadata:
+            context.set_trailing_metadata(tuple(metadata))
         context.abort(self.code, self.message)
 
 

@@ -37,6 +37,8 @@ class FusedDrafter:
         self.name = "+".join(getattr(d, "name", "drafter") for d, _ in self.members)
         # last round's context (its length and last token) and proposals, to learn its verdict from
         self._last: tuple[int, int, list[DraftTree]] | None = None
+        # the last round's member trees, in member order (what each proposed: its own credit)
+        self.proposed: list[DraftTree] = []
         # only a fusion with a member that learns from the target's scores asks for them
         # (the decoding loop pays for the prompt's and each round's top candidates)
         self.abilities = Abilities()
@@ -57,6 +59,7 @@ class FusedDrafter:
             own = None if greedy else torch.Generator().manual_seed(
                 int(torch.randint(2**62, (), generator=request.generator)))
             proposals.append((drafter.propose(replace(member, generator=own)), reliability))
+        self.proposed = [tree for tree, _ in proposals]
         if not greedy:
             return fuse(proposals, nodes, greedy=False)
         if len(request.known) == len(context):  # not a draft ahead of an unverified guess

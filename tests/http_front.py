@@ -66,8 +66,11 @@ def http_front(router: str, model: str = "specserve-test") -> Iterator[str]:
                 for g in req.generate_requests(rid):
                     try:
                         outs.append(stub.Generate(g))
-                    except grpc.RpcError as e:
-                        raise oa.router_error(e.code().name, e.details() or "", None) from e
+                    except grpc.RpcError as e:  # the field at fault as the ingress names it
+                        field = dict(e.trailing_metadata() or ()).get("specserve-field")
+                        refused = oa.router_error(e.code().name, e.details() or "", field)
+                        req.rename(refused)
+                        raise refused from e
                 responses = oa.Responses(True, rid, model, req.return_token_ids)
                 self._send(200, responses.whole([o.text for o in outs], [list(o.token_ids) for o in outs],
                                                 [o.finish_reason for o in outs], [o.usage for o in outs]))

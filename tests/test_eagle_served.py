@@ -12,13 +12,26 @@
   one, prefilled again) is sent every position's features from 0, drafts again, and the
   output is still the oracle's.
 - A bad GenerateRequest.eagle_placement is INVALID_ARGUMENT naming the field.
+- Sampled, in both placements: seeded (keyed sampling, a function of the seed alone) the
+  tokens are Hugging Face's keyed choices and the served plain decoding's with that seed;
+  unseeded (multi-draft speculative sampling on the head's draft distributions) a request
+  completes with valid tokens and sane acceptance counts.
+- Fused on the verifier (eagle+pld+suffix, Decode rounds), each member is credited its own
+  tree's nodes and its share of the accepted path (VerifyResponse.member_drafted /
+  member_accepted), as a pool round credits them, not the whole tree to eagle.
+- Over the OpenAI-compatible HTTP API (deploy/openai_api.py, through tests/http_front.py):
+  `eagle_placement` picks the placement (a pool is sent features only for "pool"), both
+  give plain decoding's greedy text, and a bad value is a 400 naming the field.
 
 Real gRPC servers on loopback (tests/loopback.py), the default target and the shipped head.
 """
 
 from __future__ import annotations
 
+import json
 import threading
+import urllib.error
+import urllib.request
 
 import grpc
 import pytest
@@ -27,8 +40,9 @@ import torch
 from drafter_service.pool import DrafterPool
 from drafter_service.registry import make_drafter
 from drafter_service.servicer import serve as serve_drafters
+from http_front import http_front
 from loopback import loopback
-from oracle import GREEDY_PROMPTS, MAX_TOKENS, PROMPTS, near_tie_or_equal
+from oracle import GREEDY_PROMPTS, MAX_TOKENS, PROMPTS, hf_keyed, keyed_near_tie_or_equal, near_tie_or_equal
 from protos import specserve_pb2 as pb
 from protos import specserve_pb2_grpc as pb_grpc
 from protos.convert import features_from_pb, params_to_pb, tree_from_pb, tree_to_pb
@@ -45,6 +59,16 @@ from verifier_service.engine import VerifierEngine
 
 DRAFT_LENGTH, TREE_BUDGET = 5, 8
 KINDS = ["eagle", "pld", "suffix"]
+# seeded sampling: one prompt, a few dozen tokens
+SAMPLED_PROMPT, SAMPLED_TOKENS = 1, 24
+SAMPLED = SamplingParams(max_tokens=SAMPLED_TOKENS, temperature=0.8, top_p=0.95, seed=7)
+
+
+def background_jobs(item) -> list[tuple]:
+    """The oracle's keyed answer, computed while the servers start (tests/conftest.py)."""
+    if item.originalname == "test_seeded_sampling_is_keyed_hf_and_plain_decoding_in_both_placements":
+        return [(hf_keyed, SAMPLED_PROMPT, SAMPLED, SAMPLED_TOKENS)]
+    return []
 
 
 class RecordingPool(DrafterPool):
@@ -219,3 +243,122 @@ def test_a_bad_eagle_placement_is_invalid_argument_naming_the_field(served):
                                          sampling=pb.SamplingParams(max_tokens=4)), timeout=30)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert err.value.details().startswith("eagle_placement"), err.value.details()
+
+
+def test_a_fused_decode_round_credits_each_member_its_own_share(served, hf_oracle):
+    """The same request twice in one namespace, eagle fused with the lookups on the verifier:
+    the second time the verifier's suffix index holds the first output, so suffix drafts it.
+    Each member is credited its own nodes and accepted prefix: every round's accepted path
+    lies in some member's tree (summed, the members hold at least every accepted token, and
+    none more than there were), and the fused tree has no node no member proposed."""
+    i, kinds = 0, ("eagle", "pld", "suffix")
+    prompt = _prompt_ids(served.tokenizer, i)
+    coordinator = Coordinator(verifiers=served.coordinator.services.verifiers,
+                              drafters=served.coordinator.services.drafters)
+    try:
+        for run in range(2):
+            calls = len(served.pool.calls)
+            job = Job(request_id=f"credit-{run}", prompt_ids=prompt, params=SamplingParams(max_tokens=MAX_TOKENS),
+                      drafters=tuple((k, 1.0) for k in kinds), draft_length=DRAFT_LENGTH, tree_budget=TREE_BUDGET,
+                      vocab_size=served.model.config.vocab_size, eos_token_ids=served.eos, namespace="member-credit",
+                      verifier_drafting=True, eagle_placement="verifier")
+            stats = RoundStats()
+            tokens = [t for new in coordinator.run(job, stats) for t in new]
+            near_tie_or_equal(hf_oracle, i, tokens, f"eagle+pld+suffix on the verifier, run {run}")
+            drafted = [c for c in served.pool.calls[calls:] if c[0] >= 0 or c[2]]  # (suffix learns: 0 nodes)
+            assert not drafted, f"Decode rounds: the pool drafts nothing, {drafted}"
+            own = {k: (s.proposed, s.accepted) for k, s in stats.per_drafter.items()}
+            assert set(own) == set(kinds), own
+            assert stats.accepted_draft_tokens > 0 and own["eagle"][1] > 0, own
+            assert all(accepted <= stats.accepted_draft_tokens for _, accepted in own.values()), own
+            assert sum(accepted for _, accepted in own.values()) >= stats.accepted_draft_tokens, own
+            assert sum(proposed for proposed, _ in own.values()) >= stats.draft_tokens, (own, stats.draft_tokens)
+        # the second run: suffix knew the first's output, and earned its share of it
+        assert own["suffix"][0] > 0 and own["suffix"][1] > 0, own
+    finally:
+        coordinator.services.channels.close()
+
+
+def _sampled(served, placement: str | None, drafter: str = "eagle", seed: int | None = SAMPLED.seed, **extra):
+    """A sampled request of SAMPLED_PROMPT through the router, and the eagle Proposes (those
+    sent features) it cost the pool."""
+    calls = len(served.pool.calls)
+    done = served.client.generate(messages=[{"role": "user", "content": PROMPTS[SAMPLED_PROMPT][1]}],
+                                  max_tokens=SAMPLED_TOKENS, temperature=SAMPLED.temperature, top_p=SAMPLED.top_p,
+                                  seed=seed, drafter=drafter, eagle_placement=placement or "",
+                                  namespace=f"sampled-{placement}", **extra)
+    return done, [c for c in served.pool.calls[calls:] if c[0] >= 0]
+
+
+def test_seeded_sampling_is_keyed_hf_and_plain_decoding_in_both_placements(served, hf_oracle):
+    """Keyed sampling makes the tokens a function of the seed alone: served eagle, in either
+    placement and fused with the lookups, gives Hugging Face's keyed choices and the served
+    plain decoding's (no speculation) for the same seed."""
+    plain, _ = _sampled(served, None, drafter="none", draft_length=0)
+    assert plain.usage.draft_tokens == 0
+    keyed_near_tie_or_equal(hf_oracle, SAMPLED_PROMPT, SAMPLED, list(plain.token_ids), "served plain, seeded")
+    for placement, drafter in [("verifier", "eagle"), ("pool", "eagle"), ("verifier", "eagle+pld+suffix")]:
+        label = f"served {drafter}@{placement}, seeded"
+        done, fed = _sampled(served, placement, drafter)
+        tie = keyed_near_tie_or_equal(hf_oracle, SAMPLED_PROMPT, SAMPLED, list(done.token_ids), label)
+        assert list(done.token_ids) == list(plain.token_ids) or tie, label
+        assert done.usage.accepted_draft_tokens > 0, (label, done.usage)
+        assert bool(fed) == (placement == "pool"), (label, fed)
+
+
+@pytest.mark.parametrize("placement", ["verifier", "pool"])
+def test_unseeded_sampling_completes_with_valid_tokens_and_sane_acceptance(served, placement):
+    """Unseeded, verification is speculative sampling on the head's draft distributions (no
+    oracle of one draw: the distribution tests are in process, tests/test_sampling_distribution.py).
+    Served, the request completes; its tokens are the vocabulary's and its text theirs; each
+    target pass yields its accepted drafts plus one, never more drafts than were verified."""
+    done, fed = _sampled(served, placement, seed=None)
+    ids, usage = list(done.token_ids), done.usage
+    assert done.finish_reason in ("stop", "length") and 0 < len(ids) <= SAMPLED_TOKENS
+    assert len(ids) == SAMPLED_TOKENS or ids[-1] in served.eos, ids
+    assert all(0 <= t < served.model.config.vocab_size for t in ids)
+    assert done.text == served.tokenizer.decode(ids), (done.text, ids)
+    assert usage.completion_tokens == len(ids)
+    assert 0 <= usage.accepted_draft_tokens <= usage.draft_tokens and usage.draft_tokens > 0, usage
+    assert usage.target_forward_passes + usage.accepted_draft_tokens == len(ids), usage
+    assert bool(fed) == (placement == "pool"), fed
+
+
+def _post(url: str, body: dict) -> tuple[int, dict]:
+    req = urllib.request.Request(f"{url}/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"}, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=300) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_the_http_api_takes_eagle_placement(served):
+    """`eagle_placement` in the body of an HTTP chat request reaches the router: "pool" sends a
+    pool the target's features, "verifier" none; both give plain decoding's greedy tokens and
+    text (no speculation: draft_length 0); any other value is a 400 naming the field."""
+    body = {"model": "specserve-test", "messages": [{"role": "user", "content": PROMPTS[0][1]}],
+            "max_tokens": 16, "temperature": 0, "return_token_ids": True, "namespace": "http-placement"}
+    with http_front(served.router) as url:
+        status, plain = _post(url, {**body, "draft_length": 0})
+        assert status == 200, plain
+        want = plain["choices"][0]
+        assert len(want["token_ids"]) == 16 and plain["usage"]["accepted_draft_tokens"] == 0
+        for placement in ("pool", "verifier"):
+            calls = len(served.pool.calls)
+            status, got = _post(url, {**body, "drafter": "eagle", "eagle_placement": placement})
+            assert status == 200, got
+            choice = got["choices"][0]
+            assert (choice["token_ids"], choice["message"]["content"]) == (want["token_ids"],
+                                                                           want["message"]["content"]), placement
+            assert got["usage"]["accepted_draft_tokens"] > 0, (placement, got["usage"])
+            fed = [c for c in served.pool.calls[calls:] if c[0] >= 0]  # Proposes sent features
+            assert bool(fed) == (placement == "pool"), (placement, served.pool.calls[calls:])
+        status, refused = _post(url, {**body, "drafter": "eagle", "eagle_placement": "gpu"})
+    assert status == 400, refused
+    error = refused["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    assert (error["param"], error["code"], error["type"]) == ("eagle_placement", "invalid_value",
+                                                              "invalid_request_error"), error
+    assert error["message"].startswith("eagle_placement: ") and "'gpu'" in error["message"], error

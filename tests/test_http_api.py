@@ -200,6 +200,7 @@ BAD = [  # (change to a good request, the param the error must name, status)
     ({"frobnicate": 1}, "frobnicate", 400),
     ({"drafter": "no-such"}, "drafter", 400),
     ({"domain": "astrology"}, "domain", 400),
+    ({"drafter": "eagle", "eagle_placement": "gpu"}, "eagle_placement", 400),
     ({"stream_options": {"include_usage": True}}, "stream_options", 400),
     ({"model": "gpt-4"}, "model", 404),
     ({"messages": [{"role": "user", "content": "word " * 5000}]}, "messages", 413),

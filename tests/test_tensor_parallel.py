@@ -373,6 +373,37 @@ def test_served_tensor_parallel_verifier_matches_hf(hf_oracle, default_group):
         near_tie_or_equal(hf_oracle, i, got + want[len(got):], f"served 3-rank verifier, prompt {i}")
 
 
+def test_served_tensor_parallel_verifier_drafts_eagle_in_its_decode_rounds(hf_oracle, default_group):
+    """Placement "verifier" on a 3-rank target: prefilled with its eagle head (the features
+    captured on rank 0), the verifier drafts every Decode round itself, and the tokens are
+    Hugging Face's."""
+    from oracle import PROMPTS, near_tie_or_equal, oracle
+    from protos import specserve_pb2 as pb
+    from protos.convert import params_to_pb
+    from test_verifier_service import served
+    from verifier_service.engine import VerifierEngine
+
+    group, _, tokenizer = default_group
+    eos = list(tokenizer.eos_token_ids or group.target.config.eos_token_ids)
+    i, params = 4, SamplingParams(max_tokens=GENERATED)
+    ids = tokenizer.encode_chat([{"role": "user", "content": PROMPTS[i][1]}])
+    with served(VerifierEngine(group.target, max_batch=2, max_len=512)) as stub:
+        first = stub.Prefill(pb.VerifierPrefillRequest(
+            request_id="tp-eagle", token_ids=ids, sampling=params_to_pb(params), max_len=len(ids) + GENERATED + 16,
+            verifier_drafter="eagle"), timeout=300)
+        got = [first.next_token]
+        rounds = list(stub.Decode(pb.DecodeRequest(request_id="tp-eagle", token_ids=ids + got, drafter="eagle",
+                                                   draft_length=4, max_nodes=8, max_tokens=GENERATED - 1,
+                                                   eos_token_ids=eos), timeout=300))
+    assert rounds and not any(r.state_lost for r in rounds)
+    for r in rounds:
+        got += [*r.accepted, r.bonus]
+    assert sum(r.drafted for r in rounds) > 0 and sum(len(r.accepted) for r in rounds) > 0, "eagle drafted nothing"
+    assert len(got) <= GENERATED and len(rounds) < len(got)
+    want, _ = oracle(hf_oracle, i)
+    near_tie_or_equal(hf_oracle, i, got + want[len(got):], "eagle Decode rounds on a 3-rank verifier")
+
+
 PRECISION_TOKENS = 16
 # every kind of drafter: model-free, the target's own (sharded) layers, and a fused tree with a small model
 TP_DRAFTERS = [("pld", None), ("suffix", None), ("layerskip", None), ("pld+suffix+small-general", 8)]

@@ -150,27 +150,34 @@ class VerifierDrafting:
         """The next round's tree of any drafter the verifier runs (`verifier_drafter`), fused
         when joined by '+'; `params` None (a request restored from a checkpoint, its
         sampling not known yet here): greedy lookup drafts alone."""
+        return self.draft_members(drafter, request_id, namespace, tokens, depth, nodes, params)[0]
+
+    def draft_members(self, drafter: str, request_id: str, namespace: str, tokens: Sequence[int], depth: int,
+                      nodes: int, params: SamplingParams | None) -> tuple[DraftTree, list[DraftTree]]:
+        """`draft`'s tree and, fused (joined by '+'), each member's own tree of the round in
+        the drafter's order (for crediting each its share); [] when no fusion drafted."""
         deterministic = params is None or params.deterministic
         if "+" not in drafter and not uses_eagle(drafter):
-            return self.tree(drafter, request_id, namespace, tokens, depth, nodes, deterministic)
+            return self.tree(drafter, request_id, namespace, tokens, depth, nodes, deterministic), []
         with self._lock:
             state = self._eagles.get(request_id) if uses_eagle(drafter) else None
         if state is None and uses_eagle(drafter):
-            return DraftTree()  # the servicer answers state_lost before it comes to this
+            return DraftTree(), []  # the servicer answers state_lost before it comes to this
         if params is None or depth <= 0:
-            return DraftTree()
+            return DraftTree(), []
         if state is None:  # lookups fused, no eagle: a fusion of its own each call (nothing learned between)
             fused = self._fusion(drafter, None, request_id, namespace)
-            return fused.propose(DraftRequest(list(tokens), depth, params, make_generator(params.seed),
+            tree = fused.propose(DraftRequest(list(tokens), depth, params, make_generator(params.seed),
                                               max_nodes=nodes or depth))
+            return tree, list(fused.proposed)
         with state.lock:
-            if "+" in drafter:
-                fused = state.fused.get(drafter) or state.fused.setdefault(
-                    drafter, self._fusion(drafter, state.drafter, request_id, namespace))
-            else:
-                fused = state.drafter
-            return fused.propose(DraftRequest(list(tokens), depth, params, state.generator,
-                                              max_nodes=nodes or depth))
+            if "+" not in drafter:
+                return state.drafter.propose(DraftRequest(list(tokens), depth, params, state.generator,
+                                                          max_nodes=nodes or depth)), []
+            fused = state.fused.get(drafter) or state.fused.setdefault(
+                drafter, self._fusion(drafter, state.drafter, request_id, namespace))
+            tree = fused.propose(DraftRequest(list(tokens), depth, params, state.generator, max_nodes=nodes or depth))
+            return tree, list(fused.proposed)
 
     def _fusion(self, name: str, eagle: EagleDrafter | None, request_id: str, namespace: str) -> FusedDrafter:
         """`name`'s members fused as in process (every member trusted alike; greedy, their

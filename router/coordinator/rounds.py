@@ -151,8 +151,12 @@ class Request:
             self.stats.record_draft_length(length)
             self.stats.record_round(resp.drafted, len(resp.accepted), resp.batch_size, resp.forced)
             self._time_pass(resp)
-            if kind != "none":  # a fusion's rounds count for its first member: the tree is one
-                self.stats.record_drafter(kind.split("+")[0], resp.drafted, len(resp.accepted))
+            members = kind.split("+")
+            if len(members) > 1 and len(resp.member_drafted) == len(members):  # a fusion: each its own share
+                for member, drafted, accepted in zip(members, resp.member_drafted, resp.member_accepted):
+                    self.stats.record_drafter(member, drafted, accepted)
+            elif kind != "none":  # one drafter (or a fusion's round that drafted nothing): the first's
+                self.stats.record_drafter(members[0], resp.drafted, len(resp.accepted))
             if control is not None:
                 control.record(resp.drafted_depth, len(resp.accepted))
                 control.observe_tree(resp.drafted, resp.drafted_depth)
