@@ -371,7 +371,7 @@ class VerifyRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., tree: _Optional[_Union[DraftTree, _Mapping]] = ..., context_length: _Optional[int] = ..., candidates: _Optional[int] = ..., feature_layers: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("accepted", "bonus", "state_lost", "batch_size", "queued", "active_requests", "candidate_ids", "candidate_probs", "pass_id", "pass_seconds", "pass_tokens", "pass_width", "drafted", "drafted_depth", "forced", "logprobs", "features", "features_start", "features_count", "member_drafted", "member_accepted")
+    __slots__ = ("accepted", "bonus", "state_lost", "batch_size", "queued", "active_requests", "candidate_ids", "candidate_probs", "pass_id", "pass_seconds", "pass_tokens", "pass_width", "drafted", "drafted_depth", "forced", "logprobs", "features", "features_start", "features_count", "member_drafted", "member_accepted", "draft_seconds")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     BONUS_FIELD_NUMBER: _ClassVar[int]
     STATE_LOST_FIELD_NUMBER: _ClassVar[int]
@@ -393,6 +393,7 @@ class VerifyResponse(_message.Message):
     FEATURES_COUNT_FIELD_NUMBER: _ClassVar[int]
     MEMBER_DRAFTED_FIELD_NUMBER: _ClassVar[int]
     MEMBER_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     accepted: _containers.RepeatedScalarFieldContainer[int]
     bonus: int
     state_lost: bool
@@ -414,7 +415,8 @@ class VerifyResponse(_message.Message):
     features_count: int
     member_drafted: _containers.RepeatedScalarFieldContainer[int]
     member_accepted: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, accepted: _Optional[_Iterable[int]] = ..., bonus: _Optional[int] = ..., state_lost: _Optional[bool] = ..., batch_size: _Optional[int] = ..., queued: _Optional[int] = ..., active_requests: _Optional[int] = ..., candidate_ids: _Optional[_Iterable[int]] = ..., candidate_probs: _Optional[_Iterable[float]] = ..., pass_id: _Optional[int] = ..., pass_seconds: _Optional[float] = ..., pass_tokens: _Optional[int] = ..., pass_width: _Optional[int] = ..., drafted: _Optional[int] = ..., drafted_depth: _Optional[int] = ..., forced: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., features: _Optional[bytes] = ..., features_start: _Optional[int] = ..., features_count: _Optional[int] = ..., member_drafted: _Optional[_Iterable[int]] = ..., member_accepted: _Optional[_Iterable[int]] = ...) -> None: ...
+    draft_seconds: float
+    def __init__(self, accepted: _Optional[_Iterable[int]] = ..., bonus: _Optional[int] = ..., state_lost: _Optional[bool] = ..., batch_size: _Optional[int] = ..., queued: _Optional[int] = ..., active_requests: _Optional[int] = ..., candidate_ids: _Optional[_Iterable[int]] = ..., candidate_probs: _Optional[_Iterable[float]] = ..., pass_id: _Optional[int] = ..., pass_seconds: _Optional[float] = ..., pass_tokens: _Optional[int] = ..., pass_width: _Optional[int] = ..., drafted: _Optional[int] = ..., drafted_depth: _Optional[int] = ..., forced: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., features: _Optional[bytes] = ..., features_start: _Optional[int] = ..., features_count: _Optional[int] = ..., member_drafted: _Optional[_Iterable[int]] = ..., member_accepted: _Optional[_Iterable[int]] = ..., draft_seconds: _Optional[float] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("request_id", "token_ids", "drafter", "draft_length", "max_tokens", "eos_token_ids", "max_rounds", "candidates", "max_nodes", "namespace", "feature_layers")

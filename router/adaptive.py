@@ -119,12 +119,13 @@ class SpeculationControl:
 
     def length(self, batch: int = 1, drafted_by_verifier: bool = False) -> int:
         """Draft tokens for the next round when `batch` requests share the verifier; drafted by
-        the verifier itself (prompt lookup in a Decode call), the drafting costs nothing and
-        asks nothing: only the pass weighs."""
+        the verifier itself (in a Decode call), a round asks nothing (no call, no hop): its
+        drafting's own time still weighs (nearly nothing for prompt lookup, a share of a pass
+        a level for an eagle head)."""
         a = self.acceptance
         batch, draft_cost, round_cost, width = max(batch, 1), self.draft_token_cost, self.draft_round_cost, self.width
         if drafted_by_verifier:
-            draft_cost = round_cost = 0.0
+            round_cost = 0.0
         if self.pipelined:
             draft_cost *= 1.0 - self._reuse
             round_cost *= 1.0 - self._reuse

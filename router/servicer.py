@@ -274,9 +274,9 @@ class RouterServicer(pb_grpc.SpecserveServicer):
             # what the verifier drafts in its own rounds: no hop; a set of only prompt lookup and
             # the suffix drafter is drafted there by its first alone (router.coordinator.rounds)
             on_verifier = cfg.verifier_drafting and not pipelined
+            # (an eagle head on the verifier asks no pool either, but each level costs a share of a
+            # pass there: its routes start from the prior of those that ask a pool, and earn the rest)
             no_hop = set(VERIFIER_DRAFTERS) if on_verifier else set()
-            if on_verifier and placement == "verifier":
-                no_hop |= {k for k in cfg.routed_drafters if abilities(k).drafts_from_features}
             same_as_alone = set(VERIFIER_DRAFTERS) - {"none"} if on_verifier else set()
             route = expertise.route(_user_text(req), cfg.routed_drafters, k=cfg.fused_drafters, hint=hint,
                                     usable=self._draft_pays(expertise, pipelined, placement), no_hop=no_hop,

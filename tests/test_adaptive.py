@@ -96,6 +96,20 @@ def test_the_cost_of_asking_the_drafters_at_all_stops_one_token_drafts_under_loa
     assert control.length(batch=1) == 5
 
 
+def test_drafting_on_the_verifier_weighs_its_own_time_but_no_round_trip():
+    """A Decode round asks no pool, so the round trip's cost does not weigh; the drafting's
+    own time does: an eagle head's levels (a fifth of a pass each, in the verifier between
+    passes) do not pay in a batch of 8 at this acceptance, prompt lookup's (nothing) does."""
+    control = SpeculationControl(max_length=5, prior=0.6, verify_token_cost=0.02)
+    control.draft_round_cost = 0.5  # a pool's round trip: drafting through a pool never pays
+    assert control.length(batch=8) == 0
+    assert control.length(batch=8, drafted_by_verifier=True) > 0  # prompt lookup: its time is nothing
+    for _ in range(5):
+        control.observe(draft_seconds_per_token=0.01, pass_seconds=0.05)
+    assert control.length(batch=8, drafted_by_verifier=True) == 0
+    assert control.length(batch=1, drafted_by_verifier=True) > 0  # alone, the gain still pays for it
+
+
 def test_drafting_cost_shortens_drafts_unless_drafts_made_ahead_are_reused():
     seq = SpeculationControl(max_length=5, prior=0.7)
     piped = SpeculationControl(max_length=5, prior=0.7, pipelined=True)

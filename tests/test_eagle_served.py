@@ -46,6 +46,7 @@ from oracle import GREEDY_PROMPTS, MAX_TOKENS, PROMPTS, hf_keyed, keyed_near_tie
 from protos import specserve_pb2 as pb
 from protos import specserve_pb2_grpc as pb_grpc
 from protos.convert import features_from_pb, params_to_pb, tree_from_pb, tree_to_pb
+from router.adaptive import SpeculationControl
 from router.coordinator import Coordinator, Job
 from router.servicer import RouterConfig, RouterServicer
 from router.servicer import serve as serve_router
@@ -277,6 +278,24 @@ def test_a_fused_decode_round_credits_each_member_its_own_share(served, hf_oracl
         assert own["suffix"][0] > 0 and own["suffix"][1] > 0, own
     finally:
         coordinator.services.channels.close()
+
+
+def test_decode_rounds_teach_the_control_what_the_eagle_head_costs(served, hf_oracle):
+    """Adaptive eagle on the verifier: each Decode round reports the seconds the verifier spent
+    drafting its tree, and the request's control learns the head's cost a level from them
+    (it weighs it under load, test_adaptive); the tokens are the oracle's."""
+    i = 1
+    control = SpeculationControl(DRAFT_LENGTH, prior=0.6)
+    job = Job(request_id="eagle-cost", prompt_ids=_prompt_ids(served.tokenizer, i),
+              params=SamplingParams(max_tokens=MAX_TOKENS), drafters=(("eagle", 1.0),), draft_length=DRAFT_LENGTH,
+              tree_budget=TREE_BUDGET, vocab_size=served.model.config.vocab_size, eos_token_ids=served.eos,
+              speculation=control, verifier_drafting=True, eagle_placement="verifier")
+    stats = RoundStats()
+    tokens = [t for new in served.coordinator.run(job, stats) for t in new]
+    near_tie_or_equal(hf_oracle, i, tokens, "adaptive eagle on the verifier")
+    assert stats.draft_tokens > 0, "the head drafted nothing"
+    # a level of the head: more than nothing, less than a whole target pass
+    assert 0.0 < control.draft_token_cost < 1.0, control.draft_token_cost
 
 
 def _sampled(served, placement: str | None, drafter: str = "eagle", seed: int | None = SAMPLED.seed, **extra):

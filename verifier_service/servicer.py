@@ -4,6 +4,7 @@ health checking and server reflection so generic tools can probe it."""
 from __future__ import annotations
 
 import math
+import time
 from collections import deque
 from typing import Callable, Iterator, TypeVar
 
@@ -115,14 +116,16 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             return
         capture = _checked(context, lambda: self._capture(request.request_id, request.feature_layers))
         returns_features = bool(request.feature_layers)
-        members: deque[list[DraftTree]] = deque()  # a fusion's member trees, a round each, oldest first
+        # a round each, oldest first: a fusion's member trees, and the seconds drafting took
+        members: deque[tuple[list[DraftTree], float]] = deque()
 
         def tree() -> DraftTree:
+            started = time.perf_counter()
             params = self.engine.sampling(request.request_id)  # None until the engine restores a checkpoint
             depth = min(request.draft_length, left - 1) if params else 0
             drafted, own = self.drafting.draft_members(request.drafter, request.request_id, request.namespace,
                                                        tokens, depth, request.max_nodes, params)
-            members.append(own)  # each tree is one round, its outcome in order
+            members.append((own, time.perf_counter() - started))  # each tree is one round, its outcome in order
             return drafted
 
         def next_tree(out: VerifyOutcome) -> DraftTree | None:  # in the engine's worker, as a pass ends
@@ -141,9 +144,10 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             while (out := _checked(context, lambda: next(rounds, None))) is not None:
                 resp = _verdict(out, returns_features)
                 resp.drafted, resp.drafted_depth = out.drafted, out.drafted_depth
-                for own in members.popleft() if members else ():  # each member's share of the verdict
-                    resp.member_drafted.append(len(own))
-                    resp.member_accepted.append(own.path_prefix(out.accepted))
+                own, resp.draft_seconds = members.popleft() if members else ((), 0.0)
+                for tree_of in own:  # each member's share of the verdict
+                    resp.member_drafted.append(len(tree_of))
+                    resp.member_accepted.append(tree_of.path_prefix(out.accepted))
                 yield resp
         except UnknownRequest:
             yield pb.VerifyResponse(state_lost=True)

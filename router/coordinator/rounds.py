@@ -16,7 +16,7 @@ from speculative.pipeline import likeliest_path
 from speculative.recycling import CANDIDATES
 from speculative.tree import DraftTree
 
-from ..adaptive import DraftCostMemory
+from ..adaptive import DraftCostMemory, SpeculationControl
 from ..goodput import plain_pass_seconds
 from ..settings import RouterSettings
 from ..stats import RoundStats
@@ -160,6 +160,7 @@ class Request:
             if control is not None:
                 control.record(resp.drafted_depth, len(resp.accepted))
                 control.observe_tree(resp.drafted, resp.drafted_depth)
+                self._observe_verifier_drafting(control, kind, resp)
             self.load = _load(resp)
             self.rnd += 1
             if undrafted is not None and n:  # rounds after the first
@@ -244,6 +245,16 @@ class Request:
         self._adapt(draft, resp)
         self.load = _load(resp)
         return new
+
+    def _observe_verifier_drafting(self, control: SpeculationControl, kind: str, resp: pb.VerifyResponse) -> None:
+        """A Decode round's drafting time, as the verifier measured it, teaches the control what
+        a draft level costs there (an eagle head's is a share of a pass, and it delays the
+        batch's next pass: the verifier drafts between passes), remembered for the load."""
+        if resp.drafted_depth and resp.draft_seconds > 0 and resp.pass_seconds > 0:
+            unit = resp.pass_seconds / control.pass_units(resp.batch_size, resp.pass_tokens, resp.pass_width)
+            control.observe(resp.draft_seconds / resp.drafted_depth, unit)
+            if self.plain_on_verifier:
+                self.draft_costs.remember(control, kind.split("+")[0], self.load)
 
     def _time_pass(self, resp: pb.VerifyResponse) -> None:
         """Count the verdict's pass, if the verifier timed it, as a pass of plain decoding at its
