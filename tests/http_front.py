@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 import threading
+import urllib.error
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -87,3 +89,14 @@ def http_front(router: str, model: str = "specserve-test") -> Iterator[str]:
         server.shutdown()
         server.server_close()
         channel.close()
+
+
+def post_json(url: str, body: dict, timeout: float = 240) -> tuple[int, dict]:
+    """POST `body` as JSON to `url`: the status and the JSON answer, an error status's too."""
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"},
+                                 method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())

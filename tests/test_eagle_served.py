@@ -28,10 +28,7 @@ Real gRPC servers on loopback (tests/loopback.py), the default target and the sh
 
 from __future__ import annotations
 
-import json
 import threading
-import urllib.error
-import urllib.request
 
 import grpc
 import pytest
@@ -40,7 +37,7 @@ import torch
 from drafter_service.pool import DrafterPool
 from drafter_service.registry import make_drafter
 from drafter_service.servicer import serve as serve_drafters
-from http_front import http_front
+from http_front import http_front, post_json
 from loopback import loopback
 from oracle import GREEDY_PROMPTS, MAX_TOKENS, PROMPTS, hf_keyed, keyed_near_tie_or_equal, near_tie_or_equal
 from protos import specserve_pb2 as pb
@@ -344,13 +341,7 @@ def test_unseeded_sampling_completes_with_valid_tokens_and_sane_acceptance(serve
 
 
 def _post(url: str, body: dict) -> tuple[int, dict]:
-    req = urllib.request.Request(f"{url}/v1/chat/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"}, method="POST")
-    try:
-        with urllib.request.urlopen(req, timeout=300) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+    return post_json(f"{url}/v1/chat/completions", body, timeout=300)
 
 
 def test_the_http_api_takes_eagle_placement(served):

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import urllib.error
 import urllib.request
 
 import jsonschema
@@ -25,6 +24,7 @@ import pydantic
 import pytest
 import torch
 
+from http_front import post_json
 from oracle import PROMPTS, oracle
 from serve_process import specserve_serve
 
@@ -65,13 +65,7 @@ def client(base):
 
 
 def _post(base: str, path: str, body: dict) -> tuple[int, dict]:
-    req = urllib.request.Request(f"{base}{path}", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"}, method="POST")
-    try:
-        with urllib.request.urlopen(req, timeout=240) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+    return post_json(f"{base}{path}", body)
 
 
 def _chat(base: str, **fields) -> dict:
