@@ -85,6 +85,15 @@ def expected_tokens(acceptance: float, k: int) -> float:
     return (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
 
 
+def pass_units(rows: int, tokens: int, width: int, costs: tuple[float, float, float]) -> float:
+    """A verification pass of `rows` rows, `tokens` scored tokens in all and `width` in the
+    widest row, in one-row, one-token passes, by `costs` (row, token, pad: shares of one)."""
+    row_cost, token_cost, pad_cost = costs
+    rows = max(rows, 1)
+    tokens = max(tokens, rows)
+    return 1.0 + row_cost * (rows - 1) + token_cost * (tokens - rows) + pad_cost * max(0, rows * max(width, 1) - tokens)
+
+
 @dataclass
 class SpeculationControl:
     max_length: int
@@ -179,11 +188,7 @@ class SpeculationControl:
     def pass_units(self, rows: int, tokens: int, width: int) -> float:
         """A verification pass of `rows` rows, `tokens` scored tokens in all and `width` in the
         widest row, in one-row, one-token passes (the goodput model's unit of time)."""
-        row_cost, token_cost, pad_cost = self.verify_costs()
-        rows = max(rows, 1)
-        tokens = max(tokens, rows)
-        return (1.0 + row_cost * (rows - 1) + token_cost * (tokens - rows)
-                + pad_cost * max(0, rows * max(width, 1) - tokens))
+        return pass_units(rows, tokens, width, self.verify_costs())
 
     def observe(self, draft_seconds_per_token: float, pass_seconds: float) -> None:
         """Learn the drafter's cost relative to a one-row, one-token target pass of

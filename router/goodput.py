@@ -52,6 +52,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .adaptive import pass_units
+
 NONE = "none"
 PIPELINED = "/pipelined"
 MIN_TOKENS = 4  # tokens after the first a request needs for its speedup to count
@@ -86,12 +88,7 @@ def plain_pass_seconds(pass_seconds: float, rows: int, tokens: int, width: int,
     `width` in the widest row, rescaled to the same rows holding one token each: what a pass of
     plain decoding would cost at that batch size. `costs`: (row, token, pad) as shares of a
     one-row, one-token pass."""
-    row_cost, token_cost, pad_cost = costs
-    rows = max(rows, 1)
-    tokens = max(tokens, rows)
-    units = (1.0 + row_cost * (rows - 1) + token_cost * (tokens - rows)
-             + pad_cost * max(0, rows * max(width, 1) - tokens))
-    return pass_seconds * (1.0 + row_cost * (rows - 1)) / units
+    return pass_seconds * pass_units(rows, rows, 1, costs) / pass_units(rows, tokens, width, costs)
 
 
 def speedup(tokens: int, seconds: float, plain_seconds: float, passes: int) -> float | None:
