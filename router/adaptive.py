@@ -243,17 +243,19 @@ class DraftCostMemory:
         with self._lock:
             self._costs[(kind, load)] = (control.draft_token_cost, control.draft_round_cost, self._clock())
 
-    def pays(self, control: SpeculationControl, kind: str, load: int) -> bool:
+    def pays(self, control: SpeculationControl, kind: str, load: int, drafted_by_verifier: bool = False) -> bool:
         """Whether `kind` would draft at all at `load` for a request whose new control is
         `control` (its prior the drafter's reliability), by what `kind` last cost at the
         highest load up to `load` it drafted at within `max_age_s` (a drafted round's hop grows
         with the load: costs from a lighter one are a lower bound), else by the guess; True
-        when there is neither: only drafting measures it. Sets the control's costs."""
+        when there is neither: only drafting measures it. `drafted_by_verifier`: its rounds
+        would be the verifier's own (an eagle head there), which ask nothing, so only its
+        tokens' cost weighs. Sets the control's costs."""
         costs = self._latest(kind, load) or self._guess(kind, load)
         if costs is None:
             return True
         control.draft_token_cost, control.draft_round_cost = costs[:2]
-        return control.length(load) > 0
+        return control.length(load, drafted_by_verifier=drafted_by_verifier) > 0
 
     def _latest(self, kind: str | None, load: int) -> tuple[float, float, float] | None:
         """`kind`'s costs (None: any kind's) at the highest load up to `load`, within max_age_s."""

@@ -191,6 +191,7 @@ class RouterServicer(pb_grpc.SpecserveServicer):
         placement = check_eagle_placement(req.eagle_placement or cfg.eagle_placement)
         domain, drafters = self._drafters(req, self._expertise_of(namespace), pipelined, length, placement)
         placement = self._eagle_placement(placement, drafters, pipelined)
+        drafters = self._heads_that_draft(drafters, placement, pipelined, length)
         unserved = [d for d, _ in drafters if d != "none" and d not in cfg.routed_drafters
                     and not (placement == "verifier" and abilities(d).drafts_from_features)]
         if req.drafter and cfg.routed_drafters and unserved:  # the pools would refuse it mid-request
@@ -224,6 +225,26 @@ class RouterServicer(pb_grpc.SpecserveServicer):
                 k not in VERIFIER_DRAFTERS and not abilities(k).drafts_from_features for k in kinds)):
             return "pool"
         return placement
+
+    def _heads_that_draft(self, drafters: tuple[tuple[str, float], ...], placement: str, pipelined: bool,
+                          length: int | None) -> tuple[tuple[str, float], ...]:
+        """The request's drafters less an eagle head on the verifier that, at the load the request
+        starts at and by what the head last cost there, would not draft at all (adaptive lengths,
+        rounds in sequence): a request with a head pays for it in every pass, drafting or not
+        (the features captured, the head's prefill over the prompt, no prefix cache), so under
+        such a load it is served by its other drafters, or plainly. The tokens are the same."""
+        cfg = self.config
+        if placement != "verifier" or pipelined or not (cfg.adaptive and cfg.verifier_drafting):
+            return drafters
+        load, costs = self.coordinator.load(), self.coordinator.draft_costs
+        fused = len(drafters) > 1  # each fused drafter's control starts from its reliability (rounds.Request)
+
+        def drafts(kind: str, reliability: float) -> bool:
+            control = self._control(reliability if fused else 0.5, pipelined, length)
+            return costs.pays(control, kind, load, drafted_by_verifier=True)
+
+        kept = tuple((k, r) for k, r in drafters if not abilities(k).drafts_from_features or drafts(k, r))
+        return kept or (("none", 1.0),)
 
     def _prompt_ids(self, req: pb.GenerateRequest, tools: list[Function]) -> list[int]:
         """The prompt's tokens (of messages: of the chat template's rendering, with the tools the
@@ -296,16 +317,15 @@ class RouterServicer(pb_grpc.SpecserveServicer):
         pool's prefill of the request, and each probe's hop, would slow the batch for nothing).
         Sequential rounds with adaptive lengths only: what a drafter costs is remembered for
         those (`Coordinator.draft_costs`). An eagle drafter the verifier runs (`placement`)
-        pays no hop either."""
+        pays no hop, only its tokens' cost (`_heads_that_draft`)."""
         cfg = self.config
         if not (cfg.adaptive and cfg.verifier_drafting) or pipelined:
             return None
         load, costs = self.coordinator.load(), self.coordinator.draft_costs
-        on_verifier = set(VERIFIER_DRAFTERS)
-        if placement == "verifier":
-            on_verifier |= {k for k in cfg.routed_drafters if abilities(k).drafts_from_features}
-        return lambda kind, domain: (kind in on_verifier or costs.pays(
-            self._control(expertise.reliability(kind, domain), pipelined), kind, load))
+        on_verifier = placement == "verifier"
+        return lambda kind, domain: (kind in VERIFIER_DRAFTERS or costs.pays(
+            self._control(expertise.reliability(kind, domain), pipelined), kind, load,
+            drafted_by_verifier=on_verifier and abilities(kind).drafts_from_features))
 
     # -- running ------------------------------------------------------------------
     def admit(self, api_key: str | None) -> Admission | None:

@@ -293,6 +293,17 @@ def test_a_drafter_pays_at_a_load_by_what_it_last_cost_there():
     assert memory.pays(SpeculationControl(5, prior=0.01), "recycle", 1)
 
 
+def test_a_head_the_verifier_runs_pays_no_round_cost():
+    """`pays(drafted_by_verifier=True)`: an eagle head drafting in the verifier's own rounds asks
+    nothing, so only its tokens' cost weighs, not the round trip a pool round's costs hold."""
+    memory = DraftCostMemory()
+    memory.remember(SpeculationControl(5, draft_token_cost=0.05, draft_round_cost=1.5), "eagle", 2)
+    assert not memory.pays(SpeculationControl(5, prior=0.6), "eagle", 2)
+    assert memory.pays(SpeculationControl(5, prior=0.6), "eagle", 2, drafted_by_verifier=True)
+    memory.remember(SpeculationControl(5, draft_token_cost=3.0), "eagle", 2)  # a level: 3 passes
+    assert not memory.pays(SpeculationControl(5, prior=0.6), "eagle", 2, drafted_by_verifier=True)
+
+
 def test_a_drafter_that_has_not_drafted_here_is_judged_by_its_pools_cost_and_any_kinds_hop():
     """Before a kind drafts at a router, its costs are guessed: the token cost its pools
     measured at start, the round cost (the calls a pool round makes) any other kind's."""

@@ -19,6 +19,9 @@
 - Fused on the verifier (eagle+pld+suffix, Decode rounds), each member is credited its own
   tree's nodes and its share of the accepted path (VerifyResponse.member_drafted /
   member_accepted), as a pool round credits them, not the whole tree to eagle.
+- Adaptive, a pinned eagle request whose head would not draft at all at the load it starts
+  at (by what the head last cost there) is served without it: no features captured, the
+  prefix cache taken.
 - Over the OpenAI-compatible HTTP API (deploy/openai_api.py, through tests/http_front.py):
   `eagle_placement` picks the placement (a pool is sent features only for "pool"), both
   give plain decoding's greedy text, and a bad value is a 400 naming the field.
@@ -86,8 +89,9 @@ class RecordingPool(DrafterPool):
 
 
 class Served:
-    def __init__(self, model, tokenizer, pool, coordinator, router: str):
+    def __init__(self, model, tokenizer, pool, coordinator, router: str, engine: VerifierEngine):
         self.model, self.tokenizer, self.pool, self.coordinator = model, tokenizer, pool, coordinator
+        self.engine = engine
         self.router = router
         self.client = Client(router, timeout=300)
         self.eos = list(tokenizer.eos_token_ids or model.config.eos_token_ids)
@@ -108,7 +112,7 @@ def served(smollm2):
                           stop_confidence=0.0)
     with loopback(pool, engine) as coordinator:
         router, port = serve_router(RouterServicer(tokenizer, coordinator, config), "127.0.0.1", 0)
-        done = Served(model, tokenizer, pool, coordinator, f"127.0.0.1:{port}")
+        done = Served(model, tokenizer, pool, coordinator, f"127.0.0.1:{port}", engine)
         try:
             yield done
         finally:
@@ -293,6 +297,43 @@ def test_decode_rounds_teach_the_control_what_the_eagle_head_costs(served, hf_or
     assert stats.draft_tokens > 0, "the head drafted nothing"
     # a level of the head: more than nothing, less than a whole target pass
     assert 0.0 < control.draft_token_cost < 1.0, control.draft_token_cost
+
+
+def test_an_eagle_request_whose_head_would_not_draft_at_its_load_is_served_without_it(served, hf_oracle):
+    """Adaptive lengths, eagle on the verifier: a pinned request leaves its head out when, at
+    the load it starts at and by what the head last cost there (the coordinator's draft-cost
+    memory), the head would not draft at all. It is served by the lookups it is fused with, or
+    plainly, and takes the prefix cache (a request with a head computes every position for its
+    features); with the head cheap again, the head drafts. The tokens are the oracle's each time."""
+    model, tokenizer, i = served.model, served.tokenizer, 2
+    config = RouterConfig(context_length=model.config.max_position_embeddings, eos_token_ids=served.eos,
+                          vocab_size=model.config.vocab_size, routed_drafters=tuple(KINDS), default_drafter="eagle",
+                          draft_length=DRAFT_LENGTH, tree_budget=TREE_BUDGET, adaptive=True, pipelined=False,
+                          eagle_placement="verifier", verifier_drafting=True)
+    router, port = serve_router(RouterServicer(tokenizer, served.coordinator, config), "127.0.0.1", 0)
+    client = Client(f"127.0.0.1:{port}", timeout=300)
+    memory = served.coordinator.draft_costs
+
+    def generate(drafter: str):
+        hits = served.engine.kv_stats()["prefix_cache_hits"]
+        done = client.generate(messages=[{"role": "user", "content": PROMPTS[i][1]}], max_tokens=MAX_TOKENS,
+                               drafter=drafter, namespace="idle-head")
+        near_tie_or_equal(hf_oracle, i, list(done.token_ids), f"adaptive {drafter} on the verifier")
+        return done.usage, served.engine.kv_stats()["prefix_cache_hits"] - hits
+
+    try:
+        assert generate("none")[1] == 0  # the namespace's first request: nothing cached
+        memory.remember(SpeculationControl(DRAFT_LENGTH, draft_token_cost=5.0), "eagle", 1)  # a level: 5 passes
+        usage, hits = generate("eagle")
+        assert usage.drafter == "none" and hits > 0, (usage.drafter, hits)
+        usage, hits = generate("eagle+pld+suffix")
+        assert usage.drafter == "pld+suffix" and hits > 0, (usage.drafter, hits)
+        memory.remember(SpeculationControl(DRAFT_LENGTH, draft_token_cost=0.02), "eagle", 1)
+        usage, hits = generate("eagle")
+        assert usage.drafter == "eagle" and usage.accepted_draft_tokens > 0 and hits == 0, (usage, hits)
+    finally:
+        client.close()
+        router.stop(None)
 
 
 def _sampled(served, placement: str | None, drafter: str = "eagle", seed: int | None = SAMPLED.seed, **extra):
