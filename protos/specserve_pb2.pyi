@@ -419,7 +419,7 @@ class VerifyResponse(_message.Message):
     def __init__(self, accepted: _Optional[_Iterable[int]] = ..., bonus: _Optional[int] = ..., state_lost: _Optional[bool] = ..., batch_size: _Optional[int] = ..., queued: _Optional[int] = ..., active_requests: _Optional[int] = ..., candidate_ids: _Optional[_Iterable[int]] = ..., candidate_probs: _Optional[_Iterable[float]] = ..., pass_id: _Optional[int] = ..., pass_seconds: _Optional[float] = ..., pass_tokens: _Optional[int] = ..., pass_width: _Optional[int] = ..., drafted: _Optional[int] = ..., drafted_depth: _Optional[int] = ..., forced: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., features: _Optional[bytes] = ..., features_start: _Optional[int] = ..., features_count: _Optional[int] = ..., member_drafted: _Optional[_Iterable[int]] = ..., member_accepted: _Optional[_Iterable[int]] = ..., draft_seconds: _Optional[float] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "drafter", "draft_length", "max_tokens", "eos_token_ids", "max_rounds", "candidates", "max_nodes", "namespace", "feature_layers")
+    __slots__ = ("request_id", "token_ids", "drafter", "draft_length", "max_tokens", "eos_token_ids", "max_rounds", "candidates", "max_nodes", "namespace", "feature_layers", "drafted_rounds")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
@@ -431,6 +431,7 @@ class DecodeRequest(_message.Message):
     MAX_NODES_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     FEATURE_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTED_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     drafter: str
@@ -442,7 +443,8 @@ class DecodeRequest(_message.Message):
     max_nodes: int
     namespace: str
     feature_layers: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., drafter: _Optional[str] = ..., draft_length: _Optional[int] = ..., max_tokens: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_rounds: _Optional[int] = ..., candidates: _Optional[int] = ..., max_nodes: _Optional[int] = ..., namespace: _Optional[str] = ..., feature_layers: _Optional[_Iterable[int]] = ...) -> None: ...
+    drafted_rounds: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., drafter: _Optional[str] = ..., draft_length: _Optional[int] = ..., max_tokens: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_rounds: _Optional[int] = ..., candidates: _Optional[int] = ..., max_nodes: _Optional[int] = ..., namespace: _Optional[str] = ..., feature_layers: _Optional[_Iterable[int]] = ..., drafted_rounds: _Optional[int] = ...) -> None: ...
 
 class VerifierStatsRequest(_message.Message):
     __slots__ = ()

@@ -42,8 +42,8 @@ the accepted path. It starts from `prior` (the drafter's reliability on the
 domain) as `prior_rounds` rounds' worth of evidence.
 When goodput says "do not speculate", every `probe_every`-th round still
 drafts one token (counting every round a verifier's Decode call runs on one
-choice: `plain_rounds`), so a request whose text turns predictable gets
-drafts again, unless the load is such that even a drafter that is always
+choice: `plain_rounds`; such a call drafts only its first round, `probing`),
+so a request whose text turns predictable gets drafts again, unless the load is such that even a drafter that is always
 right would not pay (with many requests each probing every 8th round,
 nearly every pass would be padded for somebody's probe).
 
@@ -114,6 +114,7 @@ class SpeculationControl:
     _accepted: float = field(init=False, default=0.0)  # decayed accepted tokens
     _rejections: float = field(init=False, default=0.0)  # decayed rounds that ended in a rejection
     _plain: int = field(init=False, default=0)  # rounds in a row with no draft
+    probing: bool = field(init=False, default=False)  # the last `length` drafts only to probe
     _reuse: float = field(init=False, default=0.0)  # running share of pipelined rounds that reused their draft
 
     def __post_init__(self):
@@ -148,11 +149,12 @@ class SpeculationControl:
 
         lengths = range(self.max_length + 1)
         best = max(lengths, key=lambda k: (goodput(k, a), -k))
+        self.probing = False
         if best == 0:
             self._plain += 1
             # probe, unless the load is such that even a drafter that is always right would not pay
             if self._plain >= self.probe_every and any(goodput(k, 1.0) > goodput(0, 1.0) for k in lengths[1:]):
-                best = 1
+                best, self.probing = 1, True
         if best:
             self._plain = 0
         return best

@@ -293,6 +293,16 @@ def test_a_drafter_pays_at_a_load_by_what_it_last_cost_there():
     assert memory.pays(SpeculationControl(5, prior=0.01), "recycle", 1)
 
 
+def test_a_probe_is_flagged_as_one():
+    """`probing` says the last length was a probe (goodput chose none): a caller running
+    many rounds on that choice drafts only the first (router.coordinator.rounds)."""
+    control = SpeculationControl(5, prior=0.0, probe_every=3)
+    choices = [(control.length(1), control.probing) for _ in range(3)]
+    assert choices == [(0, False), (0, False), (1, True)], choices
+    sure = SpeculationControl(5, prior=0.9)
+    assert sure.length(1) > 0 and not sure.probing
+
+
 def test_a_head_the_verifier_runs_pays_no_round_cost():
     """`pays(drafted_by_verifier=True)`: an eagle head drafting in the verifier's own rounds asks
     nothing, so only its tokens' cost weighs, not the round trip a pool round's costs hold."""

@@ -195,15 +195,17 @@ def test_rounds_whose_only_draft_is_prompt_lookup_run_on_the_verifier(target, mo
 def test_rounds_on_the_verifier_with_no_draft_still_probe(target, monkeypatch):
     """Prompt lookup whose control starts sure that no draft pays (prior 0): the first Decode
     call runs its 16 rounds plain, and they count towards the control's next probe, so the
-    next call drafts again (one token), over a prompt that repeats itself. The output is
-    the target's."""
-    calls = decode_calls(monkeypatch, "drafter", "draft_length")
+    next call drafts again (one token), over a prompt that repeats itself, in its first round
+    only (`drafted_rounds` 1): a probe's verdict teaches the control before more is drafted.
+    The output is the target's."""
+    calls = decode_calls(monkeypatch, "drafter", "draft_length", "drafted_rounds")
     lookup = dataclasses.replace(job([1, 2, 3, 4] * 4, GREEDY, "pld", True),
                                  speculation=SpeculationControl(DRAFT_LENGTH, prior=0.0))
     with loopback(CountingPool(target, kinds=["pld"]), VerifierEngine(target, max_batch=2, max_len=64)) as coordinator:
-        tokens, _ = served(coordinator, lookup)
+        tokens, stats = served(coordinator, lookup)
     assert tokens == generate(target, lookup.prompt_ids, GREEDY, None, 0, ()).token_ids
-    assert calls[0] == ("none", 0) and calls[1] == ("pld", 1)
+    assert calls[0] == ("none", 0, 0) and calls[1] == ("pld", 1, 1), calls
+    assert stats.draft_tokens <= len(calls) - 1, (stats.draft_tokens, calls)  # a token a probe, no more
 
 
 @pytest.mark.parametrize("verifier_drafting", [True, False])

@@ -29,6 +29,7 @@ from protos import specserve_pb2_grpc as pb_grpc
 from protos.convert import params_to_pb, tree_to_pb
 from speculative import batching
 from speculative.decoding import DraftRequest, generate
+from speculative.ngram import lookup_draft
 from speculative.sampling import SamplingParams, make_generator
 from speculative.tree import DraftTree
 from tiny import tiny_model
@@ -336,6 +337,33 @@ def test_after_decode_the_request_goes_on_and_a_cancelled_decode_stops(tiny):
         assert stub.Release(pb.ReleaseRequest(request_id="r")).released
 
 
+def test_a_decode_call_drafts_only_its_first_drafted_rounds(tiny):
+    """`drafted_rounds` 1 (an adaptive caller's probe): the call's first round is drafted by
+    prompt lookup over a text that repeats itself, the rest verify their bonus token alone;
+    the tokens are the target's either way."""
+    params = SamplingParams(max_tokens=40)
+    out = single_run(tiny, prompt(6), params)
+    # the prompt and as much of its output as puts prompt lookup's first draft right after it
+    cut = next(m for m in range(len(out)) if len(lookup_draft(prompt(6) + out[:m + 1], DRAFT_LENGTH,
+                                                               tiny.config.vocab_size, True)))
+    text, want = prompt(6) + out[:cut], out[cut:]
+    with served(VerifierEngine(tiny, max_len=64)) as stub:
+        def rounds(request_id: str, drafted_rounds: int) -> list[pb.VerifyResponse]:
+            first = stub.Prefill(pb.VerifierPrefillRequest(request_id=request_id, token_ids=text,
+                                                           sampling=params_to_pb(params), max_len=64)).next_token
+            return list(stub.Decode(pb.DecodeRequest(request_id=request_id, token_ids=[*text, first], drafter="pld",
+                                                     draft_length=DRAFT_LENGTH, max_tokens=12, max_rounds=6,
+                                                     drafted_rounds=drafted_rounds))), first
+
+        drafted, first = rounds("all", 0)
+        probed, again = rounds("probe", 1)
+    assert [r.drafted > 0 for r in probed] == [True] + [False] * 5, [r.drafted for r in probed]
+    assert sum(r.drafted > 0 for r in drafted) > 1, [r.drafted for r in drafted]  # 0: every round drafts
+    for start, out in ((first, drafted), (again, probed)):
+        tokens = [start] + [t for r in out for t in [*r.accepted, r.bonus]]
+        assert tokens == want[:len(tokens)]
+
+
 def test_decode_rounds_are_in_every_pass_while_they_last(tiny):
     """The engine queues each of a Decode call's rounds as the last one's pass ends
     (`VerifierEngine.verify_rounds`), so two requests decoding at once share every pass from the
@@ -437,6 +465,7 @@ def test_bad_input_is_invalid_argument_naming_the_field(tiny):
         invalid(stream, decode(draft_length=16), "draft_length")
         invalid(stream, decode(max_tokens=0), "max_tokens")
         invalid(stream, decode(max_rounds=-1), "max_rounds")
+        invalid(stream, decode(drafted_rounds=-1), "drafted_rounds")
         invalid(stream, decode(token_ids=[]), "token_ids")
         invalid(stream, decode(token_ids=[1, 8]), "token_ids")
         invalid(stream, decode(candidates=4), "candidates")  # a pld round's tree is unknown to the caller

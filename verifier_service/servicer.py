@@ -118,11 +118,14 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         returns_features = bool(request.feature_layers)
         # a round each, oldest first: a fusion's member trees, and the seconds drafting took
         members: deque[tuple[list[DraftTree], float]] = deque()
+        drafting_left = request.drafted_rounds or math.inf  # rounds that draft (0: all)
 
         def tree() -> DraftTree:
+            nonlocal drafting_left
             started = time.perf_counter()
             params = self.engine.sampling(request.request_id)  # None until the engine restores a checkpoint
-            depth = min(request.draft_length, left - 1) if params else 0
+            depth = min(request.draft_length, left - 1) if params and drafting_left > 0 else 0
+            drafting_left -= 1
             drafted, own = self.drafting.draft_members(request.drafter, request.request_id, request.namespace,
                                                        tokens, depth, request.max_nodes, params)
             members.append((own, time.perf_counter() - started))  # each tree is one round, its outcome in order
@@ -179,6 +182,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         check_namespace(request.namespace)
         if request.max_rounds < 0:
             raise InvalidArgument("max_rounds", f"must be >= 0 (0: no limit), got {request.max_rounds}")
+        if request.drafted_rounds < 0:
+            raise InvalidArgument("drafted_rounds", f"must be >= 0 (0: all), got {request.drafted_rounds}")
         if request.candidates and request.drafter != "none":
             raise InvalidArgument("candidates", "only with drafter 'none': the caller knows no other round's tree")
         return check_token_ids(request.token_ids, self.engine.vocab_size)

@@ -141,14 +141,18 @@ class Request:
         candidates = self.candidates if kind == "none" else 0  # the caller knows no drafted round's tree
         started, root = time.monotonic(), context[-1]
         nodes = job.tree_nodes(length) if kind != "pld" else 0  # trees: suffix, eagle, a fusion
+        # a probe drafts the call's first round only: its verdict teaches the control before
+        # more are drafted (else a probe would draft a whole call's rounds at a poor acceptance)
+        probe = control is not None and control.probing
         for n, resp in enumerate(self.verifier.decode(context, kind, length, nodes,
-                                                      job.params.max_tokens - len(self.verified), candidates)):
+                                                      job.params.max_tokens - len(self.verified), candidates,
+                                                      drafted_rounds=1 if probe else 0)):
             self.stats.record_span("verify", self.rnd, started, started := time.monotonic())
             self.drafting.take_features(resp)  # a pool's eagle misses no position drafted here
             if candidates:
                 self.drafting.observe([root], resp)
                 root = resp.bonus
-            self.stats.record_draft_length(length)
+            self.stats.record_draft_length(length if not probe or n == 0 else 0)
             self.stats.record_round(resp.drafted, len(resp.accepted), resp.batch_size, resp.forced)
             self._time_pass(resp)
             members = kind.split("+")
@@ -163,8 +167,8 @@ class Request:
                 self._observe_verifier_drafting(control, kind, resp)
             self.load = _load(resp)
             self.rnd += 1
-            if undrafted is not None and n:  # rounds after the first
-                undrafted.plain_rounds(1)
+            if (undrafted is not None or probe) and n:  # rounds after the first, undrafted
+                (undrafted or control).plain_rounds(1)
             yield Emitted([*resp.accepted, resp.bonus], _logprobs(resp, job))
 
     def plan(self) -> _Draft:

@@ -112,15 +112,15 @@ class VerifySide(Side):
         return self._verdict(lambda: self.stub.Verify(req, timeout=timeout))
 
     def decode(self, tokens: list[int], drafter: str, draft_length: int, max_nodes: int, max_tokens: int,
-               candidates: int = 0) -> Iterator[pb.VerifyResponse]:
+               candidates: int = 0, drafted_rounds: int = 0) -> Iterator[pb.VerifyResponse]:
         """The verdicts of up to DECODE_ROUNDS of the verifier's own rounds after `tokens`
-        (Decode), as they come; they end early, the request to be prefilled again, when the
-        verifier loses it or fails."""
+        (Decode), as they come, the first `drafted_rounds` drafted (0: all); they end early,
+        the request to be prefilled again, when the verifier loses it or fails."""
         req = pb.DecodeRequest(request_id=self.request_id, token_ids=tokens, drafter=drafter,
                                draft_length=draft_length, max_tokens=max_tokens,
                                eos_token_ids=self.job.eos_token_ids, max_rounds=DECODE_ROUNDS,
                                candidates=candidates, max_nodes=max_nodes, namespace=self.job.namespace,
-                               feature_layers=self.job.pool_feature_layers)
+                               feature_layers=self.job.pool_feature_layers, drafted_rounds=drafted_rounds)
         call = self.stub.Decode(req, timeout=self.job.timeout())
         try:
             for resp in call:
