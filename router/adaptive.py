@@ -54,6 +54,8 @@ after a token it drew with less confidence than that.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import threading
 import time
 from collections import OrderedDict
@@ -115,6 +117,7 @@ class SpeculationControl:
     _rejections: float = field(init=False, default=0.0)  # decayed rounds that ended in a rejection
     _plain: int = field(init=False, default=0)  # rounds in a row with no draft
     probing: bool = field(init=False, default=False)  # the last `length` drafts only to probe
+    rounds: int = field(init=False, default=0)  # drafted rounds recorded
     _reuse: float = field(init=False, default=0.0)  # running share of pipelined rounds that reused their draft
 
     def __post_init__(self):
@@ -169,6 +172,7 @@ class SpeculationControl:
         `offered`-deep tree (for a chain: `accepted` of its `offered` tokens)."""
         if offered <= 0:
             return
+        self.rounds += 1
         self._accepted = self._accepted * self.decay + accepted
         self._rejections = self._rejections * self.decay + (1.0 if accepted < offered else 0.0)
 
@@ -228,6 +232,9 @@ class DraftCostMemory:
                  prior_token_costs: Callable[[], dict[str, float]] = dict):
         self.max_age_s, self._clock, self.prior_token_costs = max_age_s, clock, prior_token_costs
         self._costs: dict[tuple[str, int], tuple[float, float, float]] = {}  # token, round costs; when
+        # the acceptance a request's control had learned by its latest drafted round, per (kind,
+        # domain): acceptance follows the text, not the load; when
+        self._acceptance: dict[tuple[str, str | None], tuple[float, float]] = {}
         self._lock = threading.Lock()
 
     def start(self, control: SpeculationControl, kind: str, load: int) -> None:
@@ -240,22 +247,31 @@ class DraftCostMemory:
         if costs is not None and control.draft_token_cost == 0 and control.draft_round_cost == 0:
             control.draft_token_cost, control.draft_round_cost = costs[:2]
 
-    def remember(self, control: SpeculationControl, kind: str, load: int) -> None:
-        """A control's costs after a round `kind` drafted at `load`."""
+    def remember(self, control: SpeculationControl, kind: str, load: int, domain: str | None = None) -> None:
+        """A control's costs after a round `kind` drafted at `load`, and its acceptance on `domain`."""
         with self._lock:
-            self._costs[(kind, load)] = (control.draft_token_cost, control.draft_round_cost, self._clock())
+            now = self._clock()
+            self._costs[(kind, load)] = (control.draft_token_cost, control.draft_round_cost, now)
+            if control.rounds:
+                self._acceptance[(kind, domain)] = (control.acceptance, now)
 
-    def pays(self, control: SpeculationControl, kind: str, load: int, drafted_by_verifier: bool = False) -> bool:
-        """Whether `kind` would draft at all at `load` for a request whose new control is
-        `control` (its prior the drafter's reliability), by what `kind` last cost at the
+    def pays(self, control: SpeculationControl, kind: str, load: int, drafted_by_verifier: bool = False,
+             domain: str | None = None) -> bool:
+        """Whether `kind` would draft at all at `load` for a request on `domain` whose new control
+        is `control` (its prior the drafter's reliability), by what `kind` last cost at the
         highest load up to `load` it drafted at within `max_age_s` (a drafted round's hop grows
-        with the load: costs from a lighter one are a lower bound), else by the guess; True
-        when there is neither: only drafting measures it. `drafted_by_verifier`: its rounds
-        would be the verifier's own (an eagle head there), which ask nothing, so only its
-        tokens' cost weighs. Sets the control's costs."""
+        with the load: costs from a lighter one are a lower bound), else by the guess, and by
+        the lower of the control's prior and the acceptance the latest request of `kind` on
+        `domain` had learned from its rounds, if within `max_age_s`; True when there are no costs: only drafting
+        measures them. `drafted_by_verifier`: its rounds would be the verifier's own (an eagle
+        head there), which ask nothing, so only its tokens' cost weighs. Sets the control's costs."""
         costs = self._latest(kind, load) or self._guess(kind, load)
         if costs is None:
             return True
+        with self._lock:
+            acceptance, when = self._acceptance.get((kind, domain), (None, -math.inf))
+        if acceptance is not None and when >= self._clock() - self.max_age_s:
+            control = dataclasses.replace(control, prior=min(control.prior, acceptance))
         control.draft_token_cost, control.draft_round_cost = costs[:2]
         return control.length(load, drafted_by_verifier=drafted_by_verifier) > 0
 

@@ -191,7 +191,7 @@ class RouterServicer(pb_grpc.SpecserveServicer):
         placement = check_eagle_placement(req.eagle_placement or cfg.eagle_placement)
         domain, drafters = self._drafters(req, self._expertise_of(namespace), pipelined, length, placement)
         placement = self._eagle_placement(placement, drafters, pipelined)
-        drafters = self._heads_that_draft(drafters, placement, pipelined, length)
+        drafters = self._heads_that_draft(drafters, placement, pipelined, length, domain)
         unserved = [d for d, _ in drafters if d != "none" and d not in cfg.routed_drafters
                     and not (placement == "verifier" and abilities(d).drafts_from_features)]
         if req.drafter and cfg.routed_drafters and unserved:  # the pools would refuse it mid-request
@@ -227,12 +227,13 @@ class RouterServicer(pb_grpc.SpecserveServicer):
         return placement
 
     def _heads_that_draft(self, drafters: tuple[tuple[str, float], ...], placement: str, pipelined: bool,
-                          length: int | None) -> tuple[tuple[str, float], ...]:
+                          length: int | None, domain: str | None) -> tuple[tuple[str, float], ...]:
         """The request's drafters less an eagle head on the verifier that, at the load the request
-        starts at and by what the head last cost there, would not draft at all (adaptive lengths,
-        rounds in sequence): a request with a head pays for it in every pass, drafting or not
-        (the features captured, the head's prefill over the prompt, no prefix cache), so under
-        such a load it is served by its other drafters, or plainly. The tokens are the same."""
+        starts at, by what the head last cost there and by the acceptance it last had on the
+        request's domain, would not draft at all (adaptive lengths, rounds in sequence): a
+        request with a head pays for it in every pass, drafting or not (its prefill over the
+        prompt, no prefix cache, its first rounds' drafts at a guessed acceptance), so it is then
+        served by its other drafters, or plainly. The tokens are the same."""
         cfg = self.config
         if placement != "verifier" or pipelined or not (cfg.adaptive and cfg.verifier_drafting):
             return drafters
@@ -241,7 +242,7 @@ class RouterServicer(pb_grpc.SpecserveServicer):
 
         def drafts(kind: str, reliability: float) -> bool:
             control = self._control(reliability if fused else 0.5, pipelined, length)
-            return costs.pays(control, kind, load, drafted_by_verifier=True)
+            return costs.pays(control, kind, load, drafted_by_verifier=True, domain=domain)
 
         kept = tuple((k, r) for k, r in drafters if not abilities(k).drafts_from_features or drafts(k, r))
         return kept or (("none", 1.0),)
@@ -325,7 +326,7 @@ class RouterServicer(pb_grpc.SpecserveServicer):
         on_verifier = placement == "verifier"
         return lambda kind, domain: (kind in VERIFIER_DRAFTERS or costs.pays(
             self._control(expertise.reliability(kind, domain), pipelined), kind, load,
-            drafted_by_verifier=on_verifier and abilities(kind).drafts_from_features))
+            drafted_by_verifier=on_verifier and abilities(kind).drafts_from_features, domain=domain))
 
     # -- running ------------------------------------------------------------------
     def admit(self, api_key: str | None) -> Admission | None:

@@ -293,6 +293,22 @@ def test_a_drafter_pays_at_a_load_by_what_it_last_cost_there():
     assert memory.pays(SpeculationControl(5, prior=0.01), "recycle", 1)
 
 
+def test_a_drafter_pays_by_the_acceptance_it_last_had_on_the_domain():
+    """`pays(domain=...)`: the acceptance the latest request of a kind had learned on a domain
+    (remembered with its costs) stands in for a new request's prior there; other domains keep
+    theirs, and after `max_age_s` the prior is back."""
+    now = [0.0]
+    memory = DraftCostMemory(max_age_s=120.0, clock=lambda: now[0])
+    poor = SpeculationControl(5, prior=0.5, draft_token_cost=0.02)
+    for _ in range(12):  # a drafter that is never right on writing
+        poor.record(2, 0)
+    memory.remember(poor, "eagle", 2, "writing")
+    assert not memory.pays(SpeculationControl(5, prior=0.6), "eagle", 2, drafted_by_verifier=True, domain="writing")
+    assert memory.pays(SpeculationControl(5, prior=0.6), "eagle", 2, drafted_by_verifier=True, domain="math")
+    now[0] = 121.0  # too old: costs and acceptance measured again
+    assert memory.pays(SpeculationControl(5, prior=0.6), "eagle", 2, drafted_by_verifier=True, domain="writing")
+
+
 def test_a_probe_is_flagged_as_one():
     """`probing` says the last length was a probe (goodput chose none): a caller running
     many rounds on that choice drafts only the first (router.coordinator.rounds)."""

@@ -258,7 +258,7 @@ class Request:
             unit = resp.pass_seconds / control.pass_units(resp.batch_size, resp.pass_tokens, resp.pass_width)
             control.observe(resp.draft_seconds / resp.drafted_depth, unit)
             if self.plain_on_verifier:
-                self.draft_costs.remember(control, kind.split("+")[0], self.load)
+                self.draft_costs.remember(control, kind.split("+")[0], self.load, self.job.domain)
 
     def _time_pass(self, resp: pb.VerifyResponse) -> None:
         """Count the verdict's pass, if the verifier timed it, as a pass of plain decoding at its
@@ -291,7 +291,7 @@ class Request:
             if draft.round_cost is not None and draft.budgets[i] > 0:
                 c.observe_round(draft.round_cost + hop, unit)
                 if self.plain_on_verifier:  # at the load its length was chosen for
-                    self.draft_costs.remember(c, self.job.drafters[i][0], self.load)
+                    self.draft_costs.remember(c, self.job.drafters[i][0], self.load, self.job.domain)
 
     def release(self) -> None:
         self.drafting.release()
