@@ -319,22 +319,12 @@ class NetnsCluster:
                 time.sleep(5.0)
 
     def start_nodes(self, nodes: list[tuple[Host, dict]]) -> None:
-        """Ray nodes on several hosts at once ((host, resources) each), joined to the head."""
-        errors: list[BaseException] = []
-
-        def start(host: Host, resources: dict) -> None:
-            try:
-                self.start_ray(host, resources=resources)
-            except BaseException as e:  # noqa: BLE001 - raised in the caller's thread below
-                errors.append(e)
-
-        threads = [threading.Thread(target=start, args=node) for node in nodes]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise errors[0]
+        """Ray nodes on several hosts ((host, resources) each), joined to the head, one after
+        another: every node of this machine writes into the head's session directory, and
+        nodes starting at once can pick the same raylet socket and log names there (two
+        raylets on `raylet.2`: the second dies, "bind: Address already in use")."""
+        for host, resources in nodes:
+            self.start_ray(host, resources=resources)
 
     @property
     def ray_address(self) -> str:
