@@ -42,10 +42,11 @@ the accepted path. It starts from `prior` (the drafter's reliability on the
 domain) as `prior_rounds` rounds' worth of evidence.
 When goodput says "do not speculate", every `probe_every`-th round still
 drafts one token (counting every round a verifier's Decode call runs on one
-choice: `plain_rounds`; such a call drafts only its first round, `probing`),
-so a request whose text turns predictable gets drafts again, unless the load is such that even a drafter that is always
-right would not pay (with many requests each probing every 8th round,
-nearly every pass would be padded for somebody's probe).
+choice: `plain_rounds`; a probe's call drafts only its first round,
+`probing`), so a request whose text turns predictable gets drafts again,
+unless the load is such that even a drafter that is always right would not
+pay (with many requests each probing every 8th round, nearly every pass
+would be padded for somebody's probe).
 
 The confidence stop (SpecDec++) is the drafter's side of the same idea:
 `stop_confidence` goes with every Propose, and a model drafter ends its draft
@@ -262,8 +263,8 @@ class DraftCostMemory:
         highest load up to `load` it drafted at within `max_age_s` (a drafted round's hop grows
         with the load: costs from a lighter one are a lower bound), else by the guess, and by
         the lower of the control's prior and the acceptance the latest request of `kind` on
-        `domain` had learned from its rounds, if within `max_age_s`; True when there are no costs: only drafting
-        measures them. `drafted_by_verifier`: its rounds would be the verifier's own (an eagle
+        `domain` had learned from its rounds, if within `max_age_s`; True when there are no
+        costs: only drafting measures them. `drafted_by_verifier`: its rounds would be the verifier's own (an eagle
         head there), which ask nothing, so only its tokens' cost weighs. Sets the control's costs."""
         costs = self._latest(kind, load) or self._guess(kind, load)
         if costs is None:

@@ -191,7 +191,9 @@ class RouterServicer(pb_grpc.SpecserveServicer):
         placement = check_eagle_placement(req.eagle_placement or cfg.eagle_placement)
         domain, drafters = self._drafters(req, self._expertise_of(namespace), pipelined, length, placement)
         placement = self._eagle_placement(placement, drafters, pipelined)
-        drafters = self._heads_that_draft(drafters, placement, pipelined, length, domain)
+        routed = req.drafter == "" and cfg.default_drafter == "auto"
+        if not routed:  # a routed request's heads were judged as its routes were (`_draft_pays`)
+            drafters = self._heads_that_draft(drafters, placement, pipelined, length, domain)
         unserved = [d for d, _ in drafters if d != "none" and d not in cfg.routed_drafters
                     and not (placement == "verifier" and abilities(d).drafts_from_features)]
         if req.drafter and cfg.routed_drafters and unserved:  # the pools would refuse it mid-request
@@ -202,7 +204,7 @@ class RouterServicer(pb_grpc.SpecserveServicer):
         speculation = None
         if cfg.adaptive:
             # a routed drafter's reliability on the domain is the best first guess of its acceptance
-            prior = drafters[0][1] if req.drafter == "" and cfg.default_drafter == "auto" else 0.5
+            prior = drafters[0][1] if routed else 0.5
             speculation = self._control(prior, pipelined, length)
         return Job(request_id=req.request_id or uuid.uuid4().hex, prompt_ids=ids, params=params,
                    drafters=drafters, draft_length=length,
@@ -228,7 +230,7 @@ class RouterServicer(pb_grpc.SpecserveServicer):
 
     def _heads_that_draft(self, drafters: tuple[tuple[str, float], ...], placement: str, pipelined: bool,
                           length: int | None, domain: str | None) -> tuple[tuple[str, float], ...]:
-        """The request's drafters less an eagle head on the verifier that, at the load the request
+        """A request's own drafters less an eagle head on the verifier that, at the load the request
         starts at, by what the head last cost there and by the acceptance it last had on the
         request's domain, would not draft at all (adaptive lengths, rounds in sequence): a
         request with a head pays for it in every pass, drafting or not (its prefill over the

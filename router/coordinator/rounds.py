@@ -133,17 +133,17 @@ class Request:
             i = [k for k, _ in job.drafters].index(kind.split("+")[0])
             control = self.controls[i] if self.controls else None
             length = job.draft_length if control is None else control.length(self.load, drafted_by_verifier=True)
-        # a verifier drafter's control that chose no draft: each of the call's rounds after the
-        # first, which its choice was for, counts towards its next probe (a probe here pays no hop)
-        undrafted = control if length == 0 else None
+        # a probe drafts the call's first round only: its verdict teaches the control before
+        # more are drafted (else a probe would draft a whole call's rounds at a poor acceptance)
+        probe = control is not None and length > 0 and control.probing
+        # a verifier drafter's control that chose no draft, or a probe: each of the call's rounds
+        # after the first, which it leaves plain, counts towards its next probe (one pays no hop here)
+        undrafted = control if length == 0 or probe else None
         if length == 0:
             kind, control = "none", None
         candidates = self.candidates if kind == "none" else 0  # the caller knows no drafted round's tree
         started, root = time.monotonic(), context[-1]
         nodes = job.tree_nodes(length) if kind != "pld" else 0  # trees: suffix, eagle, a fusion
-        # a probe drafts the call's first round only: its verdict teaches the control before
-        # more are drafted (else a probe would draft a whole call's rounds at a poor acceptance)
-        probe = control is not None and control.probing
         for n, resp in enumerate(self.verifier.decode(context, kind, length, nodes,
                                                       job.params.max_tokens - len(self.verified), candidates,
                                                       drafted_rounds=1 if probe else 0)):
@@ -167,8 +167,8 @@ class Request:
                 self._observe_verifier_drafting(control, kind, resp)
             self.load = _load(resp)
             self.rnd += 1
-            if (undrafted is not None or probe) and n:  # rounds after the first, undrafted
-                (undrafted or control).plain_rounds(1)
+            if undrafted is not None and n:  # rounds after the first
+                undrafted.plain_rounds(1)
             yield Emitted([*resp.accepted, resp.bonus], _logprobs(resp, job))
 
     def plan(self) -> _Draft:
