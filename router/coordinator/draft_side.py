@@ -197,7 +197,7 @@ class DraftSide(Side):
 
     def _connect(self, context: list[int]) -> bool:
         """Prefill a pool with `context`; False when none is left."""
-        for address in self.services.drafters():
+        for address in self.services.holdings.fewest_first(self.services.drafters()):
             if address in self.failed:
                 continue
             stub = pb_grpc.DrafterStub(self.services.channels.get(address))
@@ -215,7 +215,8 @@ class DraftSide(Side):
                     raise
                 self._fail(address, e)
                 continue
-            self.address, self.stub, self.synced = address, stub, len(context)
+            self._hold(address, stub)
+            self.synced = len(context)
             self.fed = 0  # a pool prefilled (again, after a failover) is sent every position's features
             return True
         return False

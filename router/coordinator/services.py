@@ -18,6 +18,7 @@ from speculative.namespaces import DEFAULT_NAMESPACE
 from ..adaptive import PassCostModel
 from ..row_line import RowLine
 from .channels import RETRYABLE, Channels
+from .holdings import Holdings
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,7 @@ class Services:
         self.calls = ThreadPoolExecutor(max_workers=VERIFY_CALL_THREADS, thread_name_prefix="verify-call")
         # pools' prefills sent while the verifier prefills (`Job.prefill_pools_ahead`)
         self.pool_prefills = ThreadPoolExecutor(max_workers=POOL_PREFILL_THREADS, thread_name_prefix="pool-prefill")
+        self.holdings = Holdings()  # requests held at each verifier and pool: new ones go to the fewest
         self.row_line = RowLine(SERVICE_POLL_S)  # prefills waiting for a verifier row, in arrival order
         self.releases = ThreadPoolExecutor(max_workers=RELEASE_THREADS, thread_name_prefix="release-retry")
 

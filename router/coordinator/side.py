@@ -35,9 +35,15 @@ class Side:
         if self.address == address:
             if err.code() != grpc.StatusCode.UNAVAILABLE:  # it may still hold the request: let it go
                 self.services.release_later(self.stub, self.request_id)
-            self.address, self.stub = None, None
+            self._hold(None, None)
         self.services.channels.drop(address)
+
+    def _hold(self, address: str | None, stub) -> None:
+        """The request is held at `address` now (None: nowhere), as the services' holdings count."""
+        self.services.holdings.moved(self.address, address)
+        self.address, self.stub = address, stub
 
     def release(self) -> None:
         if self.stub is not None:
             self.services.release(self.stub, self.request_id)
+        self._hold(None, None)

@@ -47,6 +47,7 @@ class VerifySide(Side):
         if self.stub is not None:
             self.services.release(self.stub, self.request_id, text, self.job.namespace)
             self.services.row_line.freed()
+        self._hold(None, None)
 
     def _prefill(self, place: Place, tokens: list[int], candidates: int, reserve: int) -> pb.VerifierPrefillResponse:
         for address in self._live_verifiers(place):
@@ -75,7 +76,8 @@ class VerifySide(Side):
                     continue
                 self._fail(address, e)
                 continue
-            self.address, self.stub, self.active_requests = address, stub, resp.active_requests
+            self._hold(address, stub)
+            self.active_requests = resp.active_requests
             return resp
         raise NoService("no verifier is available")
 
@@ -90,7 +92,7 @@ class VerifySide(Side):
             if full or place.ticket is not None:
                 place.wait_turn(self._check, for_row=full)
             self.full.clear()
-            fresh = [a for a in self.services.verifiers() if a not in self.failed]
+            fresh = self.services.holdings.fewest_first(a for a in self.services.verifiers() if a not in self.failed)
             yield from fresh
             full = bool(self.full)
             if time.monotonic() >= give_up and not full:
