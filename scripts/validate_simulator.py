@@ -52,12 +52,14 @@ DRAFT_LENGTH = 5
 GOAL = 0.15
 
 
-def served_config(pools: int, drafter: str, cores: list[int] | None = None) -> str:
-    """bench/configs/served.toml with `pools` drafter pools, and nothing the simulator does not model:
-    one drafter, a chain of DRAFT_LENGTH a round, no adaptive lengths, no early stop. `cores`
-    (verifier core, pool core): each side pinned to its own core, one torch thread each."""
+def served_config(pools: int, drafter: str, cores: list[int] | None = None, verifiers: int = 1) -> str:
+    """bench/configs/served.toml with `verifiers` verifiers and `pools` drafter pools, and nothing the
+    simulator does not model: one drafter, a chain of DRAFT_LENGTH a round, no adaptive lengths, no
+    early stop. `cores` (verifier core, pool core): each side pinned to its own core, one torch thread
+    each; two verifiers or more may run on both cores, one thread each (the kernel spreads them)."""
+    verifier_cores = [cores[0]] if cores is None or verifiers == 1 else sorted(set(cores))
     verifier, pool = ("threads = 2", "threads = 1") if cores is None else (
-        f"threads = 1\ncores = [{cores[0]}]", f"threads = 1\ncores = [{cores[1]}]")
+        f"threads = 1\ncores = {verifier_cores}", f"threads = 1\ncores = [{cores[1]}]")
     return f"""
 [router]
 default_drafter = "{drafter}"
@@ -69,7 +71,7 @@ adaptive = false
 stop_confidence = 0.0
 
 [verifiers]
-count = 1
+count = {verifiers}
 {verifier}
 
 [drafter_pools]
@@ -183,22 +185,24 @@ def finish_costs(args, costs_path: Path, served: list[dict]):
         with_call_overhead(Path(args.costs), costs_path, served)
     if args.fit_served is not None:
         fitted = fitted_to_served(json.loads(costs_path.read_text()), json.loads(Path(args.fit_served).read_text()),
-                                  args.drafter, lambda pools, clients: sim_config(args, pools, clients),
+                                  args.drafter, lambda r: sim_config(args, r["pools"], r["clients"],
+                                                                     verifiers=r.get("verifiers", 1)),
                                   args.sim_repeats)
         costs_path.write_text(json.dumps(fitted, indent=1))
     return load_costs(costs_path)
 
 
-def compared_rows(args, costs, loads: dict, pool_link_ms: float = 0.0) -> list[dict]:
+def compared_rows(args, costs, loads: dict, pool_link_ms: float = 0.0, verifiers: int = 1) -> list[dict]:
     """Each measured level (`loads`: pools -> run_levels' result) beside its simulation (the mean
-    of `args.sim_repeats` seeded runs, the pools' link `pool_link_ms` one way)."""
+    of `args.sim_repeats` seeded runs, `verifiers` verifiers, the pools' link `pool_link_ms` one way)."""
     rows = []
     for pools, load in loads.items():
         for measured in load["results"]:
-            sim = replicate(costs, sim_config(args, pools, measured["clients"], pool_link_ms), args.sim_repeats)
+            sim = replicate(costs, sim_config(args, pools, measured["clients"], pool_link_ms, verifiers),
+                            args.sim_repeats)
             # a level whose requests all failed has no throughput to compare with
             error = sim["tokens_per_s"] / measured["tokens_per_s"] - 1 if measured["tokens_per_s"] else None
-            rows.append({"pools": pools, "clients": measured["clients"],
+            rows.append({"verifiers": verifiers, "pools": pools, "clients": measured["clients"],
                          "measured_tokens_per_s": measured["tokens_per_s"],
                          "simulated_tokens_per_s": round(sim["tokens_per_s"], 3), "errors": measured["errors"],
                          "error": None if error is None else round(error, 4),
@@ -213,13 +217,14 @@ def compared_rows(args, costs, loads: dict, pool_link_ms: float = 0.0) -> list[d
                          "measured_mean_batch_rows": measured["served"]["mean_batch_rows"],
                          "simulated_mean_batch_rows": round(sim["mean_batch_rows"], 2),
                          "measured_pass_ms": measured["served"]["pass_ms"],
+                         "measured_row_tokens": measured["served"].get("row_tokens"),
                          "simulated_pass_ms": round(sim["pass_ms"], 1),
                          "measured_propose_ms": measured["served"]["propose_ms"]})
     return rows
 
 
-def sim_config(args, pools: int, clients: int, pool_link_ms: float = 0.0) -> SimConfig:
-    return SimConfig(verifiers=1, pools=pools, drafter=args.drafter, draft_length=DRAFT_LENGTH, clients=clients,
+def sim_config(args, pools: int, clients: int, pool_link_ms: float = 0.0, verifiers: int = 1) -> SimConfig:
+    return SimConfig(verifiers=verifiers, pools=pools, drafter=args.drafter, draft_length=DRAFT_LENGTH, clients=clients,
                      rate=args.rate, requests=args.requests, max_tokens=args.max_tokens, pool_link_ms=pool_link_ms)
 
 
@@ -247,6 +252,7 @@ def on_core(cores: list[int] | None):
 COUNTERS = {"passes": ("specserve_verifier_pass_seconds", "count"),
             "pass_s": ("specserve_verifier_pass_seconds", "sum"),
             "rows": ("specserve_verifier_batch_size", "sum"),
+            "tokens": ("specserve_verifier_pass_tokens", "total"),
             "proposals": ("specserve_drafter_propose_seconds", "count"),
             "propose_s": ("specserve_drafter_propose_seconds", "sum")}
 
@@ -273,6 +279,8 @@ def served_sides(before: dict[str, float], after: dict[str, float]) -> dict[str,
     d = {k: after[k] - before[k] for k in COUNTERS}
     return {"passes": int(d["passes"]),
             "mean_batch_rows": round(d["rows"] / d["passes"], 2) if d["passes"] else None,
+            # tokens a row (its root and its draft): None from services too old to count them
+            "row_tokens": round(d["tokens"] / d["rows"], 2) if d["rows"] and d["tokens"] else None,
             "pass_ms": round(d["pass_s"] / d["passes"] * 1000, 1) if d["passes"] else None,
             "propose_ms": round(d["propose_s"] / d["proposals"] * 1000, 2) if d["proposals"] else None}
 
@@ -293,15 +301,21 @@ def with_call_overhead(given: Path, out: Path, served: list[dict]) -> None:
     out.write_text(json.dumps(costs, indent=1))
 
 
-def fitted_to_served(costs: dict, earlier: dict, drafter: str, config: Callable[[int, int], SimConfig],
+# what a fit keeps of each level it was fitted to
+LEVEL_KEYS = ("pools", "clients", "measured_tokens_per_s", "measured_mean_batch_rows", "measured_row_tokens",
+              "measured_pass_ms", "measured_propose_ms")
+
+
+def fitted_to_served(costs: dict, earlier: dict, drafter: str, config: Callable[[dict], SimConfig],
                      repeats: int) -> dict:
     """`costs` with the verification pass, the drafting and the call overhead as the served services
     showed them in an `earlier` run (this script's report, same settings). The pass: base and per-row
-    cost fitted to each level's mean pass, the per-token cost kept (every row scores a root and a
-    chain of DRAFT_LENGTH, so rows and tokens move together). A draft token: the least-loaded level's
+    cost fitted to each level's mean pass, the per-token cost kept and taken out at the tokens a row
+    the verifier counted (a lookup drafter's rows are often its root alone; an older report, without
+    the count, at a root and a chain of DRAFT_LENGTH, as a model drafter's rows are). A draft token: the least-loaded level's
     mean proposal over DRAFT_LENGTH (under load, proposals also wait for each other on the pool's
     core, which the simulator models). The call overhead: what makes the simulated least-loaded level
-    as fast as it was measured (`config(pools, clients)` simulates it), as everything else a round costs
+    as fast as it was measured (`config(level)` simulates a report's row), as everything else a round costs
     outside the two services' own timers (the network, the router, gRPC) is in it."""
     from bench.simulator import costs_from_dict, fit_linear
 
@@ -309,24 +323,23 @@ def fitted_to_served(costs: dict, earlier: dict, drafter: str, config: Callable[
     if len({r["measured_mean_batch_rows"] for r in levels}) < 2:
         raise SystemExit("--fit-served: the earlier report needs two load levels with different rows a pass")
     v = costs["verify_pass"]
-    per_row_tokens = 1 + DRAFT_LENGTH
     base, row = fit_linear([([r["measured_mean_batch_rows"]],
-                             r["measured_pass_ms"] - v["token_ms"] * per_row_tokens * r["measured_mean_batch_rows"])
+                             r["measured_pass_ms"] - v["token_ms"] * (r.get("measured_row_tokens") or 1 + DRAFT_LENGTH)
+                             * r["measured_mean_batch_rows"])
                             for r in levels])
-    lone = min(levels, key=lambda r: (r["clients"], r["pools"]))
+    lone = min(levels, key=lambda r: (r["clients"], r.get("verifiers", 1), r["pools"]))
     fitted = {**costs, "verify_pass": {**v, "base_ms": round(base, 3), "row_ms": round(row, 3)},
               "draft_token_ms": {**costs["draft_token_ms"],
                                  drafter: round(lone["measured_propose_ms"] / DRAFT_LENGTH, 3)}}
     low, high = 0.0, 200.0  # call overhead in ms: the simulated throughput falls as it grows
     for _ in range(12):
         fitted["call_ms"] = (low + high) / 2
-        simulated = replicate(costs_from_dict(fitted), config(lone["pools"], lone["clients"]), repeats)["tokens_per_s"]
+        simulated = replicate(costs_from_dict(fitted), config(lone), repeats)["tokens_per_s"]
         low, high = (fitted["call_ms"], high) if simulated > lone["measured_tokens_per_s"] else (low, fitted["call_ms"])
     fitted["call_ms"] = round((low + high) / 2, 3)
     fitted["fitted_to_served"] = {"report": earlier["command"], "call_ms_in_process": costs["call_ms"],
-                                  "levels": [{k: r[k] for k in ("pools", "clients", "measured_tokens_per_s",
-                                                                "measured_mean_batch_rows", "measured_pass_ms",
-                                                                "measured_propose_ms")} for r in levels]}
+                                  "levels": [{"verifiers": r.get("verifiers", 1)} | {k: r.get(k) for k in LEVEL_KEYS}
+                                             for r in levels]}
     return fitted
 
 
@@ -337,6 +350,11 @@ def to_markdown(report: dict) -> str:
     # rows measured across a delayed pool link (scripts/netns_cluster.py validate) lead with its delay
     delay = (lambda r: f"| {r['delay_ms']:g} ") if "delay_ms" in report["rows"][0] else (lambda r: "")
     head = ("| one-way pool link delay ms ", "| ---: ") if "delay_ms" in report["rows"][0] else ("", "")
+    # and with their verifier count, where a report has more than one
+    if len({r.get("verifiers", 1) for r in report["rows"]}) > 1:
+        lead = delay
+        delay = lambda r: lead(r) + f"| {r['verifiers']} "  # noqa: E731
+        head = (head[0] + "| verifiers ", head[1] + "| ---: ")
     lines = [f"Command: `{report['command']}`", "",
              head[0] + "| pools | clients | failed requests | measured tokens/s | simulated tokens/s | error | "
              "measured p50 / p99 s | simulated p50 / p99 s | tokens/pass measured / simulated |",

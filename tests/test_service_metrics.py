@@ -33,7 +33,7 @@ FUSED = "layerskip+pld"
 ROUTER_NAMES = {"spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
                 "spec_decode_num_accepted_tokens_per_pos", "specserve_requests", "specserve_generated_tokens"}
 VERIFIER_NAMES = {"specserve_verifier_batch_size", "specserve_verifier_pass_seconds",
-                  "specserve_verifier_queue_depth", "specserve_verifier_rows_held"}
+                  "specserve_verifier_pass_tokens", "specserve_verifier_queue_depth", "specserve_verifier_rows_held"}
 DRAFTER_NAMES = {"specserve_drafter_propose_seconds", "specserve_drafter_requests_held"}
 
 
@@ -116,6 +116,9 @@ def test_verifier_records_its_passes(served):
     assert value("specserve_verifier_batch_size_sum") == sum(size * n for size, n in histogram.items())
     assert value("specserve_verifier_pass_seconds_count") == passes
     assert value("specserve_verifier_pass_seconds_sum") > 0
+    # every row scores its root; drafted rounds score their trees' nodes too
+    rows = value("specserve_verifier_batch_size_sum")
+    assert value("specserve_verifier_pass_tokens_total") > rows
     assert value("specserve_verifier_rows_held") == 0  # every request released
     assert value("specserve_verifier_queue_depth") == 0
     assert VERIFIER_NAMES <= set(families(generate_latest(engine.metrics.registry).decode()))

@@ -218,9 +218,11 @@ def test_validation_reads_what_the_served_sides_did_between_two_scrapes():
     from validate_simulator import COUNTERS, served_sides
 
     before = dict.fromkeys(COUNTERS, 0.0) | {"passes": 4, "pass_s": 0.5, "rows": 4}
-    after = {"passes": 14, "pass_s": 1.7, "rows": 36, "proposals": 20, "propose_s": 0.3}
-    assert served_sides(before, after) == {"passes": 10, "mean_batch_rows": 3.2, "pass_ms": 120.0,
-                                           "propose_ms": 15.0}
+    after = {"passes": 14, "pass_s": 1.7, "rows": 36, "tokens": 72, "proposals": 20, "propose_s": 0.3}
+    assert served_sides(before, after) == {"passes": 10, "mean_batch_rows": 3.2, "row_tokens": 2.25,
+                                           "pass_ms": 120.0, "propose_ms": 15.0}
+    # services that do not count their tokens: no tokens a row, not zero
+    assert served_sides(before, after | {"tokens": 0.0})["row_tokens"] is None
     assert served_sides(before, before)["mean_batch_rows"] is None  # no pass: nothing to divide
 
 
@@ -240,19 +242,28 @@ def test_validation_fits_the_costs_the_served_sides_showed_in_an_earlier_run():
     served = {**in_process, "verify_pass": {"base_ms": 40.0, "row_ms": 12.0, "token_ms": 1.0}, "call_ms": 3.0,
               "draft_token_ms": {"d": 4.0}}
 
-    def cfg(pools: int, clients: int) -> SimConfig:
-        return config(pools=pools, clients=clients, draft_length=DRAFT_LENGTH, rate=0.5, requests=6, max_tokens=64)
+    def cfg(level: dict) -> SimConfig:
+        return config(pools=level["pools"], clients=level["clients"], draft_length=DRAFT_LENGTH, rate=0.5,
+                      requests=6, max_tokens=64)
 
-    def level(clients: int, rows: float) -> dict:
-        return {"pools": 1, "clients": clients, "measured_mean_batch_rows": rows,
-                "measured_pass_ms": 40.0 + 12.0 * rows + 1.0 * (1 + DRAFT_LENGTH) * rows,
+    def level(clients: int, rows: float, row_tokens: float | None = None) -> dict:
+        tokens = 1 + DRAFT_LENGTH if row_tokens is None else row_tokens  # without the count: a full chain
+        return {"pools": 1, "clients": clients, "measured_mean_batch_rows": rows, "measured_row_tokens": row_tokens,
+                "measured_pass_ms": 40.0 + 12.0 * rows + 1.0 * tokens * rows,
                 "measured_propose_ms": 4.0 * DRAFT_LENGTH,
-                "measured_tokens_per_s": replicate(costs_from_dict(served), cfg(1, clients), 3)["tokens_per_s"]}
+                "measured_tokens_per_s": replicate(costs_from_dict(served), cfg({"pools": 1, "clients": clients}),
+                                                   3)["tokens_per_s"]}
 
     earlier = {"command": "earlier", "rows": [level(1, 1.0), level(8, 2.5)]}
     fitted = fitted_to_served(in_process, earlier, "d", cfg, 3)
     assert fitted["verify_pass"]["base_ms"] == pytest.approx(40.0)
     assert fitted["verify_pass"]["row_ms"] == pytest.approx(12.0)
+    # rows of a lookup drafter score fewer tokens (often the root alone): the verifier's count of
+    # them, not a full chain, comes out of the fit
+    short = fitted_to_served(in_process, {"command": "x", "rows": [level(1, 1.0, 1.2), level(8, 2.5, 1.5)]},
+                             "d", cfg, 3)
+    assert short["verify_pass"]["base_ms"] == pytest.approx(40.0)
+    assert short["verify_pass"]["row_ms"] == pytest.approx(12.0)
     assert fitted["draft_token_ms"] == {"d": 4.0}
     assert fitted["call_ms"] == pytest.approx(3.0, abs=0.1)
     assert fitted["fitted_to_served"]["call_ms_in_process"] == 1.0
@@ -277,10 +288,16 @@ def test_netns_validation_simulates_each_level_behind_its_own_delay():
     args = Namespace(drafter="d", rate=None, requests=4, max_tokens=64, sim_repeats=2)
     level = {"clients": 1, "tokens_per_s": 10.0, "errors": 0, "p50_s": 1.0, "p99_s": 1.0, "tokens_per_pass": 3.0,
              "served": {"passes": 1, "mean_batch_rows": 1.0, "pass_ms": 20.0, "propose_ms": 8.0}}
-    loads = {0.0: {1: {"results": [level]}}, 5.0: {1: {"results": [level]}}}
+    loads = {(0.0, 1): {1: {"results": [level]}}, (5.0, 1): {1: {"results": [level]}},
+             (0.0, 2): {1: {"results": [level | {"clients": 2}]}}}
     rows = rows_at_delays(args, costs(rounds=((4, 2),), output=64), loads, {0.0: (0.1, 0.1), 5.0: (10.2, 10.1)})
-    assert [(r["delay_ms"], r["rtt_ms"]) for r in rows] == [(0.0, 0.1), (5.0, 10.2)]
-    near, far = rows
+    assert [(r["delay_ms"], r["rtt_ms"], r["verifiers"]) for r in rows] == [(0.0, 0.1, 1), (0.0, 0.1, 2),
+                                                                           (5.0, 10.2, 1)]
+    near, two, far = rows
+    # two verifiers: two clients' requests each on its own (a row a pass), as the router spreads them
+    assert two["simulated_mean_batch_rows"] == pytest.approx(1.0)
+    two_tree = sections(1, "pld", [0, 1], verifiers=2)
+    assert two_tree["verifiers"]["count"] == 2 and two_tree["verifiers"]["cores"] == [0, 1]
     # one client, closed loop, rounds in sequence: each round (one pool call) 2 x 5 ms longer
     rounds_a_request = near["simulated_passes"] / args.requests
     assert far["simulated_p50_s"] - near["simulated_p50_s"] == pytest.approx(rounds_a_request * 0.010, abs=1e-3)

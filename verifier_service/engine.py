@@ -686,7 +686,7 @@ class VerifierEngine:
             return
         sizes = [1 + len(verdict.tree) for verdict in results]
         shape = PassShape(self._count_pass(len(ready)), seconds, sum(sizes), max(sizes))
-        self.metrics.observe_pass(len(ready), seconds)
+        self.metrics.observe_pass(len(ready), seconds, sum(sizes))
         for row, ((work, state), verdict) in enumerate(zip(ready, results)):
             accepted, bonus, tree = verdict.accepted, verdict.bonus, verdict.tree
             root = state.context  # the root's position: the first this verdict verifies

@@ -22,6 +22,10 @@ class VerifierMetrics:
                                     buckets=BATCH_SIZE_BUCKETS, registry=r)
         self.pass_seconds = Histogram("specserve_verifier_pass_seconds", "Time of one verification forward pass",
                                       buckets=PASS_SECONDS_BUCKETS, registry=r)
+        # tokens scored by the passes (each row's root and its tree's nodes): with the rows and the
+        # seconds, what a pass costs by its width (scripts/validate_simulator.py fits it)
+        self.pass_tokens = Counter("specserve_verifier_pass_tokens", "Tokens scored by verification passes "
+                                   "(each row's root and its draft tree's nodes)", registry=r)
         self.queue_depth = Gauge("specserve_verifier_queue_depth", "Work items (prefills, verifications, "
                                  "releases) queued for the engine", registry=r)
         self.rows_held = Gauge("specserve_verifier_rows_held", "Requests the verifier holds (each its KV cache "
@@ -46,6 +50,8 @@ class VerifierMetrics:
         if kv_cache_usage is not None:
             self.kv_cache_usage.set_function(kv_cache_usage)
 
-    def observe_pass(self, batch_size: int, seconds: float) -> None:
+    def observe_pass(self, batch_size: int, seconds: float, tokens: int | None = None) -> None:
+        """A pass over `batch_size` rows scoring `tokens` tokens (None: one a row)."""
         self.batch_size.observe(batch_size)
         self.pass_seconds.observe(seconds)
+        self.pass_tokens.inc(batch_size if tokens is None else tokens)
