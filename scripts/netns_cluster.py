@@ -8,7 +8,7 @@ use). Needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN) and iproute2's `ip`.
     python scripts/netns_cluster.py bench [--delays 0,1,5] [--prompts 6] [--max-tokens 64]
         the drafter link through a userspace delay wire: served speed, sequential against
         pipelined, at each one-way delay (a markdown table, and --json FILE)
-    python scripts/netns_cluster.py validate [--delays 0,1,5] [--pools 1] [--clients 1 2 4]
+    python scripts/netns_cluster.py validate [--delays 0,1,5] [--verifiers 1] [--pools 1] [--clients 1 2 4]
                                              [--requests 12] [--max-tokens 64] [--cores 0 1] [--json FILE]
         the cluster simulator against this cluster (scripts/netns_validate.py): measured
         against simulated throughput at each delay, the simulator's pool link set to it
