@@ -249,8 +249,8 @@ class DraftSide(Side):
                     raise
                 self._fail(self.address, e)
                 continue
-            if resp.state_lost:  # e.g. the pool restarted: prefill it again
-                self.stub = None
+            if resp.state_lost:  # e.g. the pool restarted: prefill it again (it holds nothing now)
+                self._hold(None, None)
                 continue
             self.synced, self.fed = len(context), fed
             self.seconds = resp.seconds

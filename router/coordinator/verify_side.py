@@ -169,8 +169,8 @@ class VerifySide(Side):
                 raise
             self._fail(self.address, e)
             return None
-        if resp.state_lost:
-            self.stub = None
+        if resp.state_lost:  # it holds nothing of the request now
+            self._hold(None, None)
             return None
         if self.services.pass_costs is not None and resp.pass_id:
             self.services.pass_costs.observe((self.address, resp.pass_id), resp.batch_size, resp.pass_tokens,
